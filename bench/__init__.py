@@ -1,0 +1,5 @@
+"""moorline's side-by-side broker benchmark (``python -m bench`` / ``moorline bench``).
+
+Everything here runs on loopback only, starts each broker fresh in its own temporary directory and stops it
+again; see bench/README.md for what is measured and how.
+"""

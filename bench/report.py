@@ -1,0 +1,108 @@
+"""Rich tables for a finished run (the same dict that is written as JSON)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _num(value: Any, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, int | float) else "-"
+
+
+def _row_figures(block: dict[str, Any]) -> dict[str, Any] | None:
+    return block.get("median") or block.get("max")
+
+
+def print_report(console: Console, report: dict[str, Any]) -> None:
+    results: dict[str, Any] = report["results"]
+    config = report["config"]
+    titles = {
+        "w1": f"W1: QoS 1, {config['w1']['payload_bytes']} B x {config['w1']['messages']:,}, 1 pub -> 1 sub, "
+        f"window {config['w1']['window']}, median of {config['reps']}",
+        "w2": f"W2: QoS 1, {config['w2']['payload_bytes'] // 1024} KiB x {config['w2']['messages']:,}, "
+        f"median of {config['reps']}",
+        "saturation": "Saturation: lean load generator (pre-encoded QoS 1, windowed), best of pair counts "
+        f"{tuple(config['saturation']['pair_counts'])}",
+    }
+    for workload, title in titles.items():
+        table = Table(title=title, title_justify="left")
+        for column in ("broker", "msgs/s", "p50 ms", "p99 ms", "max ms", "CPU-s/10k", "peak RSS MB", "notes"):
+            table.add_column(column, justify="left" if column in ("broker", "notes") else "right")
+        for broker, per in results.items():
+            block = per.get(workload, {})
+            figures = _row_figures(block)
+            if figures is None:
+                table.add_row(broker, *["-"] * 6, f"[red]{block.get('error', 'no result')}[/red]")
+                continue
+            notes = []
+            if not figures.get("complete", True):
+                notes.append("[red]INCOMPLETE[/red]")
+            if figures.get("duplicates"):
+                notes.append(f"{figures['duplicates']:.0f} dup")
+            if "pairs" in figures:
+                notes.append(
+                    f"{figures['pairs']} pair(s), {_num(figures.get('publish_acks_per_s'), ',.0f')} PUBACK/s"
+                )
+            if block.get("still_rising"):
+                notes.append("[yellow]still rising at the most pairs[/yellow]")
+            table.add_row(
+                broker,
+                _num(figures.get("msgs_per_s"), ",.0f"),
+                _num(figures.get("latency_p50_ms"), ".1f"),
+                _num(figures.get("latency_p99_ms"), ".1f"),
+                _num(figures.get("latency_max_ms"), ".1f"),
+                _num(figures.get("cpu_s_per_10k"), ".3f"),
+                _num(figures.get("peak_rss_mb"), ".0f"),
+                " ".join(notes),
+            )
+        console.print(table)
+
+    comparison = report["comparison"]
+    if comparison["targets"]:
+        table = Table(title="moorline targets", title_justify="left")
+        for column in ("target", "moorline", "bound", "met"):
+            table.add_column(column)
+        for row in comparison["targets"]:
+            met = {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[row["met"]]
+            fmt = ",.0f" if "msgs/s" in row["target"] else ".3f"
+            table.add_row(
+                row["target"], _num(row["moorline"], fmt), f"{row['op']} {_num(row['bound'], fmt)}", met
+            )
+        console.print(table)
+    if comparison["ratios"]:
+        table = Table(
+            title="moorline / peer (msgs/s: higher is better; CPU: lower is better)", title_justify="left"
+        )
+        table.add_column("peer")
+        keys = (
+            "w1_msgs_per_s",
+            "w1_cpu_s_per_10k",
+            "w2_msgs_per_s",
+            "w2_cpu_s_per_10k",
+            "saturation_msgs_per_s",
+        )
+        for key in keys:
+            table.add_column(key.replace("_per_", "/").replace("_s/10k", "-s/10k"), justify="right")
+        for peer, ratios in comparison["ratios"].items():
+            table.add_row(
+                peer,
+                *[
+                    _num(ratios.get(key), ".2f") + ("x" if ratios.get(key) is not None else "")
+                    for key in keys
+                ],
+            )
+        console.print(table)
+    strict = comparison.get("strict_packet_ids")
+    if strict:
+        console.print(
+            f"Strict packet ids (delivery batch committed before send), W1: "
+            f"{strict['w1_cpu_s_per_10k_strict']:.3f} CPU-s/10k strict vs {strict['w1_cpu_s_per_10k_loose']:.3f} loose "
+            f"= [bold]{strict['cost_cpu_s_per_10k']:+.3f}[/bold] CPU-s/10k "
+            f"({_num(strict['w1_msgs_per_s_strict'], ',.0f')} vs {_num(strict['w1_msgs_per_s_loose'], ',.0f')} msgs/s)"
+        )
+    for name, info in report["brokers"].items():
+        if info["status"] != "ok":
+            console.print(f"[yellow]{name} skipped:[/yellow] {info['reason']}")

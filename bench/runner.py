@@ -1,0 +1,379 @@
+"""Runs the workloads against each broker and returns plain dicts (what goes into the JSON)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnProcess
+from pathlib import Path
+from typing import Any
+
+from bench import loadgen, paho_clients
+from bench.brokers import ALL_BROKERS, Broker, BrokerUnavailable, RunningBroker
+
+LOOSE_PACKET_IDS_ENV = "MOORLINE_BENCH_LOOSE_PACKET_IDS"
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class PahoWorkload:
+    """One publisher -> one subscriber, QoS 1, ``window`` unacknowledged both ways."""
+
+    name: str
+    payload_bytes: int
+    messages: int
+    warmup: int
+    window: int = 256
+
+
+@dataclass(frozen=True)
+class SaturationWorkload:
+    """Lean load generator: ``pairs`` processes, each a windowed QoS 1 publisher + subscriber on its own topic."""
+
+    pair_counts: tuple[int, ...]
+    warm_s: float
+    measure_s: float
+    payload_bytes: int = 100
+    window: int = 256
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    brokers: tuple[str, ...]
+    reps: int
+    w1: PahoWorkload
+    w2: PahoWorkload
+    saturation: SaturationWorkload
+    client_timeout_s: float = 180.0
+    targets: dict[str, float] = field(
+        default_factory=lambda: {"w1_cpu_s_per_10k": 0.15, "w2_cpu_s_per_10k": 2.0}
+    )
+
+
+def full_config(brokers: tuple[str, ...], reps: int) -> BenchConfig:
+    return BenchConfig(
+        brokers=brokers,
+        reps=reps,
+        w1=PahoWorkload("w1", 100, 20_000, 1_000),
+        w2=PahoWorkload("w2", 64 * 1024, 2_000, 1_000),
+        saturation=SaturationWorkload(pair_counts=(1, 2), warm_s=1.5, measure_s=5.0),
+    )
+
+
+def quick_config(brokers: tuple[str, ...]) -> BenchConfig:
+    return BenchConfig(
+        brokers=brokers,
+        reps=1,
+        w1=PahoWorkload("w1", 100, 2_000, 200),
+        w2=PahoWorkload("w2", 64 * 1024, 200, 50),
+        saturation=SaturationWorkload(pair_counts=(1,), warm_s=0.5, measure_s=1.5),
+        client_timeout_s=60.0,
+    )
+
+
+def _expect(conn: Connection, tag: str, timeout_s: float, proc: SpawnProcess) -> tuple[Any, ...]:
+    """Next message from a client process, which must be ``tag``; bounded in time, fails if the process died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if conn.poll(0.1):
+            message = conn.recv()
+            if message[0] == tag:
+                return tuple(message)
+            raise RuntimeError(f"{proc.name}: expected {tag!r}, got {message!r}")
+        if not proc.is_alive():
+            raise RuntimeError(f"{proc.name} exited with {proc.exitcode} while we waited for {tag!r}")
+    raise TimeoutError(f"{proc.name}: no {tag!r} within {timeout_s} s")
+
+
+def _stop_clients(procs: list[SpawnProcess]) -> None:
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()  # our own child, by its handle
+            proc.join(timeout=5)
+
+
+def _with_broker(
+    kind: Broker, env: Mapping[str, str] | None, body: Callable[[RunningBroker], dict[str, Any]]
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"moorline-bench-{kind.name}-") as tmp:
+        broker = kind.start(Path(tmp), env)
+        try:
+            result = body(broker)
+            if not broker.alive():
+                raise RuntimeError(f"{kind.name} died during the run (exit {broker.proc.returncode})")
+            result["peak_rss_mb"] = broker.peak_rss_bytes() / 2**20
+            return result
+        finally:
+            broker.stop()
+
+
+def run_paho_once(
+    kind: Broker, workload: PahoWorkload, timeout_s: float, env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """Fresh broker, warm-up, then the measured pass with the broker's CPU read just before and just after."""
+    ctx = multiprocessing.get_context("spawn")
+
+    def body(broker: RunningBroker) -> dict[str, Any]:
+        topic = f"bench/{workload.name}"
+        sub_conn, sub_child = ctx.Pipe()
+        pub_conn, pub_child = ctx.Pipe()
+        common = (broker.port, broker.protocol, topic, workload.warmup, workload.messages)
+        sub = ctx.Process(
+            target=paho_clients.subscriber_main,
+            args=(sub_child, *common, workload.window, timeout_s),
+            name="paho-subscriber",
+            daemon=True,
+        )
+        pub = ctx.Process(
+            target=paho_clients.publisher_main,
+            args=(pub_child, *common, workload.payload_bytes, workload.window, timeout_s),
+            name="paho-publisher",
+            daemon=True,
+        )
+        try:
+            sub.start()
+            _expect(sub_conn, "ready", 60, sub)
+            pub.start()
+            _expect(pub_conn, "ready", 60, pub)
+            pub_conn.send("warmup")
+            _, warm_ok = _expect(pub_conn, "warm_acked", timeout_s, pub)
+            _expect(sub_conn, "warm_done", timeout_s, sub)
+            if not warm_ok:
+                raise RuntimeError("warm-up publishes were not all acknowledged in time")
+            cpu_before = broker.cpu_seconds()
+            pub_conn.send("go")
+            _, pub_result = _expect(pub_conn, "done", timeout_s + 10, pub)
+            _, sub_result = _expect(sub_conn, "result", timeout_s + 10, sub)
+            cpu = broker.cpu_seconds() - cpu_before
+        finally:
+            _stop_clients([pub, sub])
+        elapsed_s = (sub_result["last_receive_ns"] - pub_result["first_publish_ns"]) / 1e9
+        received = sub_result["received"]
+        return {
+            "complete": bool(pub_result["complete"] and sub_result["complete"]),
+            "messages": workload.messages,
+            "received": received,
+            "duplicates": sub_result["duplicates"],
+            "elapsed_s": elapsed_s,
+            "msgs_per_s": received / elapsed_s if elapsed_s > 0 else 0.0,
+            "latency_p50_ms": sub_result["latency_p50_ns"] / 1e6,
+            "latency_p99_ms": sub_result["latency_p99_ns"] / 1e6,
+            "latency_max_ms": sub_result["latency_max_ns"] / 1e6,
+            "cpu_s": cpu,
+            "cpu_s_per_10k": cpu / received * 10_000 if received else None,
+        }
+
+    return _with_broker(kind, env, body)
+
+
+def run_saturation_once(
+    kind: Broker, workload: SaturationWorkload, pairs: int, timeout_s: float
+) -> dict[str, Any]:
+    ctx = multiprocessing.get_context("spawn")
+
+    def body(broker: RunningBroker) -> dict[str, Any]:
+        conns: list[Connection] = []
+        procs: list[SpawnProcess] = []
+        total_s = workload.warm_s + workload.measure_s + 5
+        try:
+            for index in range(pairs):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(
+                    target=loadgen.pair_main,
+                    args=(
+                        child,
+                        broker.port,
+                        broker.protocol,
+                        index,
+                        workload.window,
+                        workload.payload_bytes,
+                        workload.warm_s,
+                        workload.measure_s,
+                        total_s,
+                    ),
+                    name=f"loadgen-{index}",
+                    daemon=True,
+                )
+                proc.start()
+                conns.append(parent)
+                procs.append(proc)
+            for conn, proc in zip(conns, procs, strict=True):
+                _expect(conn, "ready", 60, proc)
+            start_at = time.monotonic() + 0.2
+            for conn in conns:
+                conn.send(("go", start_at))
+            time.sleep(max(0.0, start_at + workload.warm_s - time.monotonic()))
+            cpu_before = broker.cpu_seconds()
+            time.sleep(max(0.0, start_at + workload.warm_s + workload.measure_s - time.monotonic()))
+            cpu = broker.cpu_seconds() - cpu_before
+            results = [
+                _expect(conn, "result", timeout_s, proc)[1] for conn, proc in zip(conns, procs, strict=True)
+            ]
+        finally:
+            _stop_clients(procs)
+        delivered = sum(r["delivered_in_window"] for r in results)
+        acked = sum(r["acked_in_window"] for r in results)
+        return {
+            "pairs": pairs,
+            "measure_s": workload.measure_s,
+            "delivered": delivered,
+            "msgs_per_s": delivered / workload.measure_s,
+            "publish_acks_per_s": acked / workload.measure_s,
+            "cpu_s": cpu,
+            "cpu_s_per_10k": cpu / delivered * 10_000 if delivered else None,
+        }
+
+    return _with_broker(kind, None, body)
+
+
+def median_of(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-figure median over the repetitions (each figure on its own, as peers.md reports them)."""
+    out: dict[str, Any] = {}
+    for key in reps[0]:
+        values = [
+            r[key] for r in reps if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)
+        ]
+        if values:
+            out[key] = statistics.median(values)
+    out["complete"] = all(r.get("complete", True) for r in reps)
+    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in reps)
+    return out
+
+
+def _guarded(log: Log, what: str, action: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return action()
+    except Exception as exc:  # one broker's failure must not lose the other brokers' figures
+        log(f"[red]{what} failed: {type(exc).__name__}: {exc}[/red]")
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _paho_reps(
+    kind: Broker, workload: PahoWorkload, config: BenchConfig, log: Log, env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    reps: list[dict[str, Any]] = []
+    label = f"{kind.name} {workload.name}" + (" (loose packet ids)" if env else "")
+    for rep in range(config.reps):
+        result = _guarded(
+            log, f"{label} rep {rep + 1}", lambda: run_paho_once(kind, workload, config.client_timeout_s, env)
+        )
+        if "error" in result:
+            return {"error": result["error"], "reps": reps}
+        log(
+            f"{label} rep {rep + 1}/{config.reps}: {result['msgs_per_s']:,.0f} msgs/s, "
+            f"p50 {result['latency_p50_ms']:.1f} ms, {result['cpu_s_per_10k'] or 0:.3f} CPU-s/10k"
+        )
+        reps.append(result)
+    return {"median": median_of(reps), "reps": reps}
+
+
+def _saturation_sweep(kind: Broker, config: BenchConfig, log: Log) -> dict[str, Any]:
+    steps: list[dict[str, Any]] = []
+    for pairs in config.saturation.pair_counts:
+
+        def one_step(pairs: int = pairs) -> dict[str, Any]:
+            return run_saturation_once(kind, config.saturation, pairs, config.client_timeout_s)
+
+        result = _guarded(log, f"{kind.name} saturation x{pairs}", one_step)
+        if "error" in result:
+            return {"error": result["error"], "steps": steps}
+        log(f"{kind.name} saturation {pairs} pair(s): {result['msgs_per_s']:,.0f} msgs/s delivered")
+        steps.append(result)
+    best = max(steps, key=lambda r: r["msgs_per_s"])
+    # If the best is the largest pair count and clearly above the one before, the clients may still be the limit.
+    still_rising = (
+        len(steps) > 1 and best is steps[-1] and steps[-1]["msgs_per_s"] > 1.05 * steps[-2]["msgs_per_s"]
+    )
+    return {"max": best, "steps": steps, "still_rising": still_rising}
+
+
+def run(config: BenchConfig, log: Log) -> dict[str, Any]:
+    """Every requested broker through W1, W2, the saturation sweep (and for moorline the loose packet-id W1)."""
+    brokers: dict[str, Any] = {}
+    results: dict[str, Any] = {}
+    for name in config.brokers:
+        if name not in ALL_BROKERS:
+            brokers[name] = {
+                "status": "skipped",
+                "reason": f"unknown broker (known: {', '.join(ALL_BROKERS)})",
+            }
+            log(f"[yellow]skipping {name}: unknown broker[/yellow]")
+            continue
+        kind = ALL_BROKERS[name]()
+        try:
+            version = kind.prepare(log)
+        except (BrokerUnavailable, OSError, RuntimeError) as exc:
+            brokers[name] = {"status": "skipped", "reason": str(exc)}
+            log(f"[yellow]skipping {name}: {exc}[/yellow]")
+            continue
+        brokers[name] = {"status": "ok", "version": version}
+        log(f"[bold]{name}[/bold] {version}")
+        per: dict[str, Any] = {
+            "w1": _paho_reps(kind, config.w1, config, log),
+            "w2": _paho_reps(kind, config.w2, config, log),
+            "saturation": _saturation_sweep(kind, config, log),
+        }
+        if name == "moorline":
+            per["w1_loose_packet_ids"] = _paho_reps(
+                kind, config.w1, config, log, env={LOOSE_PACKET_IDS_ENV: "1"}
+            )
+        results[name] = per
+    return {
+        "config": asdict(config),
+        "brokers": brokers,
+        "results": results,
+        "comparison": compare(results, config),
+    }
+
+
+def _fig(results: dict[str, Any], broker: str, workload: str, key: str) -> float | None:
+    block = results.get(broker, {}).get(workload, {})
+    figures = block.get("median") or block.get("max") or {}
+    value = figures.get(key)
+    return float(value) if isinstance(value, int | float) else None
+
+
+def compare(results: dict[str, Any], config: BenchConfig) -> dict[str, Any]:
+    """moorline's targets and its ratios to each peer measured in this same run."""
+    out: dict[str, Any] = {"targets": [], "ratios": {}, "strict_packet_ids": None}
+    if "moorline" not in results:
+        return out
+    w1_cpu = _fig(results, "moorline", "w1", "cpu_s_per_10k")
+    w2_cpu = _fig(results, "moorline", "w2", "cpu_s_per_10k")
+    sat = _fig(results, "moorline", "saturation", "msgs_per_s")
+    mosq_sat = _fig(results, "mosquitto", "saturation", "msgs_per_s")
+    targets = [
+        ("W1 CPU-s/10k", w1_cpu, "<=", config.targets["w1_cpu_s_per_10k"]),
+        ("W2 CPU-s/10k", w2_cpu, "<=", config.targets["w2_cpu_s_per_10k"]),
+        ("saturation msgs/s vs mosquitto", sat, ">=", mosq_sat),
+    ]
+    for label, value, op, target in targets:
+        met = None
+        if value is not None and target is not None:
+            met = value <= target if op == "<=" else value >= target
+        out["targets"].append({"target": label, "moorline": value, "op": op, "bound": target, "met": met})
+    for peer in results:
+        if peer == "moorline":
+            continue
+        ratios: dict[str, float | None] = {}
+        for workload in ("w1", "w2", "saturation"):
+            for key in ("msgs_per_s", "cpu_s_per_10k"):
+                mine, theirs = _fig(results, "moorline", workload, key), _fig(results, peer, workload, key)
+                ratios[f"{workload}_{key}"] = mine / theirs if mine is not None and theirs else None
+        out["ratios"][peer] = ratios
+    loose = _fig(results, "moorline", "w1_loose_packet_ids", "cpu_s_per_10k")
+    if w1_cpu is not None and loose is not None:
+        out["strict_packet_ids"] = {
+            "w1_cpu_s_per_10k_strict": w1_cpu,
+            "w1_cpu_s_per_10k_loose": loose,
+            "cost_cpu_s_per_10k": w1_cpu - loose,
+            "w1_msgs_per_s_strict": _fig(results, "moorline", "w1", "msgs_per_s"),
+            "w1_msgs_per_s_loose": _fig(results, "moorline", "w1_loose_packet_ids", "msgs_per_s"),
+        }
+    return out

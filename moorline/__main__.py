@@ -1,0 +1,3 @@
+from moorline.cli import main
+
+main()

@@ -1,0 +1,239 @@
+"""Replicated commands: what a shard's Raft log carries. One log entry holds a batch of them.
+
+Every command is a tagged msgspec struct; the entry is ``EntryBatch(version, commands)`` so the
+format can evolve behind a feature level (DESIGN.md, "Determinism"). Times inside commands are
+stamped by the proposing host; apply never reads a clock.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from moorline.broker.messages import StoredMessage
+
+ENTRY_VERSION = 1
+
+
+class Cmd(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    pass
+
+
+# --- topic-shard commands -------------------------------------------------------------------
+
+
+class Publish(Cmd, tag="pub"):
+    msg: StoredMessage
+    principal: str = ""
+    producer: bytes | None = None  # sequenced producer id (8 bytes) ...
+    seq: int | None = None  # ... and its sequence number
+
+
+class Register(Cmd, tag="reg"):
+    """A subscription (or a $share group) starts being owed messages of this shard."""
+
+    ts_ms: int
+    reg_key: str  # client_id \0 filter, or "$share" \0 group \0 filter
+    client_id: str  # owner (or "" for a share group)
+    session_inc: int  # the owning session's incarnation; a stale one is ignored
+    filter: str  # the topic filter without the $share prefix
+    qos: int
+    no_local: bool = False
+    want_retained: bool = True  # false for $share and for retain handling 2 / 1-existing
+    share_group: str | None = None
+
+
+class Unregister(Cmd, tag="unreg"):
+    reg_key: str
+    session_inc: int
+    reason: str = "unsubscribe"  # counted as a drop reason for what was still owed
+
+
+class AckReport(Cmd, tag="ackr"):
+    """Idempotent: offsets acknowledged by the subscriber(s) behind reg_key."""
+
+    reg_key: str
+    offsets: tuple[int, ...]
+
+
+class ShareMember(Cmd, tag="shm"):
+    reg_key: str
+    member: str  # client id
+    joined: bool
+
+
+class ShareClaim(Cmd, tag="shc"):
+    reg_key: str
+    member: str
+    offsets: tuple[int, ...]
+
+
+class ShareReturn(Cmd, tag="shr"):
+    """A member's session ended: its claims go back to the group, except QoS 2 deliveries not yet
+    PUBREC'd, which are dropped and counted (MQTT-4.8.2-5)."""
+
+    reg_key: str
+    member: str
+    dropped: tuple[int, ...]
+
+
+class DropOwed(Cmd, tag="drop"):
+    """A counted limit removes owed messages of one registration (queue cap, expiry at delivery)."""
+
+    reg_key: str
+    offsets: tuple[int, ...]
+    reason: str
+
+
+class Housekeeping(Cmd, tag="hk"):
+    ts_ms: int
+    pin_floor: int  # lowest offset pinned by a reader (retention holds from there); -1 = none
+
+
+# --- session-shard commands -----------------------------------------------------------------
+
+
+class WillSpec(msgspec.Struct, array_like=True, frozen=True):
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    delay_s: int = 0
+    expiry_s: int | None = None
+    props: bytes | None = None  # encoded MessageProps
+
+
+class SessionOpen(Cmd, tag="sopen"):
+    ts_ms: int
+    client_id: str
+    clean_start: bool
+    expiry_s: int
+    will: WillSpec | None
+    principal: str = ""
+
+
+class SessionSubscribe(Cmd, tag="ssub"):
+    client_id: str
+    epoch: int
+    filter: str  # as sent, with any $share prefix
+    qos: int
+    no_local: bool
+    retain_as_published: bool
+    retain_handling: int
+    sub_id: int | None
+
+
+class SessionUnsubscribe(Cmd, tag="sunsub"):
+    client_id: str
+    epoch: int
+    filter: str
+
+
+class DeliveryItem(msgspec.Struct, array_like=True, frozen=True):
+    shard: int
+    offset: int  # -1 for a retained message delivered on subscribe (message embedded)
+    qos: int
+    retain: bool
+    sub_ids: tuple[int, ...] = ()
+    reg_keys: tuple[str, ...] = ()
+    embedded: StoredMessage | None = None
+
+
+class Deliver(Cmd, tag="dlv"):
+    """A delivery batch, committed before any PUBLISH of it is sent. seqno i -> pid (i % 65535) + 1."""
+
+    client_id: str
+    epoch: int
+    first_seq: int
+    items: tuple[DeliveryItem, ...]
+
+
+class SessionAcks(Cmd, tag="sack"):
+    """(seqno, kind): kind 1 = final (PUBACK / PUBCOMP), 2 = PUBREC received (PUBREL may be sent)."""
+
+    client_id: str
+    epoch: int
+    acks: tuple[tuple[int, int], ...]
+
+
+class InboundQos2(Cmd, tag="iq2"):
+    client_id: str
+    epoch: int
+    packet_id: int
+    guid: bytes
+
+
+class InboundRelease(Cmd, tag="irel"):
+    client_id: str
+    epoch: int
+    packet_id: int
+
+
+class SessionClose(Cmd, tag="sclose"):
+    ts_ms: int
+    client_id: str
+    epoch: int
+    send_will: bool
+    expiry_s: int | None = None  # MQTT 5 DISCONNECT may change the session expiry
+
+
+class SessionHousekeeping(Cmd, tag="shk"):
+    ts_ms: int
+
+
+class SessionsForget(Cmd, tag="sforget"):
+    """Remove subscriptions whose topic-shard registrations vanished (reconcile)."""
+
+    client_id: str
+    epoch: int
+
+
+# --- metadata (single node: a group of its own) ----------------------------------------------
+
+
+class SetSinkMarker(Cmd, tag="sink"):
+    query_id: str
+    batch_id: int
+
+
+Command = (
+    Publish
+    | Register
+    | Unregister
+    | AckReport
+    | ShareMember
+    | ShareClaim
+    | ShareReturn
+    | DropOwed
+    | Housekeeping
+    | SessionOpen
+    | SessionSubscribe
+    | SessionUnsubscribe
+    | Deliver
+    | SessionAcks
+    | InboundQos2
+    | InboundRelease
+    | SessionClose
+    | SessionHousekeeping
+    | SessionsForget
+    | SetSinkMarker
+)
+
+
+class EntryBatch(msgspec.Struct, array_like=True, frozen=True):
+    version: int
+    commands: list[Command]
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(EntryBatch)
+
+
+def encode_entry(commands: list[Command]) -> bytes:
+    return _enc.encode(EntryBatch(ENTRY_VERSION, commands))
+
+
+def decode_entry(data: bytes) -> list[Command]:
+    batch = _dec.decode(data)
+    if batch.version != ENTRY_VERSION:
+        raise ValueError(f"unsupported entry version {batch.version}")
+    return batch.commands

@@ -1,0 +1,40 @@
+"""What applying commands asks of the host: store writes, releases, wake-ups, cross-shard commands.
+
+The state machines stay pure: they never touch files or other shards; the host drains these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moorline.broker.commands import Command
+
+
+@dataclass(slots=True)
+class Effects:
+    appends: list[tuple[int, bytes]] = field(default_factory=list)
+    releases: list[int] = field(default_factory=list)
+    owed_regs: set[str] = field(default_factory=set)  # registrations with new owed messages
+    claims: list[tuple[str, str]] = field(default_factory=list)  # (share reg, member) granted claims
+    cross: list[tuple[str, Command]] = field(default_factory=list)  # (routing key kind:key, command)
+    sessions_touched: set[str] = field(default_factory=set)
+
+    def store_append(self, offset: int, record: bytes) -> None:
+        self.appends.append((offset, record))
+
+    def store_release(self, offsets: list[int]) -> None:
+        self.releases.extend(offsets)
+
+    def owed(self, reg_key: str) -> None:
+        self.owed_regs.add(reg_key)
+
+    def claimed(self, reg_key: str, member: str) -> None:
+        self.claims.append((reg_key, member))
+
+    def clear(self) -> None:
+        self.appends.clear()
+        self.releases.clear()
+        self.owed_regs.clear()
+        self.claims.clear()
+        self.cross.clear()
+        self.sessions_touched.clear()

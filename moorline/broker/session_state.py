@@ -1,0 +1,226 @@
+"""The session side of a shard's state machine (pure).
+
+The session's shard is the only authority for per-session state: subscriptions, expiry, will,
+epoch, inbound QoS 2 packet ids and the delivery log. Every command carries the owner's epoch
+and is ignored at apply when stale (DESIGN.md, "Sessions").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moorline.broker.commands import (
+    Deliver,
+    DeliveryItem,
+    InboundQos2,
+    InboundRelease,
+    SessionAcks,
+    SessionClose,
+    SessionHousekeeping,
+    SessionOpen,
+    SessionSubscribe,
+    SessionUnsubscribe,
+    WillSpec,
+)
+from moorline.broker.effects import Effects
+from moorline.invariant import invariant
+
+SENT = 0  # PUBLISH sent, waiting for PUBACK / PUBREC
+RELEASING = 1  # PUBREC committed, PUBREL sent, waiting for PUBCOMP
+
+
+def packet_id_of(seqno: int) -> int:
+    return seqno % 65535 + 1
+
+
+@dataclass(slots=True)
+class SubscriptionState:
+    filter: str  # as sent (may carry $share/GROUP/)
+    qos: int
+    no_local: bool
+    retain_as_published: bool
+    retain_handling: int
+    sub_id: int | None
+    version: int
+
+
+@dataclass(slots=True)
+class InflightDelivery:
+    item: DeliveryItem
+    state: int = SENT
+
+
+@dataclass(slots=True)
+class Session:
+    client_id: str
+    incarnation: int
+    epoch: int
+    expiry_s: int
+    principal: str = ""
+    connected: bool = True
+    disconnected_at_ms: int = 0
+    will: WillSpec | None = None
+    will_due_ms: int | None = None
+    subs: dict[str, SubscriptionState] = field(default_factory=dict)
+    inbound_qos2: dict[int, bytes] = field(default_factory=dict)  # packet id -> GUID
+    next_seq: int = 0
+    inflight: dict[int, InflightDelivery] = field(default_factory=dict)  # seqno -> delivery, ascending
+    last_delivered: dict[int, int] = field(default_factory=dict)  # topic shard -> highest offset delivered
+    sub_version: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class OpenResult:
+    session_present: bool
+    epoch: int
+    incarnation: int
+    ended: Session | None  # the previous session that a clean start discarded
+
+
+@dataclass(frozen=True, slots=True)
+class EndedSession:
+    session: Session
+    reason: str
+
+
+class SessionState:
+    def __init__(self, max_expiry_s: int) -> None:
+        self.sessions: dict[str, Session] = {}
+        self.incarnations = 0
+        self.max_expiry_s = max_expiry_s
+        self.last_ts_ms = 0
+
+    def _current(self, client_id: str, epoch: int) -> Session | None:
+        s = self.sessions.get(client_id)
+        if s is None or s.epoch != epoch:
+            return None  # stale owner: rejected at apply
+        return s
+
+    def apply_open(self, cmd: SessionOpen, fx: Effects) -> OpenResult:
+        self.last_ts_ms = max(self.last_ts_ms, cmd.ts_ms)
+        old = self.sessions.get(cmd.client_id)
+        ended: Session | None = None
+        expiry = min(cmd.expiry_s, self.max_expiry_s)
+        if old is not None and (cmd.clean_start or self._expired(old, cmd.ts_ms)):
+            ended = old
+            old = None
+        if old is None:
+            self.incarnations += 1
+            sess = Session(cmd.client_id, self.incarnations, 1, expiry, cmd.principal, will=cmd.will)
+            self.sessions[cmd.client_id] = sess
+            fx.sessions_touched.add(cmd.client_id)
+            return OpenResult(False, sess.epoch, sess.incarnation, ended)
+        old.epoch += 1
+        old.connected = True
+        old.expiry_s = expiry
+        old.will = cmd.will
+        old.will_due_ms = None  # a reconnect within the will delay cancels the will
+        old.principal = cmd.principal
+        return OpenResult(True, old.epoch, old.incarnation, None)
+
+    def _expired(self, s: Session, now_ms: int) -> bool:
+        return (not s.connected) and now_ms - s.disconnected_at_ms >= s.expiry_s * 1000
+
+    def apply_subscribe(self, cmd: SessionSubscribe, fx: Effects) -> tuple[bool, int] | None:
+        s = self._current(cmd.client_id, cmd.epoch)
+        if s is None:
+            return None
+        existed = cmd.filter in s.subs
+        s.sub_version += 1
+        s.subs[cmd.filter] = SubscriptionState(
+            cmd.filter, cmd.qos, cmd.no_local, cmd.retain_as_published, cmd.retain_handling, cmd.sub_id,
+            s.sub_version,
+        )
+        return existed, s.incarnation
+
+    def apply_unsubscribe(self, cmd: SessionUnsubscribe, fx: Effects) -> bool | None:
+        s = self._current(cmd.client_id, cmd.epoch)
+        if s is None:
+            return None
+        return s.subs.pop(cmd.filter, None) is not None
+
+    def apply_deliver(self, cmd: Deliver, fx: Effects) -> bool:
+        s = self._current(cmd.client_id, cmd.epoch)
+        if s is None:
+            return False
+        invariant(cmd.first_seq == s.next_seq, "delivery batches are contiguous in seqno")
+        seq = cmd.first_seq
+        for item in cmd.items:
+            if item.qos > 0:
+                s.inflight[seq] = InflightDelivery(item)
+            if item.offset >= 0:
+                prev = s.last_delivered.get(item.shard, -1)
+                if item.offset > prev:
+                    s.last_delivered[item.shard] = item.offset
+            seq += 1
+        s.next_seq = seq
+        return True
+
+    def apply_acks(self, cmd: SessionAcks, fx: Effects) -> list[DeliveryItem]:
+        """Returns the deliveries finished by this batch (their topic shards get ack reports)."""
+        s = self._current(cmd.client_id, cmd.epoch)
+        done: list[DeliveryItem] = []
+        if s is None:
+            return done
+        for seq, kind in cmd.acks:
+            d = s.inflight.get(seq)
+            if d is None:
+                continue
+            if kind == 2:
+                d.state = RELEASING
+            else:
+                del s.inflight[seq]
+                done.append(d.item)
+        return done
+
+    def apply_inbound_qos2(self, cmd: InboundQos2, fx: Effects) -> bytes | None:
+        s = self._current(cmd.client_id, cmd.epoch)
+        if s is None:
+            return None
+        return s.inbound_qos2.setdefault(cmd.packet_id, cmd.guid)
+
+    def apply_inbound_release(self, cmd: InboundRelease, fx: Effects) -> bool:
+        s = self._current(cmd.client_id, cmd.epoch)
+        if s is None:
+            return False
+        return s.inbound_qos2.pop(cmd.packet_id, None) is not None
+
+    def apply_close(self, cmd: SessionClose, fx: Effects) -> Session | None:
+        """Returns the session if it ended now (expiry 0), for the host to clean up its registrations."""
+        self.last_ts_ms = max(self.last_ts_ms, cmd.ts_ms)
+        s = self._current(cmd.client_id, cmd.epoch)
+        if s is None:
+            return None
+        s.connected = False
+        s.disconnected_at_ms = cmd.ts_ms
+        if cmd.expiry_s is not None:
+            s.expiry_s = min(cmd.expiry_s, self.max_expiry_s)
+        if cmd.send_will and s.will is not None:
+            delay_ms = min(s.will.delay_s, s.expiry_s) * 1000
+            s.will_due_ms = cmd.ts_ms + delay_ms
+        else:
+            s.will = None
+        if s.expiry_s == 0 and s.will_due_ms is None:
+            del self.sessions[s.client_id]
+            return s
+        return None
+
+    def apply_housekeeping(self, cmd: SessionHousekeeping, fx: Effects) -> tuple[list[tuple[Session, WillSpec]], list[Session]]:
+        """Fires due wills and ends expired sessions (both decided by the entry's time)."""
+        now = max(self.last_ts_ms, cmd.ts_ms)
+        self.last_ts_ms = now
+        wills: list[tuple[Session, WillSpec]] = []
+        ended: list[Session] = []
+        for cid in list(self.sessions):
+            s = self.sessions[cid]
+            if s.connected:
+                continue
+            expired = now - s.disconnected_at_ms >= s.expiry_s * 1000
+            if s.will is not None and s.will_due_ms is not None and (s.will_due_ms <= now or expired):
+                wills.append((s, s.will))
+                s.will = None
+                s.will_due_ms = None
+            if expired:
+                del self.sessions[cid]
+                ended.append(s)
+        return wills, ended

@@ -1,0 +1,341 @@
+"""The topic side of a shard's state machine (pure): message offsets, "owed", retained, de-dup.
+
+A message is *owed* to every registration in this shard whose filter matched its topic when it
+was applied; that set is decided here, at apply, so every replica agrees (DESIGN.md, "Durable
+subscriptions and owed"). A message leaves the store only when nothing is owed and it is older
+than ``retention.min_age``, or through a counted limit that records its GUID and reason.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from moorline.broker.commands import (
+    AckReport,
+    DropOwed,
+    Housekeeping,
+    Publish,
+    Register,
+    ShareClaim,
+    ShareMember,
+    ShareReturn,
+    Unregister,
+)
+from moorline.broker.effects import Effects
+from moorline.broker.messages import StoredMessage, encode_message
+from moorline.hashing import crc32c
+from moorline.invariant import invariant
+from moorline.mqtt.topics import SubscriptionTrie, matches
+
+
+@dataclass(slots=True)
+class Registration:
+    reg_key: str
+    client_id: str
+    session_inc: int
+    filter: str
+    qos: int
+    no_local: bool
+    share_group: str | None
+    start_offset: int
+    owed: dict[int, None] = field(default_factory=dict)  # offsets owed and not acked, ascending
+    draining: bool = False  # unsubscribed: no new messages, finishing those in flight
+    members: list[str] = field(default_factory=list)  # $share members (client ids), join order
+    claims: dict[int, str] = field(default_factory=dict)  # $share offset -> member
+
+
+@dataclass(slots=True)
+class MessageMeta:
+    ts_ms: int
+    size: int
+    guid: bytes
+    topic: str
+    qos: int
+    expires_at_ms: int | None
+
+
+@dataclass(slots=True)
+class DropRecord:
+    guid: bytes
+    reason: str
+    offset: int
+    reg_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    status: str  # "ok" | "duplicate" | "refused"
+    offset: int = -1
+    reason_code: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterResult:
+    start_offset: int
+    retained: tuple[StoredMessage, ...]
+
+
+@dataclass(slots=True)
+class TopicLimits:
+    retention_min_age_ms: int = 3_600_000
+    shard_max_bytes: int = 1 << 30
+    reserved_headroom_bytes: int = 16 << 20
+    dedup_window_ms: int = 3_600_000
+    dedup_max_history: int = 1_000_000
+    producer_ttl_ms: int = 7 * 24 * 3_600_000
+    max_drop_records: int = 100_000
+    max_release_per_housekeeping: int = 100_000
+
+
+class TopicState:
+    """Topic-shard state. Mutated only by ``apply_*``; effects go to ``Effects`` for the host."""
+
+    def __init__(self, shard: int, incarnation: str, limits: TopicLimits) -> None:
+        self.shard = shard
+        self.incarnation = incarnation
+        self.limits = limits
+        self.next_offset = 0
+        self.low_water = 0
+        self.regs: dict[str, Registration] = {}
+        self.trie: SubscriptionTrie = SubscriptionTrie()
+        self.meta: OrderedDict[int, MessageMeta] = OrderedDict()  # present messages, ascending
+        self.owed_count: dict[int, int] = {}
+        self.retained: dict[str, StoredMessage] = {}
+        self.dedup: OrderedDict[tuple[str, bytes], tuple[int, int, int]] = OrderedDict()  # -> offset, ts, crc
+        self.producers: dict[bytes, tuple[int, int, int]] = {}  # producer -> highest seq, its offset, ts
+        self.bytes_used = 0
+        self.drops: deque[DropRecord] = deque(maxlen=limits.max_drop_records)
+        self.drop_counts: dict[str, int] = {}
+        self.last_ts_ms = 0
+
+    # --- publish -------------------------------------------------------------------------
+    def apply_publish(self, cmd: Publish, fx: Effects) -> PublishResult:
+        msg = cmd.msg
+        invariant(len(msg.guid) == 16, "GUIDs are 16 bytes")
+        self.last_ts_ms = max(self.last_ts_ms, msg.ts_ms)
+        content = crc32c(msg.topic.encode() + b"\0" + msg.payload)
+        if cmd.producer is not None and cmd.seq is not None:
+            prev = self.producers.get(cmd.producer)
+            if prev is not None and cmd.seq <= prev[0]:
+                return PublishResult("duplicate", prev[1] if cmd.seq == prev[0] else -1)
+        key = (cmd.principal, msg.guid)
+        seen = self.dedup.get(key)
+        if seen is not None:
+            if seen[2] != content:
+                return PublishResult("refused", reason_code=0x99, reason="GUID reused with different content")
+            return PublishResult("duplicate", seen[0])
+        size = msg.size()
+        if self.bytes_used + size > self.limits.shard_max_bytes - self.limits.reserved_headroom_bytes:
+            return PublishResult("refused", reason_code=0x97, reason="shard is full")
+        offset = self.next_offset
+        self.next_offset += 1
+        record = encode_message(msg)
+        fx.store_append(offset, record)
+        self.meta[offset] = MessageMeta(msg.ts_ms, size, msg.guid, msg.topic, msg.qos, msg.expires_at_ms())
+        self.bytes_used += size
+        self.dedup[key] = (offset, msg.ts_ms, content)
+        if cmd.producer is not None and cmd.seq is not None:
+            self.producers[cmd.producer] = (cmd.seq, offset, msg.ts_ms)
+        if msg.retain:
+            if msg.payload:
+                self.retained[msg.topic] = msg
+            else:
+                self.retained.pop(msg.topic, None)
+        owed = 0
+        for reg_key in sorted(k for k, _ in self.trie.match(msg.topic)):
+            reg = self.regs[reg_key]
+            if reg.draining or (reg.no_local and reg.client_id == msg.origin):
+                continue
+            reg.owed[offset] = None
+            owed += 1
+            fx.owed(reg_key)
+        if owed:
+            self.owed_count[offset] = owed
+        return PublishResult("ok", offset)
+
+    # --- registrations -------------------------------------------------------------------
+    def apply_register(self, cmd: Register, fx: Effects) -> RegisterResult:
+        reg = self.regs.get(cmd.reg_key)
+        if reg is not None and (reg.session_inc == cmd.session_inc or cmd.share_group is not None):
+            reg.qos = cmd.qos
+            reg.no_local = cmd.no_local
+            if reg.draining:
+                reg.draining = False
+                self.trie.insert(reg.filter, reg.reg_key, None)
+        else:
+            if reg is not None:
+                self._remove_registration(reg, "session_replaced", fx)
+            reg = Registration(
+                cmd.reg_key, cmd.client_id, cmd.session_inc, cmd.filter, cmd.qos, cmd.no_local,
+                cmd.share_group, self.next_offset,
+            )
+            self.regs[cmd.reg_key] = reg
+            self.trie.insert(reg.filter, reg.reg_key, None)
+        retained: tuple[StoredMessage, ...] = ()
+        if cmd.want_retained and cmd.share_group is None:
+            retained = tuple(
+                m for t, m in sorted(self.retained.items()) if matches(cmd.filter, t)
+                and not (cmd.no_local and m.origin == cmd.client_id)
+            )
+        return RegisterResult(reg.start_offset, retained)
+
+    def apply_unregister(self, cmd: Unregister, fx: Effects) -> bool:
+        reg = self.regs.get(cmd.reg_key)
+        if reg is None or (cmd.session_inc >= 0 and reg.session_inc != cmd.session_inc):
+            return False
+        if cmd.reason == "unsubscribe" and reg.share_group is None:
+            # Stop new messages; those already owed are finished (delivered and acked) first.
+            if not reg.draining:
+                reg.draining = True
+                self.trie.remove(reg.filter, reg.reg_key)
+            if not reg.owed:
+                self._forget(reg)
+            return True
+        self._remove_registration(reg, cmd.reason, fx)
+        return True
+
+    def _remove_registration(self, reg: Registration, reason: str, fx: Effects) -> None:
+        for offset in list(reg.owed):
+            self._record_drop(offset, reg.reg_key, reason)
+            self._unowe(offset)
+        reg.owed.clear()
+        self._forget(reg)
+
+    def _forget(self, reg: Registration) -> None:
+        if not reg.draining:
+            self.trie.remove(reg.filter, reg.reg_key)
+        del self.regs[reg.reg_key]
+
+    def apply_ack_report(self, cmd: AckReport, fx: Effects) -> None:
+        reg = self.regs.get(cmd.reg_key)
+        if reg is None:
+            return
+        for offset in cmd.offsets:
+            if offset in reg.owed:
+                del reg.owed[offset]
+                reg.claims.pop(offset, None)
+                self._unowe(offset)
+        if reg.draining and not reg.owed:
+            self._forget(reg)
+
+    def _unowe(self, offset: int) -> None:
+        n = self.owed_count.get(offset, 0)
+        invariant(n > 0, f"offset {offset} was not owed")
+        if n == 1:
+            del self.owed_count[offset]
+        else:
+            self.owed_count[offset] = n - 1
+
+    def _record_drop(self, offset: int, reg_key: str, reason: str) -> None:
+        meta = self.meta.get(offset)
+        guid = meta.guid if meta is not None else b""
+        self.drops.append(DropRecord(guid, reason, offset, reg_key))
+        self.drop_counts[reason] = self.drop_counts.get(reason, 0) + 1
+
+    def apply_drop_owed(self, cmd: DropOwed, fx: Effects) -> None:
+        reg = self.regs.get(cmd.reg_key)
+        if reg is None:
+            return
+        for offset in cmd.offsets:
+            if offset in reg.owed:
+                del reg.owed[offset]
+                reg.claims.pop(offset, None)
+                self._record_drop(offset, reg.reg_key, cmd.reason)
+                self._unowe(offset)
+
+    # --- shared subscriptions --------------------------------------------------------------
+    def apply_share_member(self, cmd: ShareMember, fx: Effects) -> None:
+        reg = self.regs.get(cmd.reg_key)
+        if reg is None:
+            return
+        if cmd.joined and cmd.member not in reg.members:
+            reg.members.append(cmd.member)
+        elif not cmd.joined and cmd.member in reg.members:
+            reg.members.remove(cmd.member)
+        fx.owed(cmd.reg_key)
+
+    def apply_share_claim(self, cmd: ShareClaim, fx: Effects) -> tuple[int, ...]:
+        reg = self.regs.get(cmd.reg_key)
+        if reg is None or cmd.member not in reg.members:
+            return ()
+        granted = []
+        for offset in cmd.offsets:
+            if offset in reg.owed and offset not in reg.claims:
+                reg.claims[offset] = cmd.member
+                granted.append(offset)
+        fx.claimed(cmd.reg_key, cmd.member)
+        return tuple(granted)
+
+    def apply_share_return(self, cmd: ShareReturn, fx: Effects) -> None:
+        reg = self.regs.get(cmd.reg_key)
+        if reg is None:
+            return
+        dropped = set(cmd.dropped)
+        for offset in [o for o, m in reg.claims.items() if m == cmd.member and o not in dropped]:
+            del reg.claims[offset]
+        for offset in cmd.dropped:
+            if reg.claims.get(offset) == cmd.member and offset in reg.owed:
+                del reg.claims[offset]
+                del reg.owed[offset]
+                self._record_drop(offset, reg.reg_key, "share_qos2_member_gone")
+                self._unowe(offset)
+        fx.owed(cmd.reg_key)
+
+    # --- time-driven limits ------------------------------------------------------------------
+    def apply_housekeeping(self, cmd: Housekeeping, fx: Effects) -> None:
+        now = max(self.last_ts_ms, cmd.ts_ms)
+        self.last_ts_ms = now
+        released: list[int] = []
+        budget = self.limits.max_release_per_housekeeping
+        for offset, meta in list(self.meta.items()):
+            if budget <= 0:
+                break
+            expired = meta.expires_at_ms is not None and meta.expires_at_ms <= now
+            old = now - meta.ts_ms >= self.limits.retention_min_age_ms
+            if not old and not expired:
+                if meta.expires_at_ms is None:
+                    break  # younger messages follow; expiry-bearing ones are rare
+                continue
+            if expired and self.owed_count.get(offset):
+                for reg in self.regs.values():
+                    if offset in reg.owed:
+                        del reg.owed[offset]
+                        reg.claims.pop(offset, None)
+                        self._record_drop(offset, reg.reg_key, "message_expiry")
+                        self._unowe(offset)
+            if self.owed_count.get(offset) or (0 <= cmd.pin_floor <= offset):
+                continue
+            del self.meta[offset]
+            self.bytes_used -= meta.size
+            released.append(offset)
+            budget -= 1
+        if released:
+            fx.store_release(released)
+        first_present = next(iter(self.meta), self.next_offset)
+        # Low water: everything at or above it is present. Survivors below a gap keep it there.
+        lw = self.low_water
+        if released:
+            lw = self._complete_from()
+        invariant(lw >= self.low_water, "low-water mark only rises")
+        self.low_water = lw
+        _ = first_present
+        cutoff = now - self.limits.dedup_window_ms
+        while self.dedup:
+            k, (_, ts, _) = next(iter(self.dedup.items()))
+            if ts >= cutoff and len(self.dedup) <= self.limits.dedup_max_history:
+                break
+            del self.dedup[k]
+        pcut = now - self.limits.producer_ttl_ms
+        for p in [p for p, v in self.producers.items() if v[2] < pcut]:
+            del self.producers[p]
+
+    def _complete_from(self) -> int:
+        """Lowest offset from which every message up to next_offset is still present."""
+        lw = self.next_offset
+        for offset in reversed(self.meta):
+            if offset != lw - 1:
+                break
+            lw = offset
+        return max(lw, self.low_water)

@@ -1,0 +1,36 @@
+"""The ``moorline`` command. Subcommands live next to the layer they drive and are registered here."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="moorline: a durable, replicated MQTT broker.")
+
+# (command name, module, function): each module defines a typer-annotated function.
+_COMMANDS: list[tuple[str, str, str]] = [
+    ("run", "moorline.node.cli", "run"),
+    ("passwd", "moorline.node.cli", "passwd"),
+    ("sim", "moorline.sim.cli", "sim"),
+    ("verify", "moorline.verify.cli", "verify"),
+    ("chaos", "moorline.chaos.cli", "chaos"),
+    ("bench", "bench.cli", "bench"),
+]
+
+for _name, _module, _func in _COMMANDS:
+    try:
+        _mod = importlib.import_module(_module)
+    except ModuleNotFoundError as exc:  # a layer not installed (e.g. bench outside a checkout)
+        if exc.name is not None and _module.startswith(exc.name):
+            continue
+        raise
+    app.command(_name)(getattr(_mod, _func))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

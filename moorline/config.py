@@ -1,0 +1,190 @@
+"""Configuration: every limit has a key and a default (DESIGN.md, "Limits").
+
+Loaded from a TOML file whose tables mirror the dataclasses below, e.g.::
+
+    [session]
+    max_queued_messages = 100000
+
+Unknown keys are an error, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """The configuration file or a command-line option is invalid."""
+
+
+@dataclass
+class ListenerConfig:
+    mqtt: str = "127.0.0.1:1883"
+    http: str = "127.0.0.1:8883"
+    accept_rate_per_s: int = 500  # new connections per second before we stop accepting for a moment
+    max_connections: int = 10_000
+
+
+@dataclass
+class MqttConfig:
+    max_packet_size: int = 1 << 20  # never above raft.max_entry_bytes
+    receive_maximum: int = 256  # inbound QoS>0 publishes in flight per connection (MQTT 5 Receive Maximum)
+    max_inflight_out: int = 256  # outbound unacknowledged deliveries per session (when the client sets none)
+    topic_alias_maximum: int = 64
+    max_keepalive_s: int = 65535
+    connect_timeout_s: float = 10.0  # a socket that sends no CONNECT in time is closed
+    max_write_buffer_bytes: int = 8 << 20  # a client that stops reading is disconnected past this
+    publish_timeout_s: float = 10.0  # outcome unknown after this: close the connection (0x89)
+
+
+@dataclass
+class SessionConfig:
+    max_expiry_s: int = 7 * 24 * 3600
+    max_queued_messages: int = 100_000  # oldest dropped first (counted)
+    max_queued_bytes: int = 256 << 20
+    ack_commit_interval_ms: float = 2.0  # QoS 1 acks are committed in batches
+    max_subscriptions: int = 1000
+    delivery_batch_max: int = 256
+
+
+@dataclass
+class RetentionConfig:
+    min_age_s: float = 3600.0
+    min_bytes: int = 0
+
+
+@dataclass
+class ShardConfig:
+    count: int = 16
+    max_bytes: int = 1 << 30
+    reserved_headroom_bytes: int = 16 << 20  # publishes refused (0x97) before max_bytes - headroom
+    snapshot_every_entries: int = 20_000
+    housekeeping_interval_s: float = 1.0  # expiry / release commands proposed by the leader
+
+
+@dataclass
+class DedupConfig:
+    history_window_s: float = 3600.0
+    max_history: int = 1_000_000
+    producer_ttl_s: float = 7 * 24 * 3600.0
+
+
+@dataclass
+class ShareConfig:
+    dispatch: str = "round_robin"  # or "sticky_topic"
+
+
+@dataclass
+class StorageConfig:
+    wal_segment_bytes: int = 64 << 20
+    store_segment_bytes: int = 16 << 20
+    store_cache_bytes: int = 64 << 20
+    max_pending_bytes: int = 64 << 20  # staged WAL bytes before proposers are slowed
+
+
+@dataclass
+class RaftConfig:
+    max_entry_bytes: int = 4 << 20
+    max_entries_per_append: int = 512
+    max_bytes_per_append: int = 1 << 20
+    max_uncommitted_bytes: int = 64 << 20
+    election_timeout_ms: tuple[int, int] = (1000, 2000)
+    heartbeat_interval_ms: int = 150
+
+
+@dataclass
+class AclRule:
+    action: str  # "publish" | "subscribe" | "all"
+    pattern: str  # topic filter, %u and %c substituted
+    allow: bool = True
+    user: str | None = None
+    client_id: str | None = None
+
+
+@dataclass
+class AuthConfig:
+    allow_anonymous: bool | None = None  # None: allowed only while every listener is on loopback
+    password_file: str | None = None
+    acl: list[AclRule] = field(default_factory=list)
+
+
+@dataclass
+class PinConfig:
+    reader_pin_ttl_s: float = 600.0
+    max_pins: int = 1000
+
+
+@dataclass
+class NodeConfig:
+    data_dir: str = "./moorline-data"
+    loop_lag_threshold_ms: float = 500.0
+    shutdown_drain_s: float = 5.0
+    listeners: ListenerConfig = field(default_factory=ListenerConfig)
+    mqtt: MqttConfig = field(default_factory=MqttConfig)
+    session: SessionConfig = field(default_factory=SessionConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    share: ShareConfig = field(default_factory=ShareConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    raft: RaftConfig = field(default_factory=RaftConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    pins: PinConfig = field(default_factory=PinConfig)
+
+    def validate(self) -> None:
+        if self.mqtt.max_packet_size > self.raft.max_entry_bytes:
+            raise ConfigError("mqtt.max_packet_size must not exceed raft.max_entry_bytes")
+        if not 1 <= self.shard.count <= 4096:
+            raise ConfigError("shard.count must be within 1..4096")
+        if self.share.dispatch not in ("round_robin", "sticky_topic"):
+            raise ConfigError("share.dispatch must be 'round_robin' or 'sticky_topic'")
+        if not 1 <= self.mqtt.receive_maximum <= 65535:
+            raise ConfigError("mqtt.receive_maximum must be within 1..65535")
+        if self.shard.reserved_headroom_bytes >= self.shard.max_bytes:
+            raise ConfigError("shard.reserved_headroom_bytes must be below shard.max_bytes")
+        for rule in self.auth.acl:
+            if rule.action not in ("publish", "subscribe", "all"):
+                raise ConfigError(f"acl action must be publish, subscribe or all, not {rule.action!r}")
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"[{where}] must be a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ConfigError(f"unknown configuration key {where + '.' if where else ''}{key}")
+        f = fields[key]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        if dataclasses.is_dataclass(default):
+            kwargs[key] = _build(type(default), value, f"{where}.{key}" if where else key)
+        elif key == "acl":
+            kwargs[key] = [_build(AclRule, r, "acl") for r in value]
+        elif isinstance(default, tuple):
+            kwargs[key] = tuple(value)
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> NodeConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    cfg: NodeConfig = _build(NodeConfig, data, "")
+    for dotted, value in (overrides or {}).items():
+        target: Any = cfg
+        *parents, last = dotted.split(".")
+        for p in parents:
+            target = getattr(target, p)
+        setattr(target, last, value)
+    cfg.validate()
+    return cfg

@@ -1,0 +1,13 @@
+"""Always-on assertions (TigerBeetle style): never rely on ``python -O`` keeping ``assert``."""
+
+from __future__ import annotations
+
+
+class InvariantViolation(AssertionError):
+    """A programming error: an invariant the code promises was broken."""
+
+
+def invariant(condition: object, message: str = "invariant violated") -> None:
+    """Raise ``InvariantViolation`` when ``condition`` is false. Stays on in production."""
+    if not condition:
+        raise InvariantViolation(message)

@@ -1,0 +1,292 @@
+"""Per-connection MQTT protocol state (server side), sans-IO.
+
+Bytes in through ``receive(data)`` -> validated packets out; packets in through
+``encode_outbound(packet)`` -> bytes (or None when the client's maximum packet size forbids
+sending it). The broker's connection edge owns one ``ProtocolState`` per socket. Every rule
+of the connection-level protocol that is not about routing or storage lives here:
+
+- the first packet is CONNECT, a second CONNECT is a Protocol Error;
+- inbound topic aliases (v5) are resolved, so the broker only ever sees full topic names;
+- inbound Receive Maximum: QoS>0 PUBLISHes we have not finished acknowledging are counted
+  and exceeding our advertised maximum is 0x93 (v5);
+- PUBLISH topics are validated (wildcards -> 0x90); AUTH needs the CONNECT's method;
+- outbound: topic aliases (optional), the client's Maximum Packet Size (MQTT-3.1.2-25) and
+  the client's Receive Maximum (flow control counters the broker drives).
+
+Errors are ``ProtocolError`` with the v5 reason code. While ``awaiting_connect`` is true the
+broker answers an error with CONNACK(reason) (CONNACK return code on 3.1.1), afterwards with
+DISCONNECT(reason) on v5 or a plain close on 3.1.1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moorline.invariant import invariant
+from moorline.mqtt.codec import (
+    DEFAULT_MAX_PACKET_SIZE,
+    MQTT_5,
+    Decoder,
+    encode,
+    encode_properties,
+    encode_publish_fast,
+)
+from moorline.mqtt.errors import ProtocolError
+from moorline.mqtt.packets import (
+    NO_PROPERTIES,
+    Auth,
+    Connect,
+    Packet,
+    Properties,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Subscribe,
+)
+from moorline.mqtt.reasons import ReasonCode
+from moorline.mqtt.topics import is_shared, validate_topic_name
+
+RC = ReasonCode
+SPEC_RECEIVE_MAXIMUM = 65535  # what a client may assume when we advertise nothing
+
+
+class ProtocolState:
+    """One client connection's protocol state, seen from the server."""
+
+    def __init__(
+        self,
+        *,
+        max_packet_size_in: int = DEFAULT_MAX_PACKET_SIZE,
+        topic_alias_maximum_in: int = 0,
+        receive_maximum_in: int = SPEC_RECEIVE_MAXIMUM,
+        outbound_topic_aliases: bool = True,
+    ) -> None:
+        invariant(0 <= topic_alias_maximum_in <= 0xFFFF, "topic_alias_maximum_in must be 0..65535")
+        invariant(1 <= receive_maximum_in <= 0xFFFF, "receive_maximum_in must be 1..65535")
+        self.decoder = Decoder(max_packet_size_in, role="server")
+        self.topic_alias_maximum_in = topic_alias_maximum_in
+        self.receive_maximum_in = receive_maximum_in
+        self.outbound_topic_aliases = outbound_topic_aliases
+        self.connect: Connect | None = None  # the accepted CONNECT
+        self.keepalive = 0  # seconds; the broker may override it (v5 Server Keep Alive)
+        # Limits the client announced in CONNECT (spec defaults until then).
+        self.client_receive_maximum = SPEC_RECEIVE_MAXIMUM
+        self.client_maximum_packet_size: int | None = None  # None = no limit beyond the protocol's
+        self.client_topic_alias_maximum = 0
+        self._aliases_in: dict[int, str] = {}  # bounded by topic_alias_maximum_in
+        self._inflight_in: set[int] = set()  # packet ids; bounded by receive_maximum_in (v5) / 65535
+        self._aliases_out: dict[str, int] = {}  # bounded by client_topic_alias_maximum
+        self._inflight_out = 0
+        self._error: ProtocolError | None = None
+
+    # -- inbound ---------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int | None:
+        return self.decoder.version
+
+    @property
+    def awaiting_connect(self) -> bool:
+        return self.connect is None
+
+    def connack_properties(self) -> Properties:
+        """The limits this state enforces, for the v5 CONNACK (so the client knows them)."""
+        return Properties(
+            receive_maximum=self.receive_maximum_in if self.receive_maximum_in != SPEC_RECEIVE_MAXIMUM else None,
+            topic_alias_maximum=self.topic_alias_maximum_in or None,
+            maximum_packet_size=self.decoder.max_packet_size,
+        )
+
+    def receive(self, data: bytes) -> list[Packet]:
+        """Validated packets from the client's bytes; raises ProtocolError (and stays failed)."""
+        if self._error is not None:
+            raise self._error
+        try:
+            packets = self.decoder.feed(data)
+            for i, packet in enumerate(packets):
+                kind = type(packet)
+                if kind is Publish:
+                    packets[i] = self._inbound_publish(packet)  # type: ignore[arg-type]
+                elif self.connect is None:
+                    if kind is not Connect:
+                        raise ProtocolError(RC.PROTOCOL_ERROR, "first packet must be CONNECT")
+                    self.on_connect(packet)  # type: ignore[arg-type]
+                elif kind is Connect:
+                    raise ProtocolError(RC.PROTOCOL_ERROR, "second CONNECT")  # MQTT-3.1.0-2
+                elif kind is Subscribe:
+                    self._inbound_subscribe(packet)  # type: ignore[arg-type]
+                elif kind is Auth:
+                    self._inbound_auth(packet)  # type: ignore[arg-type]
+        except ProtocolError as e:
+            self._error = e
+            raise
+        return packets
+
+    def on_connect(self, connect: Connect) -> None:
+        """Accept ``connect``: version and the client's limits. ``receive`` calls this itself;
+        calling it again with the same packet is harmless."""
+        if self.connect is connect:
+            return
+        invariant(self.connect is None, "on_connect called for a second CONNECT")
+        if self.decoder.version is None:
+            self.decoder.version = connect.protocol_level
+        props = connect.properties
+        if props.authentication_data is not None and props.authentication_method is None:
+            raise ProtocolError(RC.PROTOCOL_ERROR, "authentication data without method")
+        if connect.will is not None and not validate_topic_name(connect.will.topic):
+            raise ProtocolError(RC.TOPIC_NAME_INVALID, "invalid will topic")
+        if connect.protocol_level == MQTT_5:
+            if props.receive_maximum is not None:
+                self.client_receive_maximum = props.receive_maximum
+            self.client_maximum_packet_size = props.maximum_packet_size
+            self.client_topic_alias_maximum = props.topic_alias_maximum or 0
+        self.keepalive = connect.keepalive
+        self.connect = connect
+
+    def _inbound_publish(self, p: Publish) -> Publish:
+        if self.connect is None:
+            raise ProtocolError(RC.PROTOCOL_ERROR, "first packet must be CONNECT")
+        topic = p.topic
+        alias = p.properties.topic_alias
+        if alias is not None:
+            if alias == 0 or alias > self.topic_alias_maximum_in:
+                raise ProtocolError(RC.TOPIC_ALIAS_INVALID, f"topic alias {alias} out of range")
+            if topic:
+                self._aliases_in[alias] = topic
+            else:
+                known = self._aliases_in.get(alias)
+                if known is None:
+                    raise ProtocolError(RC.PROTOCOL_ERROR, f"unknown topic alias {alias}")
+                topic = known
+            # The broker sees the full topic and never forwards the sender's alias.
+            p = dataclasses.replace(p, topic=topic, properties=dataclasses.replace(p.properties, topic_alias=None))
+        elif not topic and self.decoder.version == MQTT_5:
+            raise ProtocolError(RC.PROTOCOL_ERROR, "empty topic without topic alias")
+        if not validate_topic_name(topic):
+            raise ProtocolError(RC.TOPIC_NAME_INVALID, "invalid topic name")  # MQTT-3.3.2-2
+        if p.qos:
+            pid = p.packet_id
+            if pid not in self._inflight_in:
+                # 3.1.1 has no Receive Maximum: there the broker applies back-pressure instead.
+                if len(self._inflight_in) >= self.receive_maximum_in and self.decoder.version == MQTT_5:
+                    raise ProtocolError(RC.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")  # MQTT-3.3.4-9
+                self._inflight_in.add(pid)  # type: ignore[arg-type]
+        return p
+
+    def _inbound_subscribe(self, s: Subscribe) -> None:
+        for topic_filter, options in s.subscriptions:
+            if options.no_local and is_shared(topic_filter):
+                raise ProtocolError(RC.PROTOCOL_ERROR, "no local on a shared subscription")  # MQTT-3.8.3-4
+
+    def _inbound_auth(self, a: Auth) -> None:
+        method = a.properties.authentication_method
+        if method is None:
+            raise ProtocolError(RC.PROTOCOL_ERROR, "AUTH without authentication method")
+        assert self.connect is not None
+        if method != self.connect.properties.authentication_method:
+            raise ProtocolError(RC.PROTOCOL_ERROR, "AUTH method differs from CONNECT's")  # MQTT-4.12.0-5
+
+    @property
+    def inbound_inflight(self) -> int:
+        """QoS>0 PUBLISHes received and not yet finished by our PUBACK/PUBCOMP."""
+        return len(self._inflight_in)
+
+    def note_inbound_acked(self, packet_id: int) -> None:
+        """We sent the final acknowledgement for ``packet_id`` (PUBACK, PUBCOMP, or a PUBREC
+        with a failure code). ``encode_outbound`` calls this itself for ack packets; calling
+        it twice is harmless."""
+        self._inflight_in.discard(packet_id)
+
+    # -- outbound --------------------------------------------------------------------------------
+
+    def encode_outbound(self, packet: Packet) -> bytes | None:
+        """Bytes for ``packet``, or None if it must not be sent (too large for the client)."""
+        version = self.decoder.version
+        invariant(version is not None, "encode_outbound before CONNECT")
+        assert version is not None
+        kind = type(packet)
+        if kind is Publish:
+            p: Publish = packet  # type: ignore[assignment]
+            body = encode_properties(p.properties) if version == MQTT_5 else b""
+            return self.encode_publish(p.topic, p.topic.encode("utf-8"), p.payload, p.qos, p.retain, p.dup,
+                                       p.packet_id, body)
+        if isinstance(packet, (Puback, Pubcomp)) or (isinstance(packet, Pubrec) and packet.reason_code >= 0x80):
+            self.note_inbound_acked(packet.packet_id)
+        data = encode(packet, version)
+        limit = self.client_maximum_packet_size
+        if limit is None or len(data) <= limit:
+            return data
+        # MQTT-3.1.2-25: first drop what is optional (reason string, user properties) ...
+        props: Properties = getattr(packet, "properties", NO_PROPERTIES)
+        if props.reason_string is not None or props.user_properties:
+            slim = dataclasses.replace(props, reason_string=None, user_properties=())
+            if slim == NO_PROPERTIES:
+                slim = NO_PROPERTIES
+            slim_packet: Packet = dataclasses.replace(packet, properties=slim)  # type: ignore[arg-type]
+            data = encode(slim_packet, version)
+            if len(data) <= limit:
+                return data
+        return None  # ... then the packet itself
+
+    def encode_publish(
+        self,
+        topic: str,
+        topic_bytes: bytes,
+        payload: bytes,
+        qos: int,
+        retain: bool,
+        dup: bool,
+        packet_id: int | None,
+        props_bytes: bytes = b"",
+    ) -> bytes | None:
+        """Hot path for outbound PUBLISH from pre-encoded parts (``props_bytes`` is a property body
+        from ``encode_properties``, without a topic alias). Applies outbound topic aliases and the
+        client's maximum packet size. None = too large: the broker must then behave as if it had
+        sent and completed the message (MQTT-3.1.2-25) and not count it as in flight."""
+        version = self.decoder.version
+        new_alias = 0
+        if version == MQTT_5 and self.client_topic_alias_maximum and self.outbound_topic_aliases:
+            alias = self._aliases_out.get(topic)
+            if alias is not None:
+                topic_bytes = b""
+                props_bytes = props_bytes + b"\x23" + alias.to_bytes(2, "big")
+            elif len(self._aliases_out) < self.client_topic_alias_maximum:
+                # First use: send the topic and the new alias; later ones send only the alias.
+                new_alias = len(self._aliases_out) + 1
+                props_bytes = props_bytes + b"\x23" + new_alias.to_bytes(2, "big")
+        data = encode_publish_fast(topic_bytes, payload, qos, retain, dup, packet_id, version or 4, props_bytes)
+        limit = self.client_maximum_packet_size
+        if limit is not None and len(data) > limit:
+            return None  # a new alias is not recorded: the client never learned it
+        if new_alias:
+            self._aliases_out[topic] = new_alias
+        return data
+
+    def outbound_quota_available(self) -> int:
+        """How many more QoS>0 PUBLISHes the client's Receive Maximum allows right now."""
+        return self.client_receive_maximum - self._inflight_out
+
+    def on_outbound_publish_sent(self, qos: int) -> None:
+        if qos:
+            invariant(self._inflight_out < self.client_receive_maximum,
+                      "sent a QoS>0 PUBLISH beyond the client's receive maximum")
+            self._inflight_out += 1
+
+    def on_outbound_ack(self) -> None:
+        """The client finished one of our QoS>0 PUBLISHes (PUBACK, PUBCOMP, or PUBREC >= 0x80)."""
+        invariant(self._inflight_out > 0, "outbound ack with nothing in flight")
+        self._inflight_out -= 1
+
+    @property
+    def outbound_inflight(self) -> int:
+        return self._inflight_out
+
+    # -- time ------------------------------------------------------------------------------------
+
+    def keepalive_deadline(self, last_packet_time: float) -> float | None:
+        """When the connection must be closed if nothing arrives: 1.5 x keepalive after the
+        last packet (MQTT-3.1.2-24). None when keepalive is 0 (off)."""
+        if not self.keepalive:
+            return None
+        return last_packet_time + 1.5 * self.keepalive

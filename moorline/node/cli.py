@@ -1,0 +1,72 @@
+"""``moorline run``: start one node (the embedded default); ``moorline passwd``: manage users."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from moorline.config import ConfigError, load_config
+
+
+def run(
+    data_dir: Annotated[Optional[Path], typer.Option(help="data directory [default: ./moorline-data]")] = None,
+    mqtt: Annotated[Optional[str], typer.Option(help="MQTT listener HOST:PORT [default: 127.0.0.1:1883]")] = None,
+    http: Annotated[Optional[str], typer.Option(help="HTTP (admin/fetch) listener HOST:PORT [default: 127.0.0.1:8883]")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="TOML configuration file")] = None,
+    shards: Annotated[Optional[int], typer.Option(help="shard count (fixed when the data dir is created)")] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
+) -> None:
+    """Start one moorline node (single node, embedded default)."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    overrides: dict[str, object] = {}
+    if data_dir is not None:
+        overrides["data_dir"] = str(data_dir)
+    if mqtt is not None:
+        overrides["listeners.mqtt"] = mqtt
+    if http is not None:
+        overrides["listeners.http"] = http
+    if shards is not None:
+        overrides["shard.count"] = shards
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as exc:
+        typer.echo(f"moorline: configuration error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    from moorline.node.server import serve
+    from moorline.storage.wal import WalCorruption
+
+    try:
+        code = asyncio.run(serve(cfg))
+    except WalCorruption as exc:
+        typer.echo(f"moorline: refusing to start: WAL corruption in {exc.path} at offset {exc.offset}: {exc}", err=True)
+        raise typer.Exit(3) from exc
+    except (ConfigError, OSError) as exc:
+        typer.echo(f"moorline: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    raise typer.Exit(code)
+
+
+def passwd(
+    file: Annotated[Path, typer.Argument(help="password file")],
+    user: Annotated[str, typer.Argument()],
+    password: Annotated[Optional[str], typer.Argument(help="omit to be prompted")] = None,
+) -> None:
+    """Add or change a user in a password file (salted scrypt hashes)."""
+    from moorline.node.auth import set_password
+
+    if password is None:
+        password = typer.prompt("password", hide_input=True, confirmation_prompt=True)
+    set_password(file, user, password)
+    typer.echo(f"user {user} written to {file}")

@@ -1,0 +1,544 @@
+"""The MQTT edge: one asyncio Protocol per client socket, around the sans-IO ``ProtocolState``.
+
+Packets are handled in arrival order by one task per connection. A QoS>0 PUBLISH is proposed at
+once and its acknowledgement queued: acks leave in the order the PUBLISHes arrived, each only
+after the entry holding the message is synced. Control packets (SUBSCRIBE, ...) wait for their
+commit before the next packet is handled, so a client's later publishes see its subscriptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from moorline.broker import commands as c
+from moorline.broker.messages import MessageProps, StoredMessage
+from moorline.mqtt import packets as p
+from moorline.mqtt.codec import MQTT_5, encode, encode_properties
+from moorline.mqtt.errors import ProtocolError, UnsupportedProtocol
+from moorline.mqtt.protocol import ProtocolState
+from moorline.mqtt.reasons import ReasonCode as RC
+from moorline.mqtt.reasons import connack_v5_to_v3, suback_v5_to_v3
+from moorline.mqtt.topics import parse_shared, validate_topic_filter
+from moorline.node.auth import Principal
+from moorline.node.delivery import LiveSession, OutboundPublish
+from moorline.node.shard_host import ShardUnavailable
+
+if TYPE_CHECKING:
+    from moorline.node.server import MqttServer
+
+log = logging.getLogger("moorline.conn")
+
+MAX_QUEUED_PACKETS = 1024  # decoded packets waiting for the handler before we stop reading
+
+
+def _guid_from(props: p.Properties) -> tuple[bytes | None, bytes | None, int | None]:
+    guid = producer = None
+    seq = None
+    for k, v in props.user_properties:
+        if k == "guid" and len(v) == 32:
+            try:
+                guid = bytes.fromhex(v)
+            except ValueError:
+                pass
+        elif k == "producer" and len(v) == 16:
+            try:
+                producer = bytes.fromhex(v)
+            except ValueError:
+                pass
+        elif k == "seq" and v.isdigit():
+            seq = int(v)
+    if producer is not None and seq is not None and guid is None:
+        guid = producer + seq.to_bytes(8, "big")
+    return guid, producer, seq if producer is not None else None
+
+
+class Connection(asyncio.Protocol):
+    def __init__(self, server: MqttServer) -> None:
+        self.server = server
+        self.node = server.node
+        cfg = self.node.cfg.mqtt
+        self.cfg = cfg
+        self.state = ProtocolState(
+            max_packet_size_in=cfg.max_packet_size,
+            topic_alias_maximum_in=cfg.topic_alias_maximum,
+            receive_maximum_in=cfg.receive_maximum,
+        )
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.client_id = ""
+        self.version = 4
+        self.live: LiveSession | None = None
+        self.principal = Principal(None, "")
+        self.will_on_close = True
+        self.session_expiry_override: int | None = None
+        self._queue: deque[p.Packet] = deque()
+        self._queue_event = asyncio.Event()
+        self._paused = False
+        self._out: list[bytes] = []
+        self._flush_scheduled = False
+        self._acks: deque[tuple[asyncio.Future[Any], Any, float]] = deque()
+        self._q2_inprogress: set[int] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self.last_rx = time.monotonic()
+        self._timer: asyncio.TimerHandle | None = None
+        self.connected_at = time.monotonic()
+
+    # --- transport callbacks --------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self.server.connections.add(self)
+        self._task = asyncio.get_running_loop().create_task(self._handle_loop())
+        self._timer = asyncio.get_running_loop().call_later(self.cfg.connect_timeout_s, self._check_timers)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        self.last_rx = time.monotonic()
+        try:
+            packets = self.state.receive(data)
+        except UnsupportedProtocol as exc:
+            level = exc.level
+            code = RC.UNSUPPORTED_PROTOCOL_VERSION
+            self._write(encode(p.Connack(False, code), MQTT_5 if level == MQTT_5 else 4))
+            self.abort(f"unsupported protocol: {exc}")
+            return
+        except ProtocolError as exc:
+            self.protocol_error(exc.reason_code, str(exc))
+            return
+        if packets:
+            self._queue.extend(packets)
+            self._queue_event.set()
+            if len(self._queue) > MAX_QUEUED_PACKETS and not self._paused:
+                self._paused = True
+                self.transport.pause_reading()  # type: ignore[union-attr]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closing = True
+        self.server.connections.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._queue_event.set()
+        if self.live is not None:
+            live = self.live
+            self.live = None
+            if self.node.connections.get(self.client_id) is self:
+                del self.node.connections[self.client_id]
+            asyncio.get_running_loop().create_task(self._end(live))
+
+    async def _end(self, live: LiveSession) -> None:
+        try:
+            await self.node.close_session(live, self.will_on_close, self.session_expiry_override)
+        except Exception:
+            log.exception("closing session %s failed", live.client_id)
+
+    # --- output ----------------------------------------------------------------------------------
+    def _write(self, data: bytes) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        self._out.append(data)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self.transport is None or self.transport.is_closing() or not self._out:
+            self._out.clear()
+            return
+        data = b"".join(self._out)
+        self._out.clear()
+        self.transport.write(data)
+        if self.transport.get_write_buffer_size() > self.cfg.max_write_buffer_bytes:
+            # The client stopped reading: bounded buffer, then disconnect (unacked work is redelivered).
+            self.abort("client is not reading (write buffer full)")
+
+    def send_packet(self, packet: p.Packet) -> None:
+        data = self.state.encode_outbound(packet)
+        if data is not None:
+            self._write(data)
+
+    def protocol_error(self, reason: int, text: str) -> None:
+        log.info("%s %s: protocol error: %s", self.peer, self.client_id, text)
+        if self.state.awaiting_connect:
+            version = self.state.version or 4
+            code = reason if version == MQTT_5 else connack_v5_to_v3(reason)
+            if version == MQTT_5 or code != 0:
+                self._write(encode(p.Connack(False, code), version))
+        elif self.version == MQTT_5:
+            self._write(encode(p.Disconnect(reason, p.Properties(reason_string=text[:200])), MQTT_5))
+        self.abort(text)
+
+    def abort(self, why: str) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        log.debug("closing %s (%s): %s", self.peer, self.client_id, why)
+        if self.transport is not None:
+            self._flush()
+            self.transport.close()
+
+    def disconnect(self, reason: int, text: str = "") -> None:
+        if self.version == MQTT_5:
+            props = p.Properties(reason_string=text) if text else p.NO_PROPERTIES
+            self._write(encode(p.Disconnect(reason, props), MQTT_5))
+        self.abort(text or f"disconnect 0x{reason:02x}")
+
+    # --- timers ----------------------------------------------------------------------------------
+    def _check_timers(self) -> None:
+        self._timer = None
+        if self._closing:
+            return
+        now = time.monotonic()
+        if self.state.awaiting_connect:
+            if now - self.connected_at >= self.cfg.connect_timeout_s:
+                self.abort("no CONNECT in time")
+                return
+        else:
+            deadline = self.state.keepalive_deadline(self.last_rx)
+            if deadline is not None and now >= deadline:
+                self.disconnect(RC.KEEP_ALIVE_TIMEOUT, "keep alive timeout")
+                return
+            if self._acks and now - self._acks[0][2] > self.cfg.publish_timeout_s:
+                # Outcome unknown: close so the client retransmits (DESIGN.md promise 6).
+                self.disconnect(RC.SERVER_BUSY, "publish outcome unknown within publish_timeout")
+                return
+        self._timer = asyncio.get_running_loop().call_later(1.0, self._check_timers)
+
+    # --- packet handling -------------------------------------------------------------------------
+    async def _handle_loop(self) -> None:
+        try:
+            while not self._closing:
+                if not self._queue:
+                    if self._paused and self.transport is not None:
+                        self._paused = False
+                        self.transport.resume_reading()
+                    self._queue_event.clear()
+                    await self._queue_event.wait()
+                    continue
+                packet = self._queue.popleft()
+                await self._handle(packet)
+        except ShardUnavailable as exc:
+            self.disconnect(RC.SERVER_UNAVAILABLE if self.version == MQTT_5 else 0, str(exc))
+        except ProtocolError as exc:
+            self.protocol_error(exc.reason_code, str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s %s: connection handler failed", self.peer, self.client_id)
+            self.disconnect(RC.UNSPECIFIED_ERROR, "internal error")
+
+    async def _handle(self, packet: p.Packet) -> None:
+        kind = type(packet)
+        if kind is p.Publish:
+            await self._on_publish(packet)  # type: ignore[arg-type]
+        elif kind is p.Puback:
+            if self.live is not None and self.live.on_puback(packet.packet_id):  # type: ignore[union-attr]
+                self.node.on_ack_room(self.client_id)
+        elif kind is p.Pubrec:
+            await self._on_pubrec(packet)  # type: ignore[arg-type]
+        elif kind is p.Pubcomp:
+            if self.live is not None and self.live.on_pubcomp(packet.packet_id):  # type: ignore[union-attr]
+                self.node.on_ack_room(self.client_id)
+        elif kind is p.Pubrel:
+            self._on_pubrel(packet)  # type: ignore[arg-type]
+        elif kind is p.Subscribe:
+            await self._on_subscribe(packet)  # type: ignore[arg-type]
+        elif kind is p.Unsubscribe:
+            await self._on_unsubscribe(packet)  # type: ignore[arg-type]
+        elif kind is p.Pingreq:
+            self._write(b"\xd0\x00")
+        elif kind is p.Disconnect:
+            self._on_disconnect(packet)  # type: ignore[arg-type]
+        elif kind is p.Connect:
+            await self._on_connect(packet)  # type: ignore[arg-type]
+        elif kind is p.Auth:
+            self.disconnect(RC.BAD_AUTH_METHOD, "enhanced authentication is not supported")
+
+    # CONNECT
+    async def _on_connect(self, pk: p.Connect) -> None:
+        self.version = pk.protocol_level
+        v5 = self.version == MQTT_5
+        props = pk.properties
+        if v5 and props.authentication_method is not None:
+            self._connack_refuse(RC.BAD_AUTH_METHOD)
+            return
+        client_id = pk.client_id
+        assigned = None
+        if not client_id:
+            if not v5 and not pk.clean_start:
+                self._connack_refuse(RC.CLIENT_IDENTIFIER_NOT_VALID)
+                return
+            client_id = assigned = f"auto-{uuid.uuid4().hex}"
+        if not self.server.authorizer.authenticate(pk.username, pk.password):
+            self._connack_refuse(RC.BAD_USERNAME_OR_PASSWORD if pk.username is not None else RC.NOT_AUTHORIZED)
+            return
+        self.client_id = client_id
+        self.principal = Principal(pk.username, client_id)
+        if v5:
+            expiry = props.session_expiry_interval or 0
+        else:
+            expiry = 0 if pk.clean_start else self.node.cfg.session.max_expiry_s
+        expiry = min(expiry, 0xFFFFFFFF)
+        will = None
+        if pk.will is not None:
+            w = pk.will
+            wp = w.properties
+            mprops = self._message_props(wp)
+            import msgspec
+
+            will = c.WillSpec(
+                w.topic, w.payload, w.qos, w.retain, wp.will_delay_interval or 0, wp.message_expiry_interval,
+                msgspec.msgpack.encode(mprops) if mprops is not None else None,
+            )
+            if not self.server.authorizer.can_publish(self.principal, w.topic):
+                self._connack_refuse(RC.NOT_AUTHORIZED)
+                return
+        old = self.node.connections.get(client_id)
+        if old is not None and old is not self:
+            old.will_on_close = old.will_on_close  # takeover: the old connection's will stays as it was
+            old.disconnect(RC.SESSION_TAKEN_OVER, "session taken over")
+            if old.live is not None:
+                live_old = old.live
+                old.live = None
+                await self.node.close_session(live_old, False, None)
+        self.node.connections[client_id] = self
+        present, epoch, inc = await self.node.open_session(client_id, pk.clean_start, expiry, will, pk.username or "")
+        if self._closing:
+            return
+        client_rm = props.receive_maximum if v5 and props.receive_maximum else self.cfg.max_inflight_out
+        if not v5:
+            client_rm = self.cfg.max_inflight_out
+        self.live = LiveSession(self.node, client_id, epoch, inc, client_rm, self._send_publish, self._send_pubrel)
+        self.node.live[client_id] = self.live
+        ack_props = p.NO_PROPERTIES
+        if v5:
+            base = self.state.connack_properties()
+            keep = None
+            if pk.keepalive > self.cfg.max_keepalive_s:
+                keep = self.cfg.max_keepalive_s
+                self.state.keepalive = keep
+            ack_props = p.Properties(
+                receive_maximum=base.receive_maximum,
+                topic_alias_maximum=base.topic_alias_maximum,
+                maximum_packet_size=base.maximum_packet_size,
+                assigned_client_identifier=assigned,
+                server_keep_alive=keep,
+                retain_available=None,
+                wildcard_subscription_available=None,
+                shared_subscription_available=None,
+                subscription_identifier_available=None,
+                session_expiry_interval=self.node.cfg.session.max_expiry_s
+                if expiry > self.node.cfg.session.max_expiry_s else None,
+            )
+        self._write(encode(p.Connack(present, 0, ack_props), self.version))
+        self.live.start()
+
+    def _connack_refuse(self, reason: int) -> None:
+        code = reason if self.version == MQTT_5 else connack_v5_to_v3(reason)
+        self._write(encode(p.Connack(False, code), self.version))
+        self.abort(f"connect refused 0x{reason:02x}")
+
+    @staticmethod
+    def _message_props(pp: p.Properties) -> MessageProps | None:
+        if (pp.payload_format_indicator is None and pp.content_type is None and pp.response_topic is None
+                and pp.correlation_data is None and not pp.user_properties):
+            return None
+        return MessageProps(pp.payload_format_indicator, pp.content_type, pp.response_topic, pp.correlation_data,
+                            pp.user_properties)
+
+    # PUBLISH (inbound)
+    async def _on_publish(self, pk: p.Publish) -> None:
+        if self.live is None:
+            raise ProtocolError(RC.PROTOCOL_ERROR, "PUBLISH before CONNECT completed")
+        v5 = self.version == MQTT_5
+        if pk.qos == 2 and pk.packet_id in self._q2_inprogress:
+            return  # a resend while the first copy is still being committed: its PUBREC will come
+        if not self.server.authorizer.can_publish(self.principal, pk.topic):
+            log.warning("%s: publish to %r denied by ACL", self.client_id, pk.topic)
+            if pk.qos == 1:
+                self._queue_ack(self._done(), ("puback", pk.packet_id, RC.NOT_AUTHORIZED if v5 else 0))
+            elif pk.qos == 2:
+                self._queue_ack(self._done(), ("pubrec", pk.packet_id, RC.NOT_AUTHORIZED if v5 else 0))
+            return
+        guid, producer, seq = _guid_from(pk.properties)
+        if pk.qos == 2:
+            sess = self.live.session()
+            known = sess.inbound_qos2.get(pk.packet_id) if sess is not None else None  # type: ignore[arg-type]
+            if known is not None:
+                guid = known
+            else:
+                guid = guid or os.urandom(16)
+                fut = self.node.propose(self.live.shard, c.InboundQos2(self.client_id, self.live.epoch, pk.packet_id, guid))  # type: ignore[arg-type]
+                assert fut is not None
+                self._q2_inprogress.add(pk.packet_id)  # type: ignore[arg-type]
+                try:
+                    recorded = await fut  # pid -> GUID is durable before the message is proposed
+                finally:
+                    self._q2_inprogress.discard(pk.packet_id)  # type: ignore[arg-type]
+                if recorded is None:
+                    self.disconnect(RC.SESSION_TAKEN_OVER, "session taken over")
+                    return
+                guid = recorded
+        msg = StoredMessage(
+            pk.topic, pk.payload, pk.qos, pk.retain, guid or os.urandom(16), self.node.now_ms(),
+            pk.properties.message_expiry_interval if v5 else None, self._message_props(pk.properties) if v5 else None,
+            self.client_id,
+        )
+        shard = self.node.topic_shard(pk.topic)
+        fut2 = self.node.propose(shard, c.Publish(msg, self.principal.username or "", producer, seq), want=pk.qos > 0)
+        self.node.stats["published"] += 1
+        if pk.qos == 1:
+            assert fut2 is not None
+            self._queue_ack(fut2, ("puback", pk.packet_id, 0))
+        elif pk.qos == 2:
+            assert fut2 is not None
+            self._queue_ack(fut2, ("pubrec", pk.packet_id, 0))
+
+    def _done(self) -> asyncio.Future[Any]:
+        f: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        f.set_result(None)
+        return f
+
+    def _queue_ack(self, fut: asyncio.Future[Any], what: Any) -> None:
+        self._acks.append((fut, what, time.monotonic()))
+        fut.add_done_callback(self._drain_acks)
+
+    def _drain_acks(self, _f: asyncio.Future[Any] | None = None) -> None:
+        """Acks leave in arrival order of their PUBLISHes (MQTT-4.6.0-2), each after its sync."""
+        while self._acks and self._acks[0][0].done():
+            fut, (kind, pid, forced), _ = self._acks.popleft()
+            if self._closing:
+                continue
+            reason = forced
+            if fut.cancelled() or fut.exception() is not None:
+                exc = fut.exception() if not fut.cancelled() else None
+                # Outcome unknown: never acknowledge; close so the client resends (DUP).
+                self.disconnect(RC.SERVER_UNAVAILABLE if isinstance(exc, ShardUnavailable) else RC.SERVER_BUSY,
+                                "publish outcome unknown")
+                return
+            result = fut.result()
+            if kind == "pubcomp":
+                reason = 0 if result else RC.PACKET_ID_NOT_FOUND
+                self.send_packet(p.Pubcomp(pid, reason if self.version == MQTT_5 else 0))
+                continue
+            if result is not None and getattr(result, "status", "ok") == "refused":
+                if self.version != MQTT_5:
+                    self.abort(f"publish refused: {result.reason}")  # 3.1.1 cannot say no: close
+                    return
+                reason = result.reason_code
+            if kind == "puback":
+                self.send_packet(p.Puback(pid, reason))
+            else:
+                self.send_packet(p.Pubrec(pid, reason))
+                if reason >= 0x80:
+                    self.state.note_inbound_acked(pid)
+
+    def _on_pubrel(self, pk: p.Pubrel) -> None:
+        assert self.live is not None
+        fut = self.node.propose(self.live.shard, c.InboundRelease(self.client_id, self.live.epoch, pk.packet_id))
+        assert fut is not None
+        self._queue_ack(fut, ("pubcomp", pk.packet_id, 0))
+
+    async def _on_pubrec(self, pk: p.Pubrec) -> None:
+        if self.live is None:
+            return
+        if pk.reason_code >= 0x80:
+            if self.live.on_puback(pk.packet_id):  # the client refused it: the delivery is finished
+                self.node.on_ack_room(self.client_id)
+            return
+        if await self.live.on_pubrec(pk.packet_id):
+            self._send_pubrel(pk.packet_id)
+        elif self.version == MQTT_5:
+            self.send_packet(p.Pubrel(pk.packet_id, RC.PACKET_ID_NOT_FOUND))
+
+    # SUBSCRIBE / UNSUBSCRIBE
+    async def _on_subscribe(self, pk: p.Subscribe) -> None:
+        assert self.live is not None
+        v5 = self.version == MQTT_5
+        sub_id = pk.properties.subscription_identifiers[0] if pk.properties.subscription_identifiers else None
+        codes: list[int] = []
+        retained_all: list[Any] = []
+        for flt, opts in pk.subscriptions:
+            if not validate_topic_filter(flt) or (flt.startswith("$share/") and parse_shared(flt) is None):
+                codes.append(RC.TOPIC_FILTER_INVALID if v5 else 0x80)
+                continue
+            check = parse_shared(flt)
+            inner = check[1] if check else flt
+            if not self.server.authorizer.can_subscribe(self.principal, inner):
+                codes.append(RC.NOT_AUTHORIZED if v5 else 0x80)
+                continue
+            qos = min(opts.qos, 2)
+            try:
+                retained = await self.node.subscribe(
+                    self.live, flt, qos, opts.no_local if v5 else False, opts.retain_as_published if v5 else False,
+                    opts.retain_handling if v5 else 0, sub_id,
+                )
+            except ShardUnavailable:
+                codes.append(RC.UNSPECIFIED_ERROR if v5 else 0x80)
+                continue
+            retained_all.extend(retained)
+            codes.append(qos)
+        self.send_packet(p.Suback(pk.packet_id, tuple(codes if v5 else [suback_v5_to_v3(x) for x in codes])))
+        if retained_all and self.live is not None:
+            await self.live.deliver_retained(retained_all)
+
+    async def _on_unsubscribe(self, pk: p.Unsubscribe) -> None:
+        assert self.live is not None
+        codes = []
+        for flt in pk.filters:
+            existed = await self.node.unsubscribe(self.live, flt)
+            codes.append(0 if existed else RC.NO_SUBSCRIPTION_EXISTED)
+        self.send_packet(p.Unsuback(pk.packet_id, tuple(codes) if self.version == MQTT_5 else ()))
+
+    def _on_disconnect(self, pk: p.Disconnect) -> None:
+        self.will_on_close = pk.reason_code == RC.DISCONNECT_WITH_WILL
+        se = pk.properties.session_expiry_interval
+        if se is not None and self.version == MQTT_5:
+            if self.state.connect is not None and not self.state.connect.properties.session_expiry_interval and se:
+                self.protocol_error(RC.PROTOCOL_ERROR, "session expiry set on DISCONNECT after 0 in CONNECT")
+                return
+            self.session_expiry_override = se
+        self.abort("client disconnected")
+
+    # outbound (called by LiveSession)
+    def _send_publish(self, out: OutboundPublish) -> None:
+        msg = out.msg
+        props = b""
+        if self.version == MQTT_5:
+            mp = msg.props
+            expiry = None
+            if msg.expiry_s is not None:
+                left = (msg.ts_ms + msg.expiry_s * 1000 - self.node.now_ms()) // 1000
+                expiry = max(1, int(left))
+            if mp is not None or expiry is not None or out.sub_ids:
+                props = encode_properties(p.Properties(
+                    payload_format_indicator=mp.payload_format if mp else None,
+                    message_expiry_interval=expiry,
+                    content_type=mp.content_type if mp else None,
+                    response_topic=mp.response_topic if mp else None,
+                    correlation_data=mp.correlation_data if mp else None,
+                    subscription_identifiers=out.sub_ids,
+                    user_properties=mp.user_properties if mp else (),
+                ))
+        data = self.state.encode_publish(
+            msg.topic, msg.topic.encode(), msg.payload, out.qos, out.retain, out.dup, out.packet_id, props
+        )
+        if data is None:
+            # Too large for this client (MQTT-3.1.2-25): behave as if sent and completed.
+            if out.packet_id is not None and self.live is not None:
+                self.live.on_puback(out.packet_id)
+            return
+        self._write(data)
+        self.node.stats["delivered"] += 1
+
+    def _send_pubrel(self, pid: int) -> None:
+        self.send_packet(p.Pubrel(pid))

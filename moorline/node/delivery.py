@@ -1,0 +1,325 @@
+"""Outbound delivery for one connected session.
+
+Order of operations for every batch (DESIGN.md, "Delivery"): pick owed messages in offset order
+per shard, commit a ``Deliver`` batch in the session's shard (seqno -> packet id), and only then
+write the PUBLISH packets. Acknowledgements are committed in batches; after they commit, the
+topic shards get ``AckReport`` commands and may release the messages. On reconnect the session
+first resends every unacknowledged delivery in seqno order with its original packet id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from moorline.broker import commands as c
+from moorline.broker.messages import StoredMessage, decode_message
+from moorline.broker.session_state import RELEASING, Session, packet_id_of
+
+if TYPE_CHECKING:
+    from moorline.node.node import Node
+
+log = logging.getLogger("moorline.delivery")
+
+LOOSE_PACKET_IDS = os.environ.get("MOORLINE_BENCH_LOOSE_PACKET_IDS") == "1"
+
+
+@dataclass(slots=True)
+class OutboundPublish:
+    msg: StoredMessage
+    qos: int
+    retain: bool
+    dup: bool
+    packet_id: int | None
+    sub_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Candidate:
+    offset: int
+    qos: int = 0
+    sub_ids: list[int] = field(default_factory=list)
+    reg_keys: list[str] = field(default_factory=list)
+    rap: bool = False
+
+
+class LiveSession:
+    """The node-side driver of one connected session. Owns no replicated state of its own."""
+
+    def __init__(
+        self,
+        node: Node,
+        client_id: str,
+        epoch: int,
+        incarnation: int,
+        receive_max: int,
+        send_publish: Callable[[OutboundPublish], None],
+        send_pubrel: Callable[[int], None],
+    ) -> None:
+        self.node = node
+        self.client_id = client_id
+        self.shard = node.session_shard(client_id)
+        self.epoch = epoch
+        self.incarnation = incarnation
+        self.receive_max = receive_max
+        self.send_publish = send_publish
+        self.send_pubrel = send_pubrel
+        self.closed = False
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        sess = self.session()
+        self.next_seq = sess.next_seq if sess else 0
+        self.cursor: dict[int, int] = dict(sess.last_delivered) if sess else {}
+        self.pid_to_seq: dict[int, int] = {}
+        self.inflight_out = 0  # QoS>0 PUBLISHes not yet acknowledged by the client
+        self.share_delivered: set[tuple[int, int]] = set()  # (shard, offset) of share claims in flight
+        self._acks: list[tuple[int, int]] = []
+        self._ack_flush: asyncio.TimerHandle | None = None
+
+    def session(self) -> Session | None:
+        return self.node.hosts[self.shard].state.sessions.sessions.get(self.client_id)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._resend()
+        self._task = asyncio.get_running_loop().create_task(self._pump(), name=f"deliver:{self.client_id}")
+        self.wake()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def close(self) -> None:
+        self.closed = True
+        self._flush_acks()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    def _resend(self) -> None:
+        sess = self.session()
+        if sess is None:
+            return
+        for seq, d in sess.inflight.items():
+            pid = packet_id_of(seq)
+            self.pid_to_seq[pid] = seq
+            self.inflight_out += 1
+            if d.item.offset < 0:
+                self.share_delivered.discard((d.item.shard, d.item.offset))
+            else:
+                self.share_delivered.add((d.item.shard, d.item.offset))
+            if d.state == RELEASING:
+                self.send_pubrel(pid)
+                continue
+            msg = self._message(d.item)
+            if msg is None:
+                log.error("session %s: message %d/%d of an unacknowledged delivery is gone",
+                          self.client_id, d.item.shard, d.item.offset)
+                continue
+            self.send_publish(OutboundPublish(msg, d.item.qos, d.item.retain, True, pid, d.item.sub_ids))
+
+    def _message(self, item: c.DeliveryItem) -> StoredMessage | None:
+        if item.embedded is not None:
+            return item.embedded
+        rec = self.node.hosts[item.shard].store.get(item.offset)
+        return None if rec is None else decode_message(rec)
+
+    # --- the pump ------------------------------------------------------------------------------
+    async def _pump(self) -> None:
+        while not self.closed:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                while not self.closed and await self._deliver_once():
+                    pass
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("session %s: delivery failed", self.client_id)
+                await asyncio.sleep(0.1)
+                self._wake.set()
+
+    def _room(self) -> int:
+        return self.receive_max - self.inflight_out
+
+    async def _deliver_once(self) -> bool:
+        sess = self.session()
+        if sess is None or sess.epoch != self.epoch:
+            return False
+        room = self._room()
+        items: list[c.DeliveryItem] = []
+        msgs: list[StoredMessage] = []
+        more = False
+        now_ms = int(time.time() * 1000)
+        for shard, cands in self._candidates(sess):
+            host = self.node.hosts[shard]
+            expired: dict[str, list[int]] = {}
+            for cand in cands:
+                if cand.qos > 0 and room <= 0:
+                    more = True
+                    break
+                rec = host.store.get(cand.offset)
+                if rec is None:
+                    continue
+                msg = decode_message(rec)
+                qos = min(cand.qos, msg.qos)
+                exp = msg.expires_at_ms()
+                if exp is not None and exp <= now_ms:
+                    for rk in cand.reg_keys:
+                        expired.setdefault(rk, []).append(cand.offset)
+                    self.cursor[shard] = max(self.cursor.get(shard, -1), cand.offset)
+                    continue
+                retain = msg.retain and cand.rap
+                items.append(c.DeliveryItem(shard, cand.offset, qos, retain, tuple(cand.sub_ids), tuple(cand.reg_keys)))
+                msgs.append(msg)
+                if qos > 0:
+                    room -= 1
+                if len(items) >= self.node.cfg.session.delivery_batch_max:
+                    more = True
+                    break
+            for rk, offs in expired.items():
+                self.node.propose(shard, c.DropOwed(rk, tuple(offs), "message_expiry"), want=False)
+            if more:
+                break
+        if not items:
+            return False
+        await self._commit_and_send(items, msgs)
+        return more
+
+    def _candidates(self, sess: Session) -> list[tuple[int, list[_Candidate]]]:
+        """Owed, undelivered offsets per topic shard, merged over this session's subscriptions."""
+        out: list[tuple[int, list[_Candidate]]] = []
+        node = self.node
+        for shard, regs in node.session_regs(self.client_id, sess):
+            topics = node.hosts[shard].state.topics
+            cursor = self.cursor.get(shard, -1)
+            merged: dict[int, _Candidate] = {}
+            for reg_key, sub in regs:
+                reg = topics.regs.get(reg_key)
+                if reg is None:
+                    continue
+                if reg.share_group is not None:
+                    for offset, member in reg.claims.items():
+                        if member == self.client_id and (shard, offset) not in self.share_delivered:
+                            self._merge(merged, offset, reg_key, sub)
+                    continue
+                if reg.session_inc != self.incarnation:
+                    continue
+                for offset in reg.owed:
+                    if offset > cursor:
+                        self._merge(merged, offset, reg_key, sub)
+            if merged:
+                out.append((shard, [merged[o] for o in sorted(merged)]))
+        return out
+
+    @staticmethod
+    def _merge(merged: dict[int, _Candidate], offset: int, reg_key: str, sub: Any) -> None:
+        cand = merged.get(offset)
+        if cand is None:
+            cand = merged[offset] = _Candidate(offset)
+        cand.qos = max(cand.qos, sub.qos)
+        if sub.sub_id:
+            cand.sub_ids.append(sub.sub_id)
+        cand.reg_keys.append(reg_key)
+        cand.rap = cand.rap or sub.retain_as_published
+
+    async def deliver_retained(self, retained: list[tuple[StoredMessage, int, int | None]]) -> None:
+        """Retained messages returned by a Register apply: (message, granted qos, subscription id)."""
+        items = [
+            c.DeliveryItem(-1, -1, min(q, m.qos), True, (sid,) if sid else (), (), m) for m, q, sid in retained
+        ]
+        if items:
+            await self._commit_and_send(items, [m for m, _, _ in retained])
+
+    async def _commit_and_send(self, items: list[c.DeliveryItem], msgs: list[StoredMessage]) -> None:
+        first = self.next_seq
+        self.next_seq += len(items)
+        for it in items:
+            if it.offset >= 0:
+                if it.reg_keys and self.node.is_share_key(it.reg_keys[0]):
+                    self.share_delivered.add((it.shard, it.offset))
+                else:
+                    self.cursor[it.shard] = max(self.cursor.get(it.shard, -1), it.offset)
+            if it.qos > 0:
+                self.inflight_out += 1
+        fut = self.node.propose(self.shard, c.Deliver(self.client_id, self.epoch, first, tuple(items)))
+        if not LOOSE_PACKET_IDS:
+            assert fut is not None
+            ok = await fut  # the batch is durable before any PUBLISH of it leaves
+            if not ok:
+                self.closed = True
+                return
+        if self.closed:
+            return
+        qos0_acks: dict[int, dict[str, list[int]]] = {}
+        for i, (it, msg) in enumerate(zip(items, msgs, strict=True)):
+            seq = first + i
+            pid = packet_id_of(seq) if it.qos > 0 else None
+            if pid is not None:
+                self.pid_to_seq[pid] = seq
+            elif it.offset >= 0:
+                for rk in it.reg_keys:
+                    qos0_acks.setdefault(it.shard, {}).setdefault(rk, []).append(it.offset)
+            self.send_publish(OutboundPublish(msg, it.qos, it.retain, False, pid, it.sub_ids))
+        for shard, by_reg in qos0_acks.items():
+            for rk, offs in by_reg.items():
+                self.node.propose(shard, c.AckReport(rk, tuple(offs)), want=False)
+
+    # --- acknowledgements from the client ----------------------------------------------------------
+    def on_puback(self, pid: int) -> bool:
+        seq = self.pid_to_seq.pop(pid, None)
+        if seq is None:
+            return False
+        self.inflight_out -= 1
+        self._queue_ack(seq, 1)
+        return True
+
+    async def on_pubrec(self, pid: int) -> bool:
+        seq = self.pid_to_seq.get(pid)
+        if seq is None:
+            return False
+        fut = self.node.propose(self.shard, c.SessionAcks(self.client_id, self.epoch, ((seq, 2),)))
+        assert fut is not None
+        await fut  # PUBREC committed before PUBREL is sent
+        return True
+
+    def on_pubcomp(self, pid: int) -> bool:
+        return self.on_puback(pid)
+
+    def _queue_ack(self, seq: int, kind: int) -> None:
+        self._acks.append((seq, kind))
+        if self._ack_flush is None:
+            delay = self.node.cfg.session.ack_commit_interval_ms / 1000
+            self._ack_flush = asyncio.get_running_loop().call_later(delay, self._flush_acks)
+        self.wake()
+
+    def _flush_acks(self) -> None:
+        self._ack_flush = None
+        if not self._acks:
+            return
+        acks, self._acks = tuple(self._acks), []
+        fut = self.node.propose(self.shard, c.SessionAcks(self.client_id, self.epoch, acks))
+        assert fut is not None
+        fut.add_done_callback(self._acks_committed)
+
+    def _acks_committed(self, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        done: list[c.DeliveryItem] = fut.result()
+        by_shard: dict[int, dict[str, list[int]]] = {}
+        for it in done:
+            if it.offset < 0:
+                continue
+            self.share_delivered.discard((it.shard, it.offset))
+            for rk in it.reg_keys:
+                by_shard.setdefault(it.shard, {}).setdefault(rk, []).append(it.offset)
+        for shard, by_reg in by_shard.items():
+            for rk, offs in by_reg.items():
+                self.node.propose(shard, c.AckReport(rk, tuple(offs)), want=False)

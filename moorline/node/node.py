@@ -1,0 +1,555 @@
+"""One moorline node: recovery, shards, group commit, sessions, cross-shard commands, housekeeping.
+
+Everything here is IO and orchestration; the rules live in ``moorline.broker`` (pure). Every
+cross-shard effect is an explicit command proposed to the other shard (shard isolation), also on
+a single node, so one-node tests exercise the same races a cluster has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from moorline.broker import commands as c
+from moorline.broker.effects import Effects
+from moorline.broker.messages import StoredMessage
+from moorline.broker.session_state import Session, SubscriptionState
+from moorline.broker.shard import ShardState
+from moorline.broker.topic_state import PublishResult
+from moorline.config import NodeConfig
+from moorline.hashing import guid128, shard_of
+from moorline.invariant import invariant
+from moorline.mqtt.topics import is_wildcard, parse_shared
+from moorline.node.delivery import LiveSession
+from moorline.node.group_commit import GroupCommit
+from moorline.node.one_voter import OneVoterRaft
+from moorline.node.shard_host import ApplyHooks, ShardHost, default_limits
+from moorline.storage.ledger import SyncLedger
+from moorline.storage.msgstore import MessageStore
+from moorline.storage.snapshots import SnapshotStore
+from moorline.storage.wal import WriteAheadLog
+
+log = logging.getLogger("moorline.node")
+
+SHARE_PREFIX = "$share\x00"
+
+
+def reg_key_for(client_id: str, topic_filter: str) -> tuple[str, str, str | None]:
+    """(registration key, inner filter, share group) of a session's subscription."""
+    shared = parse_shared(topic_filter)
+    if shared is not None:
+        group, inner = shared
+        return f"{SHARE_PREFIX}{group}\x00{inner}", inner, group
+    return f"{client_id}\x00{topic_filter}", topic_filter, None
+
+
+class NodeFailure(Exception):
+    pass
+
+
+class Node:
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.data_dir = Path(cfg.data_dir)
+        self.shard_count = cfg.shard.count
+        self.hosts: list[ShardHost] = []
+        self.live: dict[str, LiveSession] = {}
+        self.connections: dict[str, Any] = {}  # client id -> Connection (for takeover)
+        self.pins: dict[str, tuple[dict[int, int], float]] = {}  # reader -> (shard -> offset, deadline)
+        self._share_pending: set[tuple[int, str]] = set()
+        self._share_rr: dict[str, int] = {}
+        self._regs_cache: dict[str, tuple[int, int, list[tuple[int, list[tuple[str, SubscriptionState]]]]]] = {}
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.fatal: BaseException | None = None
+        self.stopping = asyncio.Event()
+        ledger_path = os.environ.get("MOORLINE_TEST_SYNC_LEDGER")
+        self.ledger = SyncLedger(Path(ledger_path)) if ledger_path else None
+        chaos = os.environ.get("MOORLINE_TEST_CROSS_SHARD_CHAOS")
+        self._chaos = random.Random(int(chaos)) if chaos else None
+        self.stats = {"published": 0, "delivered": 0, "refused": 0}
+
+    # --- startup / recovery ----------------------------------------------------------------------
+    def open(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        meta = self._cluster_meta()
+        self.wal = WriteAheadLog(
+            self.data_dir / "wal", segment_bytes=self.cfg.storage.wal_segment_bytes,
+            max_pending_bytes=self.cfg.storage.max_pending_bytes, ledger=self.ledger,
+        )
+        rec = self.wal.open()  # WalCorruption here refuses to start, naming file and offset
+        for path, off in rec.torn_tail_truncated:
+            log.warning("WAL torn tail truncated: %s at offset %d", path, off)
+        self.snapshots = SnapshotStore(self.data_dir / "snapshots")
+        limits = default_limits(self.cfg)
+        hooks = ApplyHooks(on_effects=self._on_effects)
+        corrupted = {r.group: r for r in rec.corrupted if r.group is not None}
+        for shard in range(self.shard_count):
+            loaded = self.snapshots.load_latest(shard)
+            if loaded is not None:
+                _, _, data = loaded
+                state = ShardState.restore(data, limits, self.cfg.session.max_expiry_s)
+            else:
+                state = ShardState(shard, meta["incarnations"][shard], limits, self.cfg.session.max_expiry_s)
+            store = MessageStore(
+                self.data_dir / "store" / f"shard-{shard}", segment_bytes=self.cfg.storage.store_segment_bytes,
+                ledger=self.ledger, cache_bytes=self.cfg.storage.store_cache_bytes,
+            )
+            store.open()
+            store.truncate_from(state.topics.next_offset)
+            grec = rec.groups.get(shard)
+            term = grec.hard_state.term if grec is not None and grec.hard_state is not None else 0
+            raft = OneVoterRaft(term, state.applied_index, state.applied_index)
+            host = ShardHost(shard, state, raft, store, self.snapshots, hooks, self.cfg.shard.snapshot_every_entries)
+            self.hosts.append(host)
+            if grec is not None:
+                host.replay([(e.term, e.index, e.type, e.data) for e in grec.entries])
+            raft.last_index = raft.commit = raft._persisted_index = state.applied_index
+            raft.campaign()
+            present = set(state.topics.meta)
+            gone = [o for o in range(store.low_water, state.topics.next_offset) if o not in present]
+            if gone:
+                store.release(gone)
+            if shard in corrupted:
+                r = corrupted[shard]
+                host.fail(f"checksum failure in synced data: {r.path} at offset {r.offset}: {r.message}")
+                log.error("shard %d refuses service: %s", shard, host.failed)
+        if os.environ.get("MOORLINE_TEST_DROP_ON_RESTART") == "1":
+            self._test_drop_last_messages()
+
+    def _cluster_meta(self) -> dict[str, Any]:
+        path = self.data_dir / "cluster.json"
+        if path.exists():
+            meta: dict[str, Any] = json.loads(path.read_text())
+            if meta["shard_count"] != self.shard_count:
+                log.warning("data dir was created with %d shards; using that (shard.count is fixed at creation)",
+                            meta["shard_count"])
+                self.shard_count = meta["shard_count"]
+            invariant(meta.get("hash") == "crc32c", "unknown placement hash")
+            return meta
+        meta = {
+            "shard_count": self.shard_count,
+            "hash": "crc32c",
+            "incarnations": [os.urandom(8).hex() for _ in range(self.shard_count)],
+            "created_ms": int(time.time() * 1000),
+        }
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(self.data_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return meta
+
+    def _test_drop_last_messages(self) -> None:
+        """Deliberately broken build (MOORLINE_TEST_DROP_ON_RESTART): lose each shard's newest message."""
+        for host in self.hosts:
+            t = host.state.topics
+            if not t.meta:
+                continue
+            offset = next(reversed(t.meta))
+            for reg in t.regs.values():
+                if offset in reg.owed:
+                    del reg.owed[offset]
+            t.owed_count.pop(offset, None)
+            del t.meta[offset]
+            host.store.release([offset])
+            log.warning("TEST: dropped message %d/%d at restart", host.shard, offset)
+
+    async def start(self) -> None:
+        self.commit = GroupCommit(self.wal, self.hosts, self._on_fatal, self._after_commit)
+        self._tasks.append(asyncio.create_task(self.commit.run(), name="group-commit"))
+        await self._reconcile_after_restart()
+        self._tasks.append(asyncio.create_task(self._housekeeping_loop(), name="housekeeping"))
+
+    async def _reconcile_after_restart(self) -> None:
+        """Sessions that were connected when the node stopped are now disconnected (wills may
+        fire); every subscription is registered again (idempotent) in case a crash cut that short."""
+        now = self.now_ms()
+        futs = []
+        for host in self.hosts:
+            for sess in list(host.state.sessions.sessions.values()):
+                for flt, sub in sess.subs.items():
+                    self._register_everywhere(sess, flt, sub, want_retained=False, futs=futs)
+                if sess.connected:
+                    futs.append(self.propose(host.shard, c.SessionClose(now, sess.client_id, sess.epoch, True)))
+        for f in futs:
+            if f is not None:
+                result = await f
+                if isinstance(result, Session):
+                    await self._end_session(result, "session_expired")
+
+    # --- proposing -------------------------------------------------------------------------------
+    def propose(self, shard: int, cmd: c.Command, want: bool = True) -> asyncio.Future[Any] | None:
+        host = self.hosts[shard]
+        fut = host.propose(cmd, want)
+        self.commit.kick(shard)
+        return fut
+
+    def propose_cross(self, shard: int, cmd: c.Command) -> asyncio.Future[Any]:
+        """A command caused by another shard. The test-only chaos switch delays and reorders them."""
+        if self._chaos is None:
+            fut = self.propose(shard, cmd)
+            assert fut is not None
+            return fut
+        loop = asyncio.get_running_loop()
+        outer: asyncio.Future[Any] = loop.create_future()
+        delay = self._chaos.random() * 0.02
+
+        def fire() -> None:
+            inner = self.propose(shard, cmd)
+            assert inner is not None
+            inner.add_done_callback(
+                lambda f: outer.set_exception(f.exception())  # type: ignore[arg-type]
+                if f.exception() is not None else outer.set_result(f.result())
+            )
+
+        loop.call_later(delay, fire)
+        return outer
+
+    def now_ms(self) -> int:
+        return int(time.time() * 1000)
+
+    def session_shard(self, client_id: str) -> int:
+        return shard_of(client_id, self.shard_count)
+
+    def topic_shard(self, topic: str) -> int:
+        return shard_of(topic, self.shard_count)
+
+    def shards_for_filter(self, topic_filter: str) -> list[int]:
+        if is_wildcard(topic_filter):
+            return list(range(self.shard_count))
+        return [self.topic_shard(topic_filter)]
+
+    @staticmethod
+    def is_share_key(reg_key: str) -> bool:
+        return reg_key.startswith(SHARE_PREFIX)
+
+    # --- publishing ------------------------------------------------------------------------------
+    async def publish(
+        self, msg: StoredMessage, principal: str = "", producer: bytes | None = None, seq: int | None = None,
+        wait: bool = True,
+    ) -> PublishResult | None:
+        shard = self.topic_shard(msg.topic)
+        fut = self.propose(shard, c.Publish(msg, principal, producer, seq), want=wait)
+        self.stats["published"] += 1
+        if fut is None:
+            return None
+        return await fut  # type: ignore[no-any-return]
+
+    # --- sessions --------------------------------------------------------------------------------
+    def session_regs(self, client_id: str, sess: Session) -> list[tuple[int, list[tuple[str, SubscriptionState]]]]:
+        cached = self._regs_cache.get(client_id)
+        if cached is not None and cached[0] == sess.incarnation and cached[1] == sess.sub_version:
+            return cached[2]
+        by_shard: dict[int, list[tuple[str, SubscriptionState]]] = {}
+        for flt, sub in sess.subs.items():
+            reg_key, inner, _ = reg_key_for(client_id, flt)
+            for shard in self.shards_for_filter(inner):
+                by_shard.setdefault(shard, []).append((reg_key, sub))
+        out = sorted(by_shard.items())
+        self._regs_cache[client_id] = (sess.incarnation, sess.sub_version, out)
+        return out
+
+    def _register_everywhere(
+        self, sess: Session, flt: str, sub: SubscriptionState, want_retained: bool, futs: list[Any]
+    ) -> None:
+        reg_key, inner, group = reg_key_for(sess.client_id, flt)
+        for shard in self.shards_for_filter(inner):
+            futs.append(self.propose_cross(shard, c.Register(
+                self.now_ms(), reg_key, sess.client_id if group is None else "", sess.incarnation, inner, sub.qos,
+                sub.no_local, want_retained and group is None, group,
+            )))
+            if group is not None:
+                futs.append(self.propose_cross(shard, c.ShareMember(reg_key, sess.client_id, True)))
+
+    async def subscribe(
+        self, live: LiveSession, flt: str, qos: int, no_local: bool, rap: bool, rh: int, sub_id: int | None
+    ) -> list[tuple[StoredMessage, int, int | None]]:
+        """Commits the subscription in the session's shard, then registers it in every shard the
+        filter can match; returns the retained messages to deliver. SUBACK may follow."""
+        fut = self.propose(live.shard, c.SessionSubscribe(live.client_id, live.epoch, flt, qos, no_local, rap, rh, sub_id))
+        assert fut is not None
+        res = await fut
+        if res is None:
+            raise NodeFailure("session taken over")
+        existed, _inc = res
+        sess = live.session()
+        assert sess is not None
+        sub = sess.subs[flt]
+        want = rh == 0 or (rh == 1 and not existed)
+        futs: list[Any] = []
+        self._register_everywhere(sess, flt, sub, want, futs)
+        results = await asyncio.gather(*futs)
+        retained: list[tuple[StoredMessage, int, int | None]] = []
+        for r in results:
+            if r is not None and hasattr(r, "retained"):
+                retained.extend((m, qos, sub_id) for m in r.retained)
+        live.wake()
+        return retained
+
+    async def unsubscribe(self, live: LiveSession, flt: str) -> bool:
+        fut = self.propose(live.shard, c.SessionUnsubscribe(live.client_id, live.epoch, flt))
+        assert fut is not None
+        existed = await fut
+        if not existed:
+            return False
+        reg_key, inner, group = reg_key_for(live.client_id, flt)
+        futs = []
+        for shard in self.shards_for_filter(inner):
+            if group is not None:
+                futs.append(self.propose_cross(shard, c.ShareMember(reg_key, live.client_id, False)))
+            else:
+                futs.append(self.propose_cross(shard, c.Unregister(reg_key, live.incarnation, "unsubscribe")))
+        await asyncio.gather(*futs)
+        return True
+
+    async def _end_session(self, sess: Session, reason: str) -> None:
+        """A session ended (clean start, expiry 0 disconnect, expiry): its registrations go, and
+        its $share claims return to the group except unreceived QoS 2, which are dropped."""
+        qos2_unreceived: dict[tuple[str, int], list[int]] = {}
+        for d in sess.inflight.values():
+            it = d.item
+            if it.offset >= 0 and it.qos == 2 and d.state == 0:
+                for rk in it.reg_keys:
+                    if self.is_share_key(rk):
+                        qos2_unreceived.setdefault((rk, it.shard), []).append(it.offset)
+        futs = []
+        for flt in sess.subs:
+            reg_key, inner, group = reg_key_for(sess.client_id, flt)
+            for shard in self.shards_for_filter(inner):
+                if group is not None:
+                    dropped = tuple(qos2_unreceived.get((reg_key, shard), ()))
+                    futs.append(self.propose_cross(shard, c.ShareReturn(reg_key, sess.client_id, dropped)))
+                    futs.append(self.propose_cross(shard, c.ShareMember(reg_key, sess.client_id, False)))
+                else:
+                    futs.append(self.propose_cross(shard, c.Unregister(reg_key, sess.incarnation, reason)))
+        self._regs_cache.pop(sess.client_id, None)
+        await asyncio.gather(*futs)
+
+    async def open_session(
+        self, client_id: str, clean_start: bool, expiry_s: int, will: c.WillSpec | None, principal: str
+    ) -> tuple[bool, int, int]:
+        shard = self.session_shard(client_id)
+        fut = self.propose(shard, c.SessionOpen(self.now_ms(), client_id, clean_start, expiry_s, will, principal))
+        assert fut is not None
+        res = await fut
+        if res.ended is not None:
+            await self._end_session(res.ended, "session_expired" if not clean_start else "clean_start")
+        return res.session_present, res.epoch, res.incarnation
+
+    async def close_session(self, live: LiveSession, send_will: bool, expiry_s: int | None) -> None:
+        await live.close()
+        if self.live.get(live.client_id) is live:
+            del self.live[live.client_id]
+        fut = self.propose(live.shard, c.SessionClose(self.now_ms(), live.client_id, live.epoch, send_will, expiry_s))
+        assert fut is not None
+        ended = await fut
+        if isinstance(ended, Session):
+            await self._end_session(ended, "session_expired")
+        elif send_will:
+            await self._session_housekeeping(live.shard)
+
+    # --- effects ---------------------------------------------------------------------------------
+    def _on_effects(self, host: ShardHost, fx: Effects) -> None:
+        for reg_key in fx.owed_regs:
+            if self.is_share_key(reg_key):
+                self._schedule_dispatch(host.shard, reg_key)
+                continue
+            client_id = reg_key.partition("\x00")[0]
+            live = self.live.get(client_id)
+            if live is not None:
+                live.wake()
+            self._enforce_queue_cap(host, reg_key)
+        for reg_key, member in fx.claims:
+            live = self.live.get(member)
+            if live is not None:
+                live.wake()
+
+    def _enforce_queue_cap(self, host: ShardHost, reg_key: str) -> None:
+        reg = host.state.topics.regs.get(reg_key)
+        cap = self.cfg.session.max_queued_messages
+        if reg is None or len(reg.owed) <= cap:
+            return
+        live = self.live.get(reg.client_id)
+        cursor = live.cursor.get(host.shard, -1) if live is not None else -1
+        excess = len(reg.owed) - cap
+        victims = [o for o in reg.owed if o > cursor][:excess]
+        if victims:
+            self.propose(host.shard, c.DropOwed(reg_key, tuple(victims), "queue_cap"), want=False)
+
+    def _schedule_dispatch(self, shard: int, reg_key: str) -> None:
+        key = (shard, reg_key)
+        if key in self._share_pending:
+            return
+        self._share_pending.add(key)
+        asyncio.get_running_loop().call_soon(self._dispatch_share, shard, reg_key)
+
+    def _dispatch_share(self, shard: int, reg_key: str) -> None:
+        """The $share dispatcher for (shard, group): claims are committed before they are pushed."""
+        self._share_pending.discard((shard, reg_key))
+        host = self.hosts[shard]
+        reg = host.state.topics.regs.get(reg_key)
+        if reg is None or not reg.members:
+            return
+        unclaimed = [o for o in reg.owed if o not in reg.claims]
+        if not unclaimed:
+            return
+        online = [m for m in reg.members if m in self.live]
+        if not online:
+            return
+        assigned: dict[str, list[int]] = {}
+        room = {m: max(0, self.live[m]._room() - self._claimed_undelivered(m)) for m in online}
+        sticky = self.cfg.share.dispatch == "sticky_topic"
+        rr = self._share_rr.get(reg_key, 0)
+        for offset in unclaimed:
+            if sticky:
+                meta = host.state.topics.meta.get(offset)
+                topic = meta.topic if meta is not None else ""
+                member = reg.members[shard_of(topic, len(reg.members)) if reg.members else 0]
+                if member not in room or room[member] <= 0:
+                    continue
+            else:
+                member = ""
+                for _ in range(len(online)):
+                    cand = online[rr % len(online)]
+                    rr += 1
+                    if room[cand] > 0:
+                        member = cand
+                        break
+                if not member:
+                    break
+            room[member] -= 1
+            assigned.setdefault(member, []).append(offset)
+        self._share_rr[reg_key] = rr
+        for member, offsets in assigned.items():
+            self.propose(shard, c.ShareClaim(reg_key, member, tuple(offsets)), want=False)
+
+    def _claimed_undelivered(self, member: str) -> int:
+        return 0
+
+    def on_ack_room(self, client_id: str) -> None:
+        """A member freed window room: its share groups may dispatch again."""
+        live = self.live.get(client_id)
+        if live is None:
+            return
+        sess = live.session()
+        if sess is None:
+            return
+        for shard, regs in self.session_regs(client_id, sess):
+            for reg_key, _ in regs:
+                if self.is_share_key(reg_key):
+                    self._schedule_dispatch(shard, reg_key)
+
+    def _after_commit(self) -> None:
+        for host in self.hosts:
+            if host.failed is None and host.wants_snapshot():
+                try:
+                    index, term = host.take_snapshot()
+                    self.wal.mark_snapshot(host.shard, index, term)
+                except OSError as exc:
+                    log.error("shard %d: snapshot failed: %s", host.shard, exc)
+        if self.wal.pending_bytes() == 0:
+            pass
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        self.fatal = exc
+        self.stopping.set()
+
+    # --- housekeeping (leader-stamped times) -----------------------------------------------------------
+    async def _housekeeping_loop(self) -> None:
+        interval = self.cfg.shard.housekeeping_interval_s
+        while not self.stopping.is_set():
+            await asyncio.sleep(interval)
+            now = self.now_ms()
+            for host in self.hosts:
+                if host.failed is not None:
+                    continue
+                t = host.state.topics
+                if t.meta or t.dedup:
+                    self.propose(host.shard, c.Housekeeping(now, self._pin_floor(host.shard, now)), want=False)
+                if any(not s.connected for s in host.state.sessions.sessions.values()):
+                    await self._session_housekeeping(host.shard)
+            self._reclaim()
+
+    async def _session_housekeeping(self, shard: int) -> None:
+        fut = self.propose(shard, c.SessionHousekeeping(self.now_ms()))
+        assert fut is not None
+        wills, ended = await fut
+        for sess, will in wills:
+            await self._publish_will(sess, will)
+        for sess in ended:
+            await self._end_session(sess, "session_expired")
+
+    async def _publish_will(self, sess: Session, will: c.WillSpec) -> None:
+        from moorline.broker.messages import MessageProps
+        import msgspec
+
+        props = msgspec.msgpack.decode(will.props, type=MessageProps) if will.props else None
+        msg = StoredMessage(
+            will.topic, will.payload, will.qos, will.retain, guid128(sess.client_id, sess.incarnation, sess.epoch, "will"),
+            self.now_ms(), will.expiry_s, props, sess.client_id,
+        )
+        await self.publish(msg, principal="")
+
+    def _pin_floor(self, shard: int, now: int) -> int:
+        floor = -1
+        for reader, (offsets, deadline) in list(self.pins.items()):
+            if deadline * 1000 < now:
+                del self.pins[reader]
+                continue
+            o = offsets.get(shard)
+            if o is not None and (floor < 0 or o < floor):
+                floor = o
+        return floor
+
+    def _reclaim(self) -> None:
+        try:
+            self.wal.reclaim()
+            for host in self.hosts:
+                host.store.reclaim()
+        except OSError as exc:
+            log.error("reclaim failed: %s", exc)
+
+    # --- shutdown ----------------------------------------------------------------------------------
+    async def stop(self) -> None:
+        for live in list(self.live.values()):
+            await live.close()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.commit.stop()
+        for host in self.hosts:
+            try:
+                if host.failed is None:
+                    index, term = host.take_snapshot()
+                    self.wal.mark_snapshot(host.shard, index, term)
+                host.store.close()
+            except OSError as exc:
+                log.error("shard %d: final snapshot failed: %s", host.shard, exc)
+        try:
+            self.wal.sync()
+        finally:
+            self.wal.close()
+
+    def iter_drops(self) -> Iterable[dict[str, Any]]:
+        for host in self.hosts:
+            for d in host.state.topics.drops:
+                yield {"guid": d.guid.hex(), "reason": d.reason, "shard": host.shard, "offset": d.offset,
+                       "session": d.reg_key.partition("\x00")[0] if not self.is_share_key(d.reg_key) else None,
+                       "subscription": d.reg_key.replace("\x00", "/")}

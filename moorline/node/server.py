@@ -1,0 +1,96 @@
+"""Listeners and the process lifecycle: start the node, accept MQTT connections, serve HTTP, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+import sys
+from typing import Any
+
+from moorline.config import ConfigError, NodeConfig
+from moorline.mqtt.codec import MQTT_5, encode
+from moorline.mqtt.packets import Disconnect
+from moorline.mqtt.reasons import ReasonCode as RC
+from moorline.node.auth import Authorizer
+from moorline.node.connection import Connection
+from moorline.node.node import Node
+
+log = logging.getLogger("moorline.server")
+
+
+def parse_hostport(value: str, what: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"{what} must be HOST:PORT, not {value!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class MqttServer:
+    def __init__(self, node: Node, authorizer: Authorizer) -> None:
+        self.node = node
+        self.authorizer = authorizer
+        self.connections: set[Connection] = set()
+
+    def protocol_factory(self) -> Connection:
+        return Connection(self)
+
+
+async def serve(cfg: NodeConfig) -> int:
+    mqtt_host, mqtt_port = parse_hostport(cfg.listeners.mqtt, "--mqtt")
+    http_host, http_port = parse_hostport(cfg.listeners.http, "--http")
+    loopback = is_loopback(mqtt_host) and is_loopback(http_host)
+    authorizer = Authorizer(cfg.auth, loopback_only=loopback)
+    node = Node(cfg)
+    node.open()
+    await node.start()
+    server = MqttServer(node, authorizer)
+    loop = asyncio.get_running_loop()
+    mqtt = await loop.create_server(server.protocol_factory, mqtt_host, mqtt_port, backlog=1024)
+    mqtt_bound = mqtt.sockets[0].getsockname()
+    from moorline.node.http_api import start_http
+
+    http_runner, http_bound = await start_http(node, http_host, http_port)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except NotImplementedError:  # pragma: no cover
+            pass
+
+    async def watch_fatal() -> None:
+        await node.stopping.wait()
+        stop.set()
+
+    watcher = asyncio.create_task(watch_fatal())
+    print(f"moorline ready mqtt={mqtt_bound[0]}:{mqtt_bound[1]} http={http_bound[0]}:{http_bound[1]}", flush=True)
+    log.info("data dir %s, %d shards", cfg.data_dir, node.shard_count)
+    await stop.wait()
+    watcher.cancel()
+    log.info("stopping: closing listeners and connections")
+    mqtt.close()
+    for conn in list(server.connections):
+        if conn.version == MQTT_5 and not conn._closing and conn.live is not None:
+            conn._write(encode(Disconnect(RC.SERVER_SHUTTING_DOWN), MQTT_5))
+        conn.abort("server shutting down")
+    await asyncio.sleep(0.05)
+    pending: list[Any] = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    # Let session closes (committed SessionClose) finish, bounded.
+    if pending:
+        await asyncio.wait(pending, timeout=min(cfg.shutdown_drain_s, 2.0))
+    await http_runner.cleanup()
+    await node.stop()
+    if node.fatal is not None:
+        print(f"moorline: fatal: {node.fatal}", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -1,0 +1,173 @@
+"""Hosts one shard on this node: its state machine, Raft stand-in, message store and snapshots.
+
+Proposals are batched: every command proposed during one pass of the event loop goes into one
+log entry; the node's ``GroupCommit`` persists the entries of every shard with one fdatasync and
+then calls ``commit_upto`` here, which applies them and resolves the proposers' futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moorline.broker import commands as c
+from moorline.broker.effects import Effects
+from moorline.broker.shard import ShardState
+from moorline.broker.topic_state import TopicLimits
+from moorline.invariant import invariant
+from moorline.node.one_voter import LogEntry, OneVoterRaft
+from moorline.storage.msgstore import MessageStore
+from moorline.storage.snapshots import SnapshotStore
+
+log = logging.getLogger("moorline.shard")
+
+
+class ShardUnavailable(Exception):
+    """The shard refuses service (e.g. corruption detected in synced data)."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    index: int
+    commands: list[c.Command]
+    futures: list[asyncio.Future[Any] | None]
+
+
+@dataclass(slots=True)
+class ApplyHooks:
+    """Callbacks into the node for effects (wake-ups, cross-shard commands)."""
+
+    on_effects: Callable[[ShardHost, Effects], None]
+    on_results: Callable[[ShardHost, list[c.Command], list[Any]], None] = field(
+        default=lambda host, cmds, results: None
+    )
+
+
+class ShardHost:
+    def __init__(
+        self,
+        shard: int,
+        state: ShardState,
+        raft: OneVoterRaft,
+        store: MessageStore,
+        snapshots: SnapshotStore,
+        hooks: ApplyHooks,
+        snapshot_every_entries: int,
+    ) -> None:
+        self.shard = shard
+        self.state = state
+        self.raft = raft
+        self.store = store
+        self.snapshots = snapshots
+        self.hooks = hooks
+        self.snapshot_every_entries = snapshot_every_entries
+        self.failed: str | None = None  # reason the shard refuses service
+        self._batch_cmds: list[c.Command] = []
+        self._batch_futs: list[asyncio.Future[Any] | None] = []
+        self._inflight: dict[int, _Pending] = {}
+        self._fx = Effects()
+        self._entries_since_snapshot = 0
+
+    # --- proposing ---------------------------------------------------------------------------
+    def propose(self, cmd: c.Command, want_result: bool = True) -> asyncio.Future[Any] | None:
+        if self.failed is not None:
+            raise ShardUnavailable(f"shard {self.shard} unavailable: {self.failed}")
+        fut: asyncio.Future[Any] | None = asyncio.get_running_loop().create_future() if want_result else None
+        self._batch_cmds.append(cmd)
+        self._batch_futs.append(fut)
+        return fut
+
+    def has_batch(self) -> bool:
+        return bool(self._batch_cmds)
+
+    def seal(self) -> list[LogEntry]:
+        """Turn the commands proposed so far into one log entry; returns the entries to persist."""
+        if self._batch_cmds:
+            cmds, futs = self._batch_cmds, self._batch_futs
+            self._batch_cmds, self._batch_futs = [], []
+            index = self.raft.propose(c.encode_entry(cmds))
+            self._inflight[index] = _Pending(index, cmds, futs)
+        return self.raft.ready().entries
+
+    # --- committing and applying -----------------------------------------------------------------
+    def commit_upto(self, index: int) -> None:
+        old, new = self.raft.advance(index)
+        for i in range(old + 1, new + 1):
+            pending = self._inflight.pop(i, None)
+            invariant(pending is not None, f"shard {self.shard}: committed entry {i} was proposed here")
+            assert pending is not None
+            self._apply_commands(i, pending.commands, pending.futures)
+
+    def replay(self, entries: list[tuple[int, int, int, bytes]]) -> None:
+        """Recovery: re-apply synced entries after the snapshot (no proposers are waiting)."""
+        for term, index, _type, data in entries:
+            if index <= self.state.applied_index:
+                continue
+            invariant(index == self.state.applied_index + 1, f"shard {self.shard}: log has a gap at {index}")
+            cmds = c.decode_entry(data)
+            self._apply_commands(index, cmds, [None] * len(cmds))
+            self.raft.term = max(self.raft.term, term)
+
+    def _apply_commands(self, index: int, cmds: list[c.Command], futs: list[asyncio.Future[Any] | None]) -> None:
+        fx = self._fx
+        fx.clear()
+        results: list[Any] = []
+        for cmd, fut in zip(cmds, futs, strict=True):
+            try:
+                result = self.state.apply(cmd, fx)
+            except Exception as exc:  # an apply bug must not take the node down silently
+                log.exception("shard %d: apply of %s failed", self.shard, type(cmd).__name__)
+                self.failed = f"apply failed at index {index}: {exc}"
+                if fut is not None and not fut.done():
+                    fut.set_exception(ShardUnavailable(self.failed))
+                raise
+            results.append(result)
+            if fut is not None and not fut.done():
+                fut.set_result(result)
+        self.state.applied_index = index
+        for offset, record in fx.appends:
+            self.store.append(offset, record)
+        if fx.releases:
+            self.store.release(fx.releases)
+        self.hooks.on_results(self, cmds, results)
+        self.hooks.on_effects(self, fx)
+        self._entries_since_snapshot += 1
+
+    def wants_snapshot(self) -> bool:
+        return self._entries_since_snapshot >= self.snapshot_every_entries
+
+    def take_snapshot(self) -> tuple[int, int]:
+        """Persist the state at the applied index; the WAL may then drop entries up to it."""
+        self.store.sync()
+        data = self.state.snapshot()
+        index = self.state.applied_index
+        self.snapshots.save(self.shard, index, self.raft.term, data)
+        self._entries_since_snapshot = 0
+        return index, self.raft.term
+
+    def fail(self, reason: str) -> None:
+        self.failed = reason
+        for pending in self._inflight.values():
+            for fut in pending.futures:
+                if fut is not None and not fut.done():
+                    fut.set_exception(ShardUnavailable(reason))
+        self._inflight.clear()
+
+
+def default_limits(cfg: Any) -> TopicLimits:
+    return TopicLimits(
+        retention_min_age_ms=int(cfg.retention.min_age_s * 1000),
+        shard_max_bytes=cfg.shard.max_bytes,
+        reserved_headroom_bytes=cfg.shard.reserved_headroom_bytes,
+        dedup_window_ms=int(cfg.dedup.history_window_s * 1000),
+        dedup_max_history=cfg.dedup.max_history,
+        producer_ttl_ms=int(cfg.dedup.producer_ttl_s * 1000),
+    )
+
+
+def shard_dir(data_dir: Path) -> Path:
+    return data_dir / "shards"

@@ -1,0 +1,1 @@
+"""Checkers of the simulator: Raft safety (online), total-queue and linearizability (offline)."""

@@ -1,0 +1,108 @@
+"""Swarm testing: each seed draws its own fault parameters (some faults off entirely)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from moorline.sim.disk import DiskParams
+from moorline.sim.network import NetParams
+
+
+@dataclass(slots=True)
+class FaultParams:
+    net: NetParams = field(default_factory=NetParams)
+    disks: list[DiskParams] = field(default_factory=list)
+    partition_every_ms: int = 0  # mean time between partitions (0: off)
+    partition_ms_max: int = 2_000
+    crash_every_ms: int = 0
+    down_ms_max: int = 1_500
+    pause_every_ms: int = 0
+    pause_ms_max: int = 2_000
+    wipe_p: float = 0.0  # chance a restart comes back with a wiped disk
+    corrupt_p: float = 0.0  # chance a crash also flips a bit in synced data
+    transfer_every_ms: int = 0
+    replace_every_ms: int = 0  # operator removes a healthy member and re-adds it fresh
+    snapshot_every: int = 200
+    keep_entries: int = 20
+    clock_skews_ms: list[int] = field(default_factory=list)
+
+    def describe(self) -> str:
+        n = self.net
+        return (
+            f"delay={n.delay_min_ms}+{n.delay_jitter_ms}ms drop={n.drop_p:.2f} dup={n.dup_p:.2f} "
+            f"partition_every={self.partition_every_ms} crash_every={self.crash_every_ms} "
+            f"pause_every={self.pause_every_ms} wipe_p={self.wipe_p:.2f} corrupt_p={self.corrupt_p:.2f} "
+            f"transfer_every={self.transfer_every_ms} replace_every={self.replace_every_ms} "
+            f"snapshot_every={self.snapshot_every} keep={self.keep_entries} "
+            f"sync_ms={[(d.sync_latency_ms_min, d.sync_latency_ms_max) for d in self.disks]}"
+        )
+
+
+def _on(rng: random.Random, p: float = 0.6) -> bool:
+    return rng.random() < p
+
+
+def draw_faults(rng: random.Random, nodes: int, bug: str | None = None) -> FaultParams:
+    """Draw one seed's fault mix. A bug switch biases the mix toward the faults that expose it
+    (the point of a bug run is to prove the checkers notice)."""
+    f = FaultParams()
+    f.net = NetParams(
+        delay_min_ms=rng.randint(1, 3),
+        delay_jitter_ms=rng.choice([0, 3, 10, 30]),
+        drop_p=rng.choice([0.0, 0.01, 0.05, 0.15]) if _on(rng) else 0.0,
+        dup_p=rng.choice([0.0, 0.02, 0.1]) if _on(rng, 0.5) else 0.0,
+    )
+    for _ in range(nodes):
+        kind = rng.random()
+        if kind < 0.5:
+            f.disks.append(DiskParams(0, 1, rng.random(), rng.random()))
+        elif kind < 0.85:
+            f.disks.append(DiskParams(0, 5, rng.random(), rng.random()))
+        else:
+            f.disks.append(DiskParams(5, 60, rng.random(), rng.random()))  # slow disk
+    f.partition_every_ms = rng.randint(300, 4_000) if _on(rng) else 0
+    f.partition_ms_max = rng.randint(200, 3_000)
+    f.crash_every_ms = rng.randint(300, 4_000) if _on(rng) else 0
+    f.down_ms_max = rng.randint(10, 2_000)
+    f.pause_every_ms = rng.randint(500, 5_000) if _on(rng, 0.4) else 0
+    f.pause_ms_max = rng.randint(100, 3_000)
+    f.wipe_p = rng.choice([0.1, 0.3]) if _on(rng, 0.3) else 0.0
+    f.corrupt_p = rng.choice([0.1, 0.3]) if _on(rng, 0.3) else 0.0
+    f.transfer_every_ms = rng.randint(500, 5_000) if _on(rng, 0.4) else 0
+    f.replace_every_ms = rng.randint(2_000, 10_000) if _on(rng, 0.2) else 0
+    f.snapshot_every = rng.choice([10, 30, 100, 500])
+    f.keep_entries = rng.choice([0, 5, 50])
+    f.clock_skews_ms = [rng.randint(-50, 50) for _ in range(nodes)]
+    _bias_for_bug(f, rng, bug)
+    return f
+
+
+def _bias_for_bug(f: FaultParams, rng: random.Random, bug: str | None) -> None:
+    if bug is None:
+        return
+    if bug in ("ack_before_sync", "self_ack_before_sync", "vote_without_persist"):
+        f.crash_every_ms = rng.randint(200, 800)
+        f.down_ms_max = rng.randint(10, 300)
+        for d in f.disks:
+            d.sync_latency_ms_min, d.sync_latency_ms_max = 5, 60
+            d.keep_pending_p = 0.1
+        f.partition_every_ms = rng.randint(300, 1_500)
+        f.wipe_p = f.corrupt_p = 0.0
+    elif bug == "wiped_rejoins_as_voter":
+        f.crash_every_ms = rng.randint(300, 1_000)
+        f.wipe_p = 0.5
+        f.partition_every_ms = rng.randint(300, 1_500)
+    elif bug == "truncate_synced_corruption":
+        f.crash_every_ms = rng.randint(300, 1_000)
+        f.corrupt_p = 0.8
+        f.wipe_p = 0.0
+        f.partition_every_ms = rng.randint(300, 1_500)
+    elif bug == "dedup_at_propose":
+        f.partition_every_ms = rng.randint(300, 1_500)
+        f.crash_every_ms = rng.randint(500, 2_000)
+        f.transfer_every_ms = rng.randint(300, 1_500)
+    elif bug in ("commit_prev_term_by_count", "no_election_reset_on_append"):
+        f.partition_every_ms = rng.randint(200, 1_000)
+        f.crash_every_ms = rng.randint(300, 1_500)
+        f.net.drop_p = max(f.net.drop_p, 0.05)

@@ -1,0 +1,105 @@
+"""A simulated network between sim nodes (and clients): delay, drop, duplicate, reorder, partitions.
+
+Endpoints are small integers (node ids 1..n; clients use ids >= 1000). Every fault is drawn
+from the seeded generator, so a seed replays the same deliveries. Reordering comes from the
+random per-message delay (a later message may draw a shorter delay).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from moorline.sim.loop import EventLoop
+from moorline.sim.marks import Marks
+
+
+@dataclass(slots=True)
+class NetParams:
+    """Per-seed network fault parameters (swarm testing draws them)."""
+
+    delay_min_ms: int = 1
+    delay_jitter_ms: int = 5
+    drop_p: float = 0.0
+    dup_p: float = 0.0
+    # bounded per-endpoint in-flight messages: beyond it new messages are dropped (as a full
+    # socket buffer would make the sender drop or block)
+    max_in_flight_per_dst: int = 20_000
+
+
+Handler = Callable[[int, Any], None]
+
+
+class SimNetwork:
+    """Delivers payloads between endpoints through the event loop."""
+
+    def __init__(self, loop: EventLoop, rng: random.Random, params: NetParams, marks: Marks) -> None:
+        self._loop = loop
+        self._rng = rng
+        self.params = params
+        self._marks = marks
+        self._handlers: dict[int, Handler] = {}
+        self._blocked: set[tuple[int, int]] = set()  # directed (src, dst) links that lose everything
+        self._in_flight: dict[int, int] = {}
+        self.faults_enabled = True
+        self.sent = 0
+        self.dropped = 0
+        self.duplicated = 0
+
+    def attach(self, endpoint: int, handler: Handler) -> None:
+        self._handlers[endpoint] = handler
+
+    def detach(self, endpoint: int) -> None:
+        """A crashed endpoint: messages already in flight to it are lost on arrival."""
+        self._handlers.pop(endpoint, None)
+
+    # -- partitions ------------------------------------------------------------------------
+    def block(self, src: int, dst: int) -> None:
+        self._blocked.add((src, dst))
+
+    def heal(self) -> None:
+        self._blocked.clear()
+
+    def blocked_links(self) -> int:
+        return len(self._blocked)
+
+    def is_blocked(self, src: int, dst: int) -> bool:
+        return (src, dst) in self._blocked
+
+    # -- traffic ------------------------------------------------------------------------------
+    def send(self, src: int, dst: int, payload: Any, reliable: bool = False) -> None:
+        """Send one message. ``reliable`` skips drop/duplicate (client links), not partitions."""
+        self.sent += 1
+        p = self.params
+        if (src, dst) in self._blocked:
+            self.dropped += 1
+            return
+        rng = self._rng
+        if self.faults_enabled and not reliable and p.drop_p and rng.random() < p.drop_p:
+            self.dropped += 1
+            return
+        if self._in_flight.get(dst, 0) >= p.max_in_flight_per_dst:
+            self.dropped += 1
+            self._marks.hit("net_buffer_full")
+            return
+        copies = 1
+        if self.faults_enabled and not reliable and p.dup_p and rng.random() < p.dup_p:
+            copies = 2
+            self.duplicated += 1
+        for _ in range(copies):
+            delay = p.delay_min_ms + (int(rng.random() * p.delay_jitter_ms) if p.delay_jitter_ms else 0)
+            self._in_flight[dst] = self._in_flight.get(dst, 0) + 1
+            self._loop.call_later(delay, self._deliver, src, dst, payload)
+
+    def _deliver(self, src: int, dst: int, payload: Any) -> None:
+        self._in_flight[dst] -= 1
+        if (src, dst) in self._blocked:  # the link broke while the message was on the wire
+            self.dropped += 1
+            return
+        handler = self._handlers.get(dst)
+        if handler is None:
+            self.dropped += 1
+            return
+        handler(src, payload)

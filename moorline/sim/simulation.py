@@ -1,0 +1,533 @@
+"""One seeded simulation: a cluster of sim nodes, faults, an operator, clients, two phases.
+
+Phase 1 (safety): clients run ``ops`` operations while faults are injected; the Raft checks run
+online. Phase 2 (liveness): heal everything, stop injecting faults, drain the queues; the
+cluster must converge (every node a caught-up voter, clients done) within a bound. Then the
+offline checkers run on the client histories.
+
+Everything non-deterministic comes from ``random.Random(seed)``; a seed replays exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from moorline.hashing import crc32c
+from moorline.raft import ConfChange, ConfChangeType, MemberId, ProposalDropped, RaftBugs, RaftError, StateRole
+from moorline.sim.checkers.linearizable import check_registers
+from moorline.sim.checkers.raft_safety import RaftObserver
+from moorline.sim.checkers.total_queue import check_total_queue
+from moorline.sim.disk import SimDisk
+from moorline.sim.faults import FaultParams, draw_faults
+from moorline.sim.host import HostBugs, HostParams, SimNode, SimShared
+from moorline.sim.loop import EventLoop
+from moorline.sim.marks import Marks
+from moorline.sim.network import SimNetwork
+from moorline.sim.statemachine import SimStateMachine
+from moorline.sim.workload import Budget, Client, History, WorkloadParams
+
+CORE_BUGS: tuple[str, ...] = (
+    "vote_without_persist",
+    "commit_prev_term_by_count",
+    "no_election_reset_on_append",
+    "self_ack_before_sync",
+)
+HOST_BUGS: tuple[str, ...] = (
+    "ack_before_sync",
+    "wiped_rejoins_as_voter",
+    "truncate_synced_corruption",
+    "dedup_at_propose",
+)
+ALL_BUGS: tuple[str, ...] = CORE_BUGS + HOST_BUGS
+
+CLIENT_BASE = 1000
+
+
+@dataclass(slots=True)
+class SimConfig:
+    seed: int
+    nodes: int = 3
+    ops: int = 1000
+    bug: str | None = None
+    trace_lines: int = 60
+    liveness_ms: int = 40_000  # bound on convergence after the heal
+    safety_ms_per_op: int = 60  # the safety phase ends at ops * this even if ops are stuck
+    reconcile_every_ms: int = 100
+
+
+@dataclass(slots=True)
+class SeedResult:
+    seed: int
+    ops_started: int
+    ops_ok: int
+    faults: Counter[str]
+    violations: list[str]
+    trace: list[str]
+    trace_digest: int
+    marks: Marks
+    events: int
+    virtual_ms: int
+    params: str
+    queue_summary: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+@dataclass(slots=True)
+class _NodeState:
+    doomed: bool = False  # data about to be destroyed (bit flip applied, restart pending)
+    replacing: bool = False  # operator is removing this member to re-add it fresh
+    down_since: int | None = None
+
+
+class Simulation:
+    def __init__(self, cfg: SimConfig) -> None:
+        if cfg.bug is not None and cfg.bug not in ALL_BUGS:
+            raise ValueError(f"unknown bug {cfg.bug!r}; known: {', '.join(ALL_BUGS)}")
+        if cfg.nodes not in (1, 3, 5):
+            raise ValueError("nodes must be 1, 3 or 5")
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.fp: FaultParams = draw_faults(self.rng, cfg.nodes, cfg.bug)
+        self.loop = EventLoop(random.Random(self.rng.random()))
+        self.marks = Marks()
+        self.net = SimNetwork(self.loop, random.Random(self.rng.random()), self.fp.net, self.marks)
+        self.observer = RaftObserver()
+        self.faults: Counter[str] = Counter()
+        self._trace: deque[str] = deque(maxlen=cfg.trace_lines)
+        self._digest = 0
+        bug = cfg.bug
+        raft_bugs = RaftBugs(**{bug: True}) if bug in CORE_BUGS else RaftBugs()
+        host_bugs = HostBugs(**{bug: True}) if bug in HOST_BUGS else HostBugs()
+        dedup_at_apply = bug != "dedup_at_propose"
+        self.shared = SimShared(
+            loop=self.loop,
+            net=self.net,
+            rng=random.Random(self.rng.random()),
+            marks=self.marks,
+            observer=self.observer,
+            raft_bugs=raft_bugs,
+            host_bugs=host_bugs,
+            sm_factory=lambda: SimStateMachine(dedup_at_apply=dedup_at_apply),
+            trace=self.trace,
+        )
+        self.fault_rng = random.Random(self.rng.random())
+        self.nodes: list[SimNode] = []
+        self.state: dict[int, _NodeState] = {}
+        for i in range(cfg.nodes):
+            hp = HostParams(
+                snapshot_every=self.fp.snapshot_every,
+                keep_entries=self.fp.keep_entries,
+                clock_skew_ms=self.fp.clock_skews_ms[i],
+            )
+            self.nodes.append(SimNode(i + 1, self.shared, SimDisk(self.fp.disks[i]), hp))
+            self.state[i + 1] = _NodeState()
+        self.history = History()
+        self.budget = Budget(cfg.ops)
+        self.wp = WorkloadParams()
+        self.clients: list[Client] = []
+        self.phase = "safety"
+        self.done = False
+        self.partition_epoch = 0
+        self.transfer_target: MemberId | None = None
+
+    # -- tracing -------------------------------------------------------------------------------
+    def trace(self, line: str) -> None:
+        text = f"{self.loop.now_ms:>8}ms {line}"
+        self._trace.append(text)
+        self._digest = crc32c(text.encode(), ) ^ ((self._digest * 31) & 0xFFFFFFFF)
+
+    def _violation(self, msg: str) -> None:
+        self.observer._fail(msg)
+
+    # -- run -----------------------------------------------------------------------------------
+    def run(self) -> SeedResult:
+        cfg = self.cfg
+        voters = [n.member_id() for n in self.nodes]
+        SimNode.sh_initial_voters = voters
+        for n in self.nodes:
+            n.start_bootstrap(voters)
+        node_ids = [n.node_id for n in self.nodes]
+        for i in range(self.wp.queue_clients + self.wp.kv_clients):
+            role = "queue" if i < self.wp.queue_clients else "kv"
+            c = Client(
+                CLIENT_BASE + i,
+                role,
+                self.loop,
+                self.net,
+                random.Random(self.rng.random()),
+                node_ids,
+                self.wp,
+                self.history,
+                self.budget,
+                self.marks,
+                self._on_client_idle,
+            )
+            self.clients.append(c)
+            c.start()
+        self.trace(f"start seed={cfg.seed} nodes={cfg.nodes} ops={cfg.ops} bug={cfg.bug} {self.fp.describe()}")
+        self._start_faults()
+        self.loop.call_later(cfg.reconcile_every_ms, self._reconcile_tick)
+        safety_end = cfg.ops * cfg.safety_ms_per_op + 5_000
+        self.loop.call_at(safety_end, self._end_safety)
+        stop = self._should_stop
+        self.loop.run_until(safety_end + cfg.liveness_ms + 1, stop)
+        if not self.done and not self.observer.violations:
+            self._violation(f"liveness: not converged {cfg.liveness_ms}ms after heal: {self._convergence_gap()}")
+        if not self.observer.violations:
+            self._final_checks()
+        return self._result()
+
+    def _should_stop(self) -> bool:
+        return self.done or bool(self.observer.violations)
+
+    def _result(self) -> SeedResult:
+        return SeedResult(
+            seed=self.cfg.seed,
+            ops_started=self.budget.started,
+            ops_ok=self.history.ops_ok,
+            faults=self.faults,
+            violations=list(self.observer.violations),
+            trace=list(self._trace),
+            trace_digest=self._digest,
+            marks=self.marks,
+            events=self.loop.events_run,
+            virtual_ms=self.loop.now_ms,
+            params=self.fp.describe(),
+        )
+
+    # -- phases -------------------------------------------------------------------------------
+    def _on_client_idle(self) -> None:
+        if self.phase == "safety" and all(c.idle for c in self.clients):
+            self.loop.call_later(0, self._end_safety)
+        elif self.phase == "liveness":
+            self.loop.call_later(0, self._check_converged)
+
+    def _end_safety(self) -> None:
+        if self.phase != "safety":
+            return
+        self.phase = "liveness"
+        self.liveness_deadline = self.loop.now_ms + self.cfg.liveness_ms
+        self.trace("heal: end of faults, liveness phase")
+        self.net.heal()
+        self.net.faults_enabled = False
+        self.partition_epoch += 1
+        for n in self.nodes:
+            n.paused_until_ms = min(n.paused_until_ms, self.loop.now_ms)
+            if not n.alive:
+                self._restart(n, allow_destroy=False)
+            else:
+                n._resume(n.epoch)
+        for c in self.clients:
+            c.start_drain()
+        self.loop.call_later(100, self._converge_tick)
+
+    def _converge_tick(self) -> None:
+        self._check_converged()
+        if not self.done:
+            self.loop.call_later(100, self._converge_tick)
+
+    def _check_converged(self) -> None:
+        if self.phase == "liveness" and not self.done and self._convergence_gap() is None:
+            self.done = True
+            self.trace("converged")
+
+    def _convergence_gap(self) -> str | None:
+        busy = [c.cid for c in self.clients if not c.idle]
+        if busy:
+            return f"clients still busy: {busy}"
+        leader = self._leader()
+        if leader is None:
+            return "no leader"
+        assert leader.replica is not None
+        raft = leader.replica.raft
+        conf = raft.conf_state
+        want = sorted(n.member_id() for n in self.nodes)
+        if list(conf.voters) != want or conf.learners:
+            return f"config {conf.voters} learners {conf.learners} != all nodes {want}"
+        commit = raft.log.committed
+        if commit != raft.log.last_index():
+            return f"leader commit {commit} < last index {raft.log.last_index()}"
+        for n in self.nodes:
+            if not n.alive or n.replica is None:
+                return f"n{n.node_id} has no running replica"
+            if n.replica.applied != commit:
+                return f"n{n.node_id} applied {n.replica.applied} != commit {commit}"
+        return None
+
+    def _final_checks(self) -> None:
+        # replicas at the same applied index must hold byte-identical state
+        states = {n.node_id: n.replica.sm.snapshot() for n in self.nodes if n.replica is not None}
+        if len(set(states.values())) > 1:
+            self._violation(f"state machine safety: final states differ across nodes {sorted(states)}")
+        h = self.history
+        v = check_total_queue(h.enqueues, h.deliveries, h.acked)
+        for p in v.problems():
+            self._violation(p)
+        self.queue_summary = (
+            f"enq acked={v.acknowledged} delivered={v.delivered} recovered={v.recovered}"
+        )
+        verdicts = check_registers(h.reg_ops)
+        for key, verdict in verdicts.items():
+            if verdict == "violation":
+                self._violation(f"linearizability: register {key} history is not linearizable")
+            elif verdict == "unknown":
+                self.marks.hit("linearizability_search_budget_exhausted")
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _leader(self) -> SimNode | None:
+        best: SimNode | None = None
+        best_term = -1
+        for n in self.nodes:
+            r = n.replica
+            if n.alive and r is not None and not n.paused() and r.raft.role == StateRole.LEADER:
+                if r.raft.term > best_term:
+                    best, best_term = n, r.raft.term
+        return best
+
+    def _damaged(self, voters: tuple[MemberId, ...]) -> int:
+        count = 0
+        for n in self.nodes:
+            st = self.state[n.node_id]
+            if st.doomed or st.replacing or n.quarantined is not None or n.member_id() not in voters:
+                count += 1
+        return count
+
+    def _may_destroy(self) -> bool:
+        """Destroying a node's data is allowed only while the others keep a majority intact."""
+        leader = self._leader()
+        if leader is None or leader.replica is None:
+            return False
+        voters = leader.replica.raft.conf_state.voters
+        f = (len(self.nodes) - 1) // 2
+        return self._damaged(voters) + 1 <= f
+
+    # -- faults ---------------------------------------------------------------------------------
+    def _start_faults(self) -> None:
+        fp = self.fp
+        for kind, every in (
+            ("partition", fp.partition_every_ms),
+            ("crash", fp.crash_every_ms),
+            ("pause", fp.pause_every_ms),
+            ("transfer", fp.transfer_every_ms),
+            ("replace", fp.replace_every_ms),
+        ):
+            if every:
+                self._schedule_fault(kind, every)
+
+    def _schedule_fault(self, kind: str, every: int) -> None:
+        delay = int(self.fault_rng.expovariate(1.0 / every)) + 1
+        self.loop.call_later(delay, self._fault, kind, every)
+
+    def _fault(self, kind: str, every: int) -> None:
+        if self.phase != "safety":
+            return
+        getattr(self, f"_fault_{kind}")()
+        self._schedule_fault(kind, every)
+
+    def _fault_partition(self) -> None:
+        rng = self.fault_rng
+        ids = [n.node_id for n in self.nodes]
+        if len(ids) < 2:
+            return
+        self.net.heal()
+        mode = rng.choice(["symmetric", "one_way", "bridge", "isolate_leader"])
+        if mode == "symmetric":
+            rng.shuffle(ids)
+            cut = rng.randint(1, len(ids) - 1)
+            a, b = ids[:cut], ids[cut:]
+            for x in a:
+                for y in b:
+                    self.net.block(x, y)
+                    self.net.block(y, x)
+            desc = f"{sorted(a)} | {sorted(b)}"
+        elif mode == "one_way":
+            x = rng.choice(ids)
+            outbound = rng.random() < 0.5
+            for y in ids:
+                if y != x:
+                    self.net.block(x, y) if outbound else self.net.block(y, x)
+            desc = f"n{x} {'cannot send' if outbound else 'cannot receive'}"
+        elif mode == "bridge":
+            rng.shuffle(ids)
+            k = len(ids)
+            for i in range(k):  # keep only ring neighbours connected
+                for j in range(k):
+                    if i != j and (j - i) % k not in (1, k - 1):
+                        self.net.block(ids[i], ids[j])
+            desc = f"ring {ids}"
+        else:
+            leader = self._leader()
+            x = leader.node_id if leader is not None else rng.choice(ids)
+            for y in ids:
+                if y != x:
+                    self.net.block(x, y)
+                    self.net.block(y, x)
+            desc = f"isolate n{x}"
+        self.faults[f"partition_{mode}"] += 1
+        self.marks.hit("partition_started")
+        self.partition_epoch += 1
+        self.trace(f"partition {mode}: {desc}")
+        dur = rng.randint(50, self.fp.partition_ms_max)
+        self.loop.call_later(dur, self._heal_partition, self.partition_epoch)
+
+    def _heal_partition(self, epoch: int) -> None:
+        if epoch == self.partition_epoch:
+            self.net.heal()
+            self.trace("partition healed")
+
+    def _fault_crash(self) -> None:
+        rng = self.fault_rng
+        alive = [n for n in self.nodes if n.alive]
+        if not alive:
+            return
+        n = rng.choice(alive)
+        n.crash()
+        self.faults["crash"] += 1
+        self.marks.hit("node_crashed")
+        if self.fp.corrupt_p and rng.random() < self.fp.corrupt_p and self._may_destroy_node(n):
+            if n.disk.flip_bit(rng):
+                self.state[n.node_id].doomed = True
+                self.faults["bit_flip"] += 1
+                self.trace(f"bit flip in synced data of n{n.node_id}")
+        self.loop.call_later(rng.randint(1, self.fp.down_ms_max), self._restart, n, True)
+
+    def _may_destroy_node(self, n: SimNode) -> bool:
+        if self.cfg.bug in ("truncate_synced_corruption", "wiped_rejoins_as_voter"):
+            return self._leader() is not None  # the bug runs need the damage; budget ignored
+        st = self.state[n.node_id]
+        if st.doomed or st.replacing or n.quarantined is not None:
+            return False
+        return self._may_destroy()
+
+    def _restart(self, n: SimNode, allow_destroy: bool) -> None:
+        if n.alive:
+            return
+        st = self.state[n.node_id]
+        rng = self.fault_rng
+        if (
+            allow_destroy
+            and self.phase == "safety"
+            and self.fp.wipe_p
+            and not st.doomed
+            and rng.random() < self.fp.wipe_p
+            and self._may_destroy_node(n)
+        ):
+            self.faults["wipe"] += 1
+            self.trace(f"n{n.node_id} restarts with a wiped disk")
+            n.wipe_and_restart()
+            return
+        st.doomed = False
+        n.restart()
+
+    def _fault_pause(self) -> None:
+        rng = self.fault_rng
+        alive = [n for n in self.nodes if n.alive]
+        if not alive:
+            return
+        n = rng.choice(alive)
+        dur = rng.randint(50, self.fp.pause_ms_max)
+        n.pause(self.loop.now_ms + dur)
+        self.faults["pause"] += 1
+        self.marks.hit("node_paused")
+        self.trace(f"pause n{n.node_id} for {dur}ms")
+
+    def _fault_transfer(self) -> None:
+        leader = self._leader()
+        if leader is None or leader.replica is None:
+            return
+        raft = leader.replica.raft
+        others = [m for m in raft.conf_state.voters if m != leader.replica.member]
+        if not others:
+            return
+        to = self.fault_rng.choice(others)
+        try:
+            raft.transfer_leader(to)
+        except RaftError:
+            return
+        self.transfer_target = to
+        self.faults["transfer"] += 1
+        self.trace(f"transfer leadership {leader.replica.member} -> {to}")
+        leader._kick()
+
+    def _fault_replace(self) -> None:
+        """Operator churn: remove a healthy member, then re-add its node with fresh storage."""
+        cands = [n for n in self.nodes if n.alive and n.replica is not None and self._may_destroy_node(n)]
+        if not cands:
+            return
+        n = self.fault_rng.choice(cands)
+        self.state[n.node_id].replacing = True
+        self.faults["replace"] += 1
+        self.trace(f"operator replaces n{n.node_id}")
+
+    # -- the operator / reconciler -------------------------------------------------------------------
+    def _reconcile_tick(self) -> None:
+        self._reconcile()
+        self._observe_transfer()
+        self.loop.call_later(self.cfg.reconcile_every_ms, self._reconcile_tick)
+
+    def _observe_transfer(self) -> None:
+        if self.transfer_target is None:
+            return
+        leader = self._leader()
+        if leader is not None and leader.replica is not None and leader.replica.member == self.transfer_target:
+            self.marks.hit("leadership_transferred")
+            self.transfer_target = None
+
+    def _propose(self, leader: SimNode, cc: ConfChange) -> None:
+        assert leader.replica is not None
+        try:
+            leader.replica.raft.propose_conf_change(cc)
+        except ProposalDropped:
+            return
+        self.trace(f"propose {cc.type.name} {cc.member} on n{leader.node_id}")
+        leader._kick()
+
+    def _reconcile(self) -> None:
+        leader = self._leader()
+        if leader is None or leader.replica is None:
+            return
+        raft = leader.replica.raft
+        conf = raft.conf_state
+        members = set(conf.voters) | set(conf.learners)
+        for n in self.nodes:
+            st = self.state[n.node_id]
+            cur = n.quarantined if n.quarantined is not None else n.member_id()
+            for m in sorted(members):
+                if m[0] == n.node_id and m != cur:
+                    self._propose(leader, ConfChange(ConfChangeType.REMOVE, m))
+                    return
+            if n.quarantined is not None:
+                if cur in members:
+                    self._propose(leader, ConfChange(ConfChangeType.REMOVE, cur))
+                    return
+                self.marks.hit("corrupted_replica_removed")
+                self.trace(f"n{n.node_id}: corrupted member {cur} removed; new storage")
+                n.replace_storage()
+                continue
+            if st.replacing:
+                if cur in members:
+                    if len(conf.voters) > 1 or cur not in conf.voters:
+                        self._propose(leader, ConfChange(ConfChangeType.REMOVE, cur))
+                    return
+                if n.alive:
+                    st.replacing = False
+                    self.trace(f"n{n.node_id}: member {cur} removed; new storage")
+                    n.replace_storage()
+                continue
+            if n.alive and n.replica is not None and cur not in members:
+                self._propose(leader, ConfChange(ConfChangeType.ADD_LEARNER, cur))
+                return
+            if cur in conf.learners and n.replica is not None and n.replica.applied >= raft.log.committed:
+                if n.storage_gen > 0:
+                    self.marks.hit("wiped_node_readded")
+                self._propose(leader, ConfChange(ConfChangeType.PROMOTE, cur))
+                return
+
+
+def run_seed(seed: int, nodes: int = 3, ops: int = 1000, bug: str | None = None) -> SeedResult:
+    return Simulation(SimConfig(seed=seed, nodes=nodes, ops=ops, bug=bug)).run()

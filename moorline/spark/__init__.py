@@ -1,0 +1,24 @@
+"""PySpark Structured Streaming source and sink for moorline (needs the ``spark`` extra).
+
+    from moorline.spark import MoorlineDataSource
+    spark.dataSource.register(MoorlineDataSource)
+    spark.readStream.format("moorline").option("servers", "127.0.0.1:8080").option("topics", "sensors/#").load()
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moorline.spark.source import MoorlineDataSource
+
+__all__ = ["MoorlineDataSource"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so the pure modules (options, planning, sequencing) import without pyspark.
+    if name == "MoorlineDataSource":
+        from moorline.spark.source import MoorlineDataSource
+
+        return MoorlineDataSource
+    raise AttributeError(name)

@@ -1,0 +1,220 @@
+"""Batch and streaming readers of ``format("moorline")``.
+
+Planning (``initialOffset`` / ``latestOffset`` / ``partitions`` / ``commit``) runs in one
+long-lived Python process per query on the driver; ``read()`` runs on executors on a pickled
+copy. So only plain data lives on ``self`` and every method opens its own ``NodeClient``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
+
+from moorline.invariant import invariant
+from moorline.spark.node_client import NodeClient, ShardInfo
+from moorline.spark.options import ReadOptions
+from moorline.spark.planning import (
+    MoorlineDataLossError,
+    Offsets,
+    ShardRange,
+    any_filter_matches,
+    clamp_to_complete,
+    latest_end,
+    pin_offsets,
+    plan_ranges,
+    relevant_shards,
+    resolve_spec,
+    server_filter,
+)
+
+log = logging.getLogger("moorline.spark")
+
+READ_SCHEMA = (
+    "topic string, payload binary, qos int, retain boolean, guid string, shard int, offset long, "
+    "timestamp timestamp, user_properties map<string,string>"
+)
+ARROW_SCHEMA = pa.schema(
+    [
+        ("topic", pa.string()),
+        ("payload", pa.binary()),
+        ("qos", pa.int32()),
+        ("retain", pa.bool_()),
+        ("guid", pa.string()),
+        ("shard", pa.int32()),
+        ("offset", pa.int64()),
+        ("timestamp", pa.timestamp("us", tz="UTC")),
+        ("user_properties", pa.map_(pa.string(), pa.string())),
+    ]
+)
+
+
+class ShardRangePartition(InputPartition):
+    """An input partition: offsets [start, end) of one shard incarnation (plain, picklable fields)."""
+
+    def __init__(self, r: ShardRange) -> None:
+        super().__init__((r.shard, r.start, r.end))
+        self.shard = r.shard
+        self.incarnation = r.incarnation
+        self.start = r.start
+        self.end = r.end
+
+
+def _client(opts: ReadOptions) -> NodeClient:
+    return NodeClient(opts.servers, opts.request_timeout_s)
+
+
+def _wanted(opts: ReadOptions, shards: dict[int, ShardInfo]) -> list[int]:
+    return relevant_shards(opts.topics, len(shards))
+
+
+def _to_batch(rows: list[dict[str, Any]], shard: int) -> pa.RecordBatch:
+    cols: dict[str, list[Any]] = {name: [] for name in ARROW_SCHEMA.names}
+    import base64
+
+    for m in rows:
+        cols["topic"].append(m["topic"])
+        cols["payload"].append(base64.b64decode(m["payload"]))
+        cols["qos"].append(int(m.get("qos", 0)))
+        cols["retain"].append(bool(m.get("retain", False)))
+        cols["guid"].append(m.get("guid"))
+        cols["shard"].append(shard)
+        cols["offset"].append(int(m["offset"]))
+        cols["timestamp"].append(int(m.get("timestamp_ms", 0)) * 1000)
+        props: dict[str, str] = {}
+        for k, v in m.get("user_properties") or []:
+            props[str(k)] = str(v)  # a map holds one value per name: the last one wins
+        cols["user_properties"].append(list(props.items()))
+    arrays = [pa.array(cols[f.name], type=f.type) for f in ARROW_SCHEMA]
+    return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA)
+
+
+def read_range(opts: ReadOptions, part: ShardRangePartition) -> Iterator[pa.RecordBatch]:
+    """Yield the committed messages of one shard range that match the topic filters."""
+    flt = server_filter(opts.topics)
+    cur = part.start
+    with _client(opts) as client:
+        while cur < part.end:
+            r = client.fetch(part.shard, cur, min(opts.fetch_max_messages, part.end - cur), part.incarnation, flt)
+            if r.status == 410:
+                low = int(r.body.get("low_water", cur))
+                info = ShardInfo(part.shard, part.incarnation, low, part.end)
+                if opts.fail_on_data_loss:
+                    from moorline.spark.planning import loss_message
+
+                    raise MoorlineDataLossError(loss_message(part.shard, part.incarnation, cur, info))
+                invariant(low > cur, "a 410 names a low-water mark above the requested offset")
+                log.warning("moorline shard %d: skipping offsets %d..%d (failOnDataLoss=false)", part.shard, cur, low - 1)
+                cur = low
+                continue
+            if r.status == 409:
+                if opts.fail_on_data_loss:
+                    raise MoorlineDataLossError(
+                        f"moorline shard {part.shard} was rebuilt while reading: planned incarnation "
+                        f"{part.incarnation}, now {r.body.get('incarnation')}; set failOnDataLoss=false to skip"
+                    )
+                return
+            if r.status != 200:
+                raise RuntimeError(f"moorline fetch shard {part.shard} from {cur}: HTTP {r.status}: {r.body}")
+            msgs = r.body.get("messages") or []
+            if not msgs:
+                break  # nothing matching is left below the shard's next offset
+            keep = [m for m in msgs if int(m["offset"]) < part.end and any_filter_matches(opts.topics, m["topic"])]
+            last = int(msgs[-1]["offset"])
+            invariant(last >= cur, "the node returns offsets at or after the requested one")
+            if keep:
+                yield _to_batch(keep, part.shard)
+            cur = last + 1
+
+
+class MoorlineBatchReader(DataSourceReader):
+    def __init__(self, opts: ReadOptions) -> None:
+        self.opts = opts
+        self.reader_id = opts.reader_id or f"spark-batch-{uuid.uuid4().hex}"
+
+    def partitions(self) -> list[InputPartition]:
+        with _client(self.opts) as client:
+            shards = client.shards()
+            wanted = _wanted(self.opts, shards)
+            start = resolve_spec(self.opts.starting, shards, wanted, self.opts.fail_on_data_loss, "startingOffsets")
+            start = clamp_to_complete(start, shards, self.opts.fail_on_data_loss)
+            end = resolve_spec(self.opts.ending, shards, wanted, self.opts.fail_on_data_loss, "endingOffsets")
+            ranges = plan_ranges(start, end, shards, self.opts.fail_on_data_loss)
+            if ranges:
+                client.pin(self.reader_id, {str(r.shard): r.start for r in ranges}, self.opts.pin_ttl_ms)
+        return [ShardRangePartition(r) for r in ranges]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        invariant(isinstance(partition, ShardRangePartition), "moorline partitions only")
+        assert isinstance(partition, ShardRangePartition)
+        yield from read_range(self.opts, partition)
+
+
+class MoorlineStreamReader(DataSourceStreamReader):
+    def __init__(self, opts: ReadOptions) -> None:
+        self.opts = opts
+        # A stable readerId lets a restarted query replace its own pin; without one each run pins
+        # under a fresh id, and a dead run's pin lapses after pinTtlMs.
+        self.reader_id = opts.reader_id or f"spark-stream-{uuid.uuid4().hex}"
+        self.pins_supported = True
+
+    def _pin(self, client: NodeClient, offsets: Offsets) -> None:
+        if not offsets or not self.pins_supported:
+            return
+        if not client.pin(self.reader_id, pin_offsets(offsets), self.opts.pin_ttl_ms):
+            self.pins_supported = False
+            log.warning("moorline node has no /v1/pins: retention is not held for this query")
+
+    def initialOffset(self) -> dict:
+        with _client(self.opts) as client:
+            shards = client.shards()
+            start = resolve_spec(
+                self.opts.starting, shards, _wanted(self.opts, shards), self.opts.fail_on_data_loss, "startingOffsets"
+            )
+            start = clamp_to_complete(start, shards, self.opts.fail_on_data_loss)
+            self._pin(client, start)
+        return start
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.opts.max_offsets_per_trigger is not None:
+            return ReadMaxRows(self.opts.max_offsets_per_trigger)
+        return ReadAllAvailable()
+
+    def latestOffset(self, start: dict | None = None, limit: ReadLimit | None = None) -> dict:
+        with _client(self.opts) as client:
+            shards = client.shards()
+            if start is None:  # Spark 4.0/4.1 call without arguments: plan from the head
+                start = resolve_spec(self.opts.starting, shards, _wanted(self.opts, shards), True, "startingOffsets")
+            clamped = clamp_to_complete(start, shards, self.opts.fail_on_data_loss)
+            self._pin(client, clamped)
+        max_rows = limit.maxRows if isinstance(limit, ReadMaxRows) else None
+        end = latest_end(clamped, shards, max_rows)
+        return start if end == start else end
+
+    def partitions(self, start: dict, end: dict) -> list[InputPartition]:
+        if start == end:
+            return []
+        with _client(self.opts) as client:
+            shards = client.shards()
+            ranges = plan_ranges(start, end, shards, self.opts.fail_on_data_loss)
+            self._pin(client, start)  # the whole position: a pin replaces the reader's previous one
+        return [ShardRangePartition(r) for r in ranges]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        invariant(isinstance(partition, ShardRangePartition), "moorline partitions only")
+        assert isinstance(partition, ShardRangePartition)
+        yield from read_range(self.opts, partition)
+
+    def commit(self, end: dict) -> None:
+        # Everything below ``end`` is processed: hold retention only from there on.
+        with _client(self.opts) as client:
+            self._pin(client, end)
+
+    def stop(self) -> None:
+        # The pin is kept on purpose: a restart within pinTtlMs replays from it.
+        pass

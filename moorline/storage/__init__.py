@@ -1,0 +1,31 @@
+"""Durable storage: the node-wide WAL, per-shard message stores and snapshot files.
+
+The bottom layer: files only, no asyncio, no knowledge of MQTT or the broker.
+"""
+
+from moorline.storage.ledger import SyncLedger, read_ledger
+from moorline.storage.msgstore import MessageStore, StoreCorruption
+from moorline.storage.snapshots import SnapshotCorruption, SnapshotStore
+from moorline.storage.wal import (
+    CorruptionReport,
+    GroupRecovery,
+    WalBackpressure,
+    WalCorruption,
+    WalRecovery,
+    WriteAheadLog,
+)
+
+__all__ = [
+    "CorruptionReport",
+    "GroupRecovery",
+    "MessageStore",
+    "SnapshotCorruption",
+    "SnapshotStore",
+    "StoreCorruption",
+    "SyncLedger",
+    "WalBackpressure",
+    "WalCorruption",
+    "WalRecovery",
+    "WriteAheadLog",
+    "read_ledger",
+]

@@ -1,0 +1,646 @@
+"""Per-shard message store: accepted publishes by dense message offset, written at apply.
+
+Files (``directory`` is the shard's own directory, e.g. ``<data>/shard-<n>``):
+``seg-<first_offset:020d>.dat`` segments, and ``lowwater`` (the low-water mark, CRC-protected,
+rewritten atomically by ``sync``). A segment covers offsets from its name up to the next segment's
+name; after copy-forward a segment holds only the sparse survivors of its range.
+
+Record layout (little endian, 20-byte header)::
+
+    magic u16 | flags u16 | crc u32 | length u32 | offset i64 | payload
+
+``crc`` is CRC32C of everything after it (length, offset, payload).
+
+Durability: appends are buffered and written without fsync; ``sync`` (called when the node takes a
+snapshot) makes them durable. After a crash the WAL re-applies entries after the snapshot, so
+``open(expected_next_offset=<snapshot's next offset>)`` treats damage at or after that offset as a
+lost unsynced tail (cut) and damage before it as corruption (``StoreCorruption``). Without
+``expected_next_offset`` the strict rule applies: an invalid record followed by any valid one is
+corruption.
+
+What is durable across restart: the records themselves, reclaimed segments (gone), the low-water
+mark as of the last ``sync`` (and as implied by missing offsets). What is *not*: the set of
+released offsets. The shard state machine is the authority on what is kept; after recovery it calls
+``release``/``release_below`` again for everything it no longer keeps.
+
+Not thread-safe: one thread (the node's event loop) calls everything, ``sync`` included (or the
+node serialises calls itself).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import re
+import struct
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moorline.hashing import crc32c
+from moorline.invariant import invariant
+from moorline.storage.fsutil import fsync_dir, truncate_durably, write_all, write_file_atomically
+from moorline.storage.ledger import SyncLedger
+
+_crc: Callable[[bytes | bytearray | memoryview], int] = crc32c  # type: ignore[assignment]
+
+MAGIC = 0x534D
+_MAGIC_BYTES = struct.pack("<H", MAGIC)
+_HDR = struct.Struct("<HHIIq")
+_AFTER_CRC = struct.Struct("<Iq")  # the part of the header the CRC covers
+HEADER_BYTES = _HDR.size
+invariant(HEADER_BYTES == 20, "store header layout changed")
+_LOWWATER = struct.Struct("<qI")
+MAX_RECORD_BYTES = 256 << 20
+_SEGMENT_RE = re.compile(r"^seg-(\d+)\.dat$")
+LOWWATER_FILE = "lowwater"
+
+
+def segment_name(first_offset: int) -> str:
+    return f"seg-{first_offset:020d}.dat"
+
+
+class StoreCorruption(Exception):
+    def __init__(self, path: Path, offset: int, message: str) -> None:
+        super().__init__(f"message store corruption in {path} at byte {offset}: {message}")
+        self.path = path
+        self.offset = offset
+        self.message = message
+
+
+def encode_record(offset: int, payload: bytes) -> bytes:
+    rest = _AFTER_CRC.pack(len(payload), offset) + payload
+    return struct.pack("<HHI", MAGIC, 0, _crc(rest)) + rest
+
+
+@dataclass(eq=False)  # identity semantics: segments are compared with `is`/`in`
+class _Segment:
+    first_offset: int
+    path: Path
+    offsets: array = field(default_factory=lambda: array("q"))  # record offsets, increasing
+    positions: array = field(default_factory=lambda: array("Q"))  # file position of each header
+    lengths: array = field(default_factory=lambda: array("I"))  # payload length of each record
+    released: bytearray = field(default_factory=bytearray)  # 1 = no longer kept
+    kept_count: int = 0
+    kept_bytes: int = 0  # framed bytes of kept records
+    size: int = 0  # file size including the unflushed buffer
+    read_fd: int | None = None
+
+    def index_of(self, offset: int) -> int:
+        """Position of ``offset`` in this segment's arrays, or -1."""
+        n = len(self.offsets)
+        if n == 0:
+            return -1
+        i = offset - self.offsets[0]
+        if 0 <= i < n and self.offsets[i] == offset:
+            return i  # dense segment: direct
+        i = bisect.bisect_left(self.offsets, offset)
+        return i if i < n and self.offsets[i] == offset else -1
+
+    def add(self, offset: int, position: int, length: int) -> None:
+        self.offsets.append(offset)
+        self.positions.append(position)
+        self.lengths.append(length)
+        self.released.append(0)
+        self.kept_count += 1
+        self.kept_bytes += HEADER_BYTES + length
+
+
+class MessageStore:
+    def __init__(
+        self,
+        directory: Path,
+        segment_bytes: int = 16 << 20,
+        ledger: SyncLedger | Path | str | None = None,
+        cache_bytes: int = 64 << 20,
+        write_buffer_bytes: int = 1 << 20,
+        compact_below_ratio: float = 0.25,
+    ) -> None:
+        invariant(segment_bytes >= 64, "segment_bytes too small")
+        invariant(cache_bytes >= 0 and write_buffer_bytes > 0, "bad buffer bounds")
+        invariant(0.0 <= compact_below_ratio < 1.0, "compact_below_ratio must be in [0, 1)")
+        self.directory = Path(directory)
+        self.segment_bytes = segment_bytes
+        self.cache_bytes = cache_bytes
+        self.write_buffer_bytes = write_buffer_bytes
+        self.compact_below_ratio = compact_below_ratio
+        self._ledger = SyncLedger(Path(ledger)) if isinstance(ledger, Path | str) else ledger
+        self.next_offset = 0
+        self.low_water = 0
+        self._segments: list[_Segment] = []
+        self._firsts: list[int] = []  # first_offset of each segment, for bisect
+        self._write_fd: int | None = None  # the last segment's, opened lazily
+        self._flushed = 0  # bytes of the last segment already written to its file
+        self._buffer = bytearray()
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._cache_used = 0
+        self._synced_low_water = 0
+        self._unsynced: list[_Segment] = []  # earlier segments written since the last sync
+        self._synced_sizes: dict[Path, int] = {}  # known durable length per segment file
+        self._opened = False
+
+    # ------------------------------------------------------------------ recovery
+
+    def open(self, expected_next_offset: int | None = None) -> None:
+        invariant(not self._opened, "store opened twice")
+        self._opened = True
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for entry in os.scandir(self.directory):
+            if entry.name.endswith(".tmp"):
+                os.unlink(entry.path)  # unfinished copy-forward or low-water write
+        files = []
+        for entry in os.scandir(self.directory):
+            m = _SEGMENT_RE.match(entry.name)
+            if m:
+                files.append((int(m.group(1)), Path(entry.path)))
+        files.sort()
+        persisted_low = self._read_low_water()
+
+        if not files:
+            if expected_next_offset:
+                raise StoreCorruption(
+                    self.directory, 0, f"no segments, but the snapshot expects offsets up to {expected_next_offset}"
+                )
+            self.next_offset = self.low_water = self._synced_low_water = persisted_low
+            return
+
+        prev = -1  # last valid offset seen
+        gap_top = files[0][0]  # every offset below this is missing
+        for i, (first, path) in enumerate(files):
+            limit = files[i + 1][0] if i + 1 < len(files) else None
+            seg = _Segment(first, path)
+            cut = self._recover_segment(seg, limit, prev, expected_next_offset, files[i + 1 :])
+            self._segments.append(seg)
+            self._firsts.append(first)
+            if seg.offsets:
+                lo = seg.offsets[0]
+                if lo != prev + 1:
+                    gap_top = lo
+                for j in range(1, len(seg.offsets)):
+                    if seg.offsets[j] != seg.offsets[j - 1] + 1:
+                        gap_top = seg.offsets[j]
+                prev = seg.offsets[-1]
+            if cut:
+                for _first, later in files[i + 1 :]:
+                    later.unlink()
+                    if self._ledger is not None:
+                        self._ledger.forget(later)
+                fsync_dir(self.directory)
+                break
+        last = self._segments[-1]
+        self.next_offset = max(prev + 1, last.first_offset)
+        if prev + 1 < last.first_offset:
+            gap_top = last.first_offset
+        if expected_next_offset is not None and self.next_offset < expected_next_offset:
+            raise StoreCorruption(
+                last.path,
+                last.size,
+                f"store ends at offset {self.next_offset}, the snapshot expects {expected_next_offset}",
+            )
+        self.low_water = min(max(gap_top, persisted_low), self.next_offset)
+        self._synced_low_water = persisted_low
+        self._flushed = last.size
+
+    def _recover_segment(
+        self,
+        seg: _Segment,
+        limit: int | None,
+        prev: int,
+        expected: int | None,
+        later: list[tuple[int, Path]],
+    ) -> bool:
+        """Index one segment; return True if its tail was cut (later segments are then dropped)."""
+        data = seg.path.read_bytes()
+        mv = memoryview(data)
+        n = len(data)
+        p = 0
+        last_valid = prev
+        while p < n:
+            end = self._valid_end(mv, p, max(last_valid, seg.first_offset - 1), limit)
+            if end > 0:
+                offset = _HDR.unpack_from(mv, p)[4]
+                seg.add(offset, p, end - p - HEADER_BYTES)
+                last_valid = offset
+                p = end
+                continue
+            if expected is not None:
+                # Everything below `expected` was synced before the snapshot was saved.
+                if last_valid + 1 < expected:
+                    raise StoreCorruption(seg.path, p, f"invalid record before synced offset {expected}")
+            elif self._valid_after(mv, p + 1, seg, limit, last_valid, later):
+                raise StoreCorruption(seg.path, p, "invalid record followed by valid records")
+            truncate_durably(seg.path, p)
+            if self._ledger is not None:
+                self._ledger.record(seg.path, p)
+            seg.size = p
+            return True
+        seg.size = n
+        return False
+
+    @staticmethod
+    def _valid_end(mv: memoryview, p: int, after: int, limit: int | None) -> int:
+        """End of a valid record at ``p`` whose offset is above ``after`` (and below ``limit``), or 0."""
+        if p + HEADER_BYTES > len(mv):
+            return 0
+        magic, flags, crc, length, offset = _HDR.unpack_from(mv, p)
+        if magic != MAGIC or flags != 0 or length > MAX_RECORD_BYTES or offset <= after:
+            return 0
+        if limit is not None and offset >= limit:
+            return 0
+        end = p + HEADER_BYTES + length
+        if end > len(mv) or _crc(mv[p + 8 : end]) != crc:
+            return 0
+        return end
+
+    def _valid_after(
+        self, mv: memoryview, start: int, seg: _Segment, limit: int | None, after: int, later: list[tuple[int, Path]]
+    ) -> bool:
+        data = mv.obj
+        assert isinstance(data, bytes)
+        q = data.find(_MAGIC_BYTES, start)
+        while q != -1:
+            if self._valid_end(mv, q, after, limit):
+                return True
+            q = data.find(_MAGIC_BYTES, q + 1)
+        for i, (first, path) in enumerate(later):
+            lim = later[i + 1][0] if i + 1 < len(later) else None
+            d = path.read_bytes()
+            dm = memoryview(d)
+            q = d.find(_MAGIC_BYTES, 0)
+            while q != -1:
+                if self._valid_end(dm, q, first - 1, lim):
+                    return True
+                q = d.find(_MAGIC_BYTES, q + 1)
+        return False
+
+    def _read_low_water(self) -> int:
+        path = self.directory / LOWWATER_FILE
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return 0
+        if len(raw) != _LOWWATER.size:
+            raise StoreCorruption(path, 0, "low-water file has the wrong size")
+        value, crc = _LOWWATER.unpack(raw)
+        if _crc(raw[:8]) != crc:
+            raise StoreCorruption(path, 0, "low-water file fails its checksum")
+        return int(value)
+
+    # ------------------------------------------------------------------ writing
+
+    def append(self, offset: int, record: bytes) -> None:
+        """Store ``record`` at ``offset``, which must be ``next_offset`` (buffered, not synced)."""
+        invariant(self._opened, "store not open")
+        invariant(offset == self.next_offset, f"append at {offset}, expected {self.next_offset}")
+        invariant(len(record) <= MAX_RECORD_BYTES, "record too large")
+        frame = encode_record(offset, record)
+        seg = self._segments[-1] if self._segments else None
+        if seg is None or (seg.offsets and seg.size + len(frame) > self.segment_bytes):
+            seg = self._new_segment(offset)
+        seg.add(offset, seg.size, len(record))
+        seg.size += len(frame)
+        self._buffer += frame
+        self.next_offset = offset + 1
+        if self.cache_bytes:
+            self._cache[offset] = record
+            self._cache_used += len(record)
+            while self._cache_used > self.cache_bytes:
+                _, old = self._cache.popitem(last=False)
+                self._cache_used -= len(old)
+        if len(self._buffer) >= self.write_buffer_bytes:
+            self._flush()
+
+    def _new_segment(self, first_offset: int) -> _Segment:
+        if self._segments and self._segments[-1].size > self._synced_size(self._segments[-1]):
+            self._unsynced.append(self._segments[-1])
+        self._close_writer()
+        path = self.directory / segment_name(first_offset)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        fsync_dir(self.directory)
+        if self._ledger is not None:
+            self._ledger.record(path, 0)
+        seg = _Segment(first_offset, path)
+        self._segments.append(seg)
+        self._firsts.append(first_offset)
+        self._write_fd = fd
+        self._flushed = 0
+        return seg
+
+    def _close_writer(self) -> None:
+        """Flush the last segment's buffer and close its write descriptor (no fsync)."""
+        self._flush()
+        if self._write_fd is not None:
+            os.close(self._write_fd)
+            self._write_fd = None
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        seg = self._segments[-1]
+        if self._write_fd is None:
+            self._write_fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
+        write_all(self._write_fd, self._buffer)
+        self._flushed += len(self._buffer)
+        self._buffer = bytearray()
+        invariant(self._flushed == seg.size, "flushed size disagrees with the segment index")
+
+    def _synced_size(self, seg: _Segment) -> int:
+        return self._synced_sizes.get(seg.path, 0)
+
+    def sync(self) -> None:
+        """Write buffered records, fdatasync the written segments, persist the low-water mark."""
+        invariant(self._opened, "store not open")
+        self._flush()
+        for old in self._unsynced:
+            if old in self._segments:
+                fd = os.open(old.path, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+                self._synced_sizes[old.path] = old.size
+                if self._ledger is not None:
+                    self._ledger.record(old.path, old.size)
+        self._unsynced.clear()
+        if self._segments:
+            seg = self._segments[-1]
+            fd = self._write_fd if self._write_fd is not None else os.open(seg.path, os.O_WRONLY | os.O_APPEND)
+            os.fdatasync(fd)
+            if fd != self._write_fd:
+                os.close(fd)
+            self._synced_sizes[seg.path] = seg.size
+            if self._ledger is not None:
+                self._ledger.record(seg.path, seg.size)
+        if self.low_water != self._synced_low_water:
+            self._write_low_water(self.low_water)
+
+    def _write_low_water(self, value: int) -> None:
+        head = struct.pack("<q", value)
+        path = self.directory / LOWWATER_FILE
+        write_file_atomically(path, head + struct.pack("<I", _crc(head)))
+        self._synced_low_water = value
+        if self._ledger is not None:
+            self._ledger.record(path, _LOWWATER.size)
+
+    # ------------------------------------------------------------------ reading
+
+    def _locate(self, offset: int) -> tuple[_Segment, int] | None:
+        k = bisect.bisect_right(self._firsts, offset) - 1
+        if k < 0:
+            return None
+        seg = self._segments[k]
+        i = seg.index_of(offset)
+        return (seg, i) if i >= 0 else None
+
+    def get(self, offset: int) -> bytes | None:
+        """The record at ``offset``; None if released, reclaimed or never written."""
+        if offset < 0 or offset >= self.next_offset:
+            return None
+        hit = self._cache.get(offset)
+        if hit is not None:
+            return hit
+        found = self._locate(offset)
+        if found is None:
+            return None
+        seg, i = found
+        if seg.released[i]:
+            return None
+        return self._read(seg, i)
+
+    def _read(self, seg: _Segment, i: int) -> bytes:
+        pos = seg.positions[i]
+        length = seg.lengths[i]
+        end = pos + HEADER_BYTES + length
+        last = self._segments[-1]
+        if seg is last and end > self._flushed:
+            start = pos - self._flushed
+            frame = bytes(self._buffer[start : start + HEADER_BYTES + length])
+        else:
+            if seg.read_fd is None:
+                seg.read_fd = os.open(seg.path, os.O_RDONLY)
+            frame = os.pread(seg.read_fd, HEADER_BYTES + length, pos)
+        magic, flags, crc, flen, offset = _HDR.unpack_from(frame, 0)
+        if (
+            len(frame) != HEADER_BYTES + length
+            or magic != MAGIC
+            or offset != seg.offsets[i]
+            or flen != length
+            or _crc(memoryview(frame)[8:]) != crc
+        ):
+            raise StoreCorruption(seg.path, pos, f"record {seg.offsets[i]} fails its checksum on read")
+        return frame[HEADER_BYTES:]
+
+    def scan(self, from_offset: int, max_count: int, max_bytes: int) -> list[tuple[int, bytes]]:
+        """Present records at offsets >= ``from_offset`` in order; at least one if any (size bounds)."""
+        out: list[tuple[int, bytes]] = []
+        if max_count <= 0 or from_offset >= self.next_offset:
+            return out
+        used = 0
+        k = max(0, bisect.bisect_right(self._firsts, from_offset) - 1)
+        for seg in self._segments[k:]:
+            i = bisect.bisect_left(seg.offsets, from_offset)
+            n = len(seg.offsets)
+            while i < n:
+                if not seg.released[i]:
+                    offset = seg.offsets[i]
+                    record = self._cache.get(offset)
+                    if record is None:
+                        record = self._read(seg, i)
+                    if out and used + len(record) > max_bytes:
+                        return out
+                    out.append((offset, record))
+                    used += len(record)
+                    if len(out) >= max_count:
+                        return out
+                i += 1
+        return out
+
+    # ------------------------------------------------------------------ retention
+
+    def release(self, offsets: Iterable[int]) -> None:
+        """Mark offsets as no longer kept; unknown or already gone offsets are ignored."""
+        top = -1
+        for offset in offsets:
+            invariant(offset < self.next_offset, f"release of unwritten offset {offset}")
+            found = self._locate(offset)
+            if found is None:
+                continue
+            seg, i = found
+            if seg.released[i]:
+                continue
+            seg.released[i] = 1
+            seg.kept_count -= 1
+            seg.kept_bytes -= HEADER_BYTES + seg.lengths[i]
+            old = self._cache.pop(offset, None)
+            if old is not None:
+                self._cache_used -= len(old)
+            if offset > top:
+                top = offset
+        if top >= self.low_water:
+            self.low_water = top + 1
+
+    def release_below(self, offset: int) -> None:
+        """Release every offset below ``offset``."""
+        offset = min(offset, self.next_offset)
+        for seg in self._segments:
+            if seg.first_offset >= offset:
+                break
+            stop = bisect.bisect_left(seg.offsets, offset)
+            if stop == len(seg.offsets) and seg.kept_count == 0:
+                continue
+            for i in range(stop):
+                if not seg.released[i]:
+                    seg.released[i] = 1
+                    seg.kept_count -= 1
+                    seg.kept_bytes -= HEADER_BYTES + seg.lengths[i]
+        while self._cache:
+            first = next(iter(self._cache))
+            if first >= offset:
+                break
+            self._cache_used -= len(self._cache.pop(first))
+        if offset > self.low_water:
+            self.low_water = offset
+
+    def reclaim(self) -> int:
+        """Delete segments with nothing kept; copy forward survivors of mostly released ones."""
+        reclaimed = 0
+        survivors: list[_Segment] = []
+        removed_any = False
+        last = self._segments[-1] if self._segments else None
+        for seg in self._segments:
+            if seg is last:
+                survivors.append(seg)  # the segment being appended to stays
+            elif seg.kept_count == 0:
+                self._drop_segment(seg)
+                reclaimed += seg.size
+                removed_any = True
+            elif seg.kept_bytes < self.compact_below_ratio * seg.size:
+                before = seg.size
+                survivors.append(self._copy_forward(seg))
+                reclaimed += before - survivors[-1].size
+            else:
+                survivors.append(seg)
+        if removed_any:
+            fsync_dir(self.directory)
+        self._segments = survivors
+        self._firsts = [s.first_offset for s in survivors]
+        return reclaimed
+
+    def _drop_segment(self, seg: _Segment) -> None:
+        if seg.read_fd is not None:
+            os.close(seg.read_fd)
+            seg.read_fd = None
+        seg.path.unlink()
+        if self._ledger is not None:
+            self._ledger.forget(seg.path)
+
+    def _copy_forward(self, seg: _Segment) -> _Segment:
+        """Rewrite ``seg`` with only its kept records: tmp, fsync, rename over, fsync dir."""
+        new = _Segment(seg.first_offset, seg.path)
+        out = bytearray()
+        for i in range(len(seg.offsets)):
+            if seg.released[i]:
+                continue
+            record = self._read(seg, i)
+            new.add(seg.offsets[i], len(out), len(record))
+            out += encode_record(seg.offsets[i], record)
+        new.size = len(out)
+        tmp = seg.path.with_name(seg.path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            write_all(fd, out)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        if seg.read_fd is not None:
+            os.close(seg.read_fd)
+            seg.read_fd = None
+        os.replace(tmp, seg.path)
+        fsync_dir(self.directory)
+        if self._ledger is not None:
+            self._ledger.record(seg.path, new.size)
+        return new
+
+    # ------------------------------------------------------------------ recovery helpers
+
+    def truncate_from(self, offset: int) -> None:
+        """Drop offsets >= ``offset`` (the WAL re-applies them after a snapshot). Durable."""
+        invariant(self._opened, "store not open")
+        invariant(offset <= self.next_offset, f"truncate_from({offset}) above next offset {self.next_offset}")
+        if offset == self.next_offset:
+            return
+        # Recovery only (before anything is served): with no snapshot yet the WAL re-applies from
+        # offset 0, possibly below a low-water mark that was never persisted by a snapshot.
+        self.low_water = min(self.low_water, offset)
+        self._close_writer()
+        while self._segments and self._segments[-1].first_offset >= offset and len(self._segments) > 1:
+            self._drop_segment(self._segments.pop())
+            self._firsts.pop()
+        seg = self._segments[-1]
+        cut = bisect.bisect_left(seg.offsets, offset)
+        position = seg.positions[cut] if cut < len(seg.offsets) else seg.size
+        for i in range(cut, len(seg.offsets)):
+            if not seg.released[i]:
+                seg.kept_count -= 1
+                seg.kept_bytes -= HEADER_BYTES + seg.lengths[i]
+        del seg.offsets[cut:], seg.positions[cut:], seg.lengths[cut:], seg.released[cut:]
+        if seg.read_fd is not None:
+            os.close(seg.read_fd)
+            seg.read_fd = None
+        truncate_durably(seg.path, position)
+        fsync_dir(self.directory)
+        if self._ledger is not None:
+            self._ledger.record(seg.path, position)
+        seg.size = position
+        self._flushed = position
+        if seg.first_offset > offset:
+            # Only one segment was left and it starts above `offset`: rename keeps names honest.
+            invariant(not seg.offsets, "segment above the truncation point still holds records")
+            self._drop_segment(self._segments.pop())
+            self._firsts.pop()
+            fsync_dir(self.directory)
+        for k in [k for k in self._cache if k >= offset]:
+            self._cache_used -= len(self._cache.pop(k))
+        self.next_offset = offset
+        if not self._segments:
+            self._new_segment(offset)
+
+    def reset(self, next_offset: int) -> None:
+        """Drop everything and continue at ``next_offset`` (a replica that installed a snapshot)."""
+        invariant(self._opened, "store not open")
+        self._close_writer()
+        for seg in self._segments:
+            self._drop_segment(seg)
+        self._segments = []
+        self._firsts = []
+        self._cache.clear()
+        self._cache_used = 0
+        fsync_dir(self.directory)
+        self.next_offset = next_offset
+        self.low_water = next_offset
+        self._new_segment(next_offset)
+        self._write_low_water(next_offset)
+
+    # ------------------------------------------------------------------ misc
+
+    def size_bytes(self) -> int:
+        return sum(s.size for s in self._segments)
+
+    def kept_count(self) -> int:
+        return sum(s.kept_count for s in self._segments)
+
+    def segment_paths(self) -> list[Path]:
+        return [s.path for s in self._segments]
+
+    def close(self) -> None:
+        """Write buffered records (no fsync: ``sync`` is the durability point) and close files."""
+        if not self._opened:
+            return
+        self._close_writer()
+        for seg in self._segments:
+            if seg.read_fd is not None:
+                os.close(seg.read_fd)
+                seg.read_fd = None
+        self._opened = False

@@ -1,0 +1,669 @@
+"""Node-wide write-ahead log: every Raft group's entries and hard state in one stream of segments.
+
+Why one log per node: one ``fdatasync`` then covers a batch of every group's writes (group commit),
+which is what makes per-message fsync affordable.
+
+Files: ``wal-<seq:016d>.log`` in one directory. Segment ``seq + 1`` is created only after segment
+``seq`` was fully written and fdatasynced, so a valid record in a later segment proves every earlier
+segment complete. Every segment starts with one *checkpoint* record per known group (hard state,
+snapshot mark, last index), so no old segment ever holds the only copy of a group's hard state: a
+segment can be deleted as soon as every group's entries in it are covered by a durable snapshot mark.
+
+Record layout (little endian, 32-byte header, then the body)::
+
+    magic u16 | type u8 | flags u8 | body_len u32 | group i64 | segment u32 | position u32 |
+    body_crc u32 | header_crc u32 | body
+
+``header_crc`` is CRC32C of the 28 bytes before it and ``body_crc`` CRC32C of the body. Two
+checksums let recovery name the group of a record whose body is damaged (its header is intact) and
+step over it exactly. ``segment``/``position`` repeat where the record was written: a byte pattern
+inside a payload that happens to look like a record is not taken for one.
+
+Bodies: entry ``term u64 | index u64 | entry_type u32 | payload``; hard state ``term u64 |
+commit u64 | vote bytes``; truncate ``from_index u64``; snapshot mark ``index u64 | term u64``;
+checkpoint ``has_hard_state u8 | term u64 | commit u64 | snapshot_index u64 | snapshot_term u64 |
+last_index u64 | vote bytes``.
+
+Recovery rule (DESIGN.md): an invalid record with no valid record after it (in this segment or any
+later one) is a torn tail and is truncated; an invalid record followed by a valid one is corruption.
+If the invalid record's header is intact its group is reported corrupted and recovery goes on for
+the other groups; otherwise ``WalCorruption`` names the file and offset and the node must not start.
+
+Threads: ``append_*``/``set_hard_state``/``mark_snapshot``/``truncate`` may run on one thread (the
+event loop) while ``sync``/``reclaim`` run on another. Appends only encode into an in-memory buffer
+under a short lock; ``sync`` swaps the buffer out and does the IO without holding that lock.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from moorline.hashing import crc32c
+from moorline.invariant import invariant
+from moorline.storage.fsutil import fsync_dir, truncate_durably, write_all
+from moorline.storage.ledger import SyncLedger
+
+# moorline.hashing.crc32c is typed for bytes; the C function takes any buffer (no copy).
+_crc: Callable[[bytes | bytearray | memoryview], int] = crc32c  # type: ignore[assignment]
+
+
+
+class Entry(NamedTuple):
+    """A Raft log entry as stored; plain ``(term, index, type, data)`` tuples are accepted too."""
+
+    term: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index on purpose: e.index reads well
+    type: int
+    data: bytes
+
+
+class HardState(NamedTuple):
+    term: int
+    vote: bytes
+    commit: int
+
+MAGIC = 0x4C57
+_MAGIC_BYTES = struct.pack("<H", MAGIC)
+_HDR_PRE = struct.Struct("<HBBIqIII")  # everything the header CRC covers
+_U32 = struct.Struct("<I")
+HEADER_BYTES = _HDR_PRE.size + 4
+invariant(HEADER_BYTES == 32, "WAL header layout changed")
+
+T_ENTRY = 1
+T_HARD_STATE = 2
+T_TRUNCATE = 3
+T_SNAPSHOT = 4
+T_CHECKPOINT = 5
+_TYPES = frozenset({T_ENTRY, T_HARD_STATE, T_TRUNCATE, T_SNAPSHOT, T_CHECKPOINT})
+
+_ENTRY = struct.Struct("<QQI")
+_HARD = struct.Struct("<QQ")
+_TRUNC = struct.Struct("<Q")
+_SNAP = struct.Struct("<QQ")
+_CKPT = struct.Struct("<BQQQQQ")
+
+MAX_BODY_BYTES = 1 << 30
+MAX_SEGMENT_BYTES = 2 << 30  # positions are u32
+_SEGMENT_RE = re.compile(r"^wal-(\d+)\.log$")
+
+
+def segment_name(seq: int) -> str:
+    return f"wal-{seq:016d}.log"
+
+
+class WalCorruption(Exception):
+    """Damage the WAL cannot attribute to a group: the node must refuse to start."""
+
+    def __init__(self, path: Path, offset: int, message: str) -> None:
+        super().__init__(f"WAL corruption in {path} at offset {offset}: {message}")
+        self.path = path
+        self.offset = offset
+        self.message = message
+
+
+class WalBackpressure(Exception):
+    """``append_entries`` refused: more than ``max_pending_bytes`` wait for ``sync``."""
+
+
+@dataclass
+class CorruptionReport:
+    path: Path
+    offset: int
+    group: int | None
+    message: str
+
+
+@dataclass
+class GroupRecovery:
+    hard_state: HardState | None
+    snapshot_index: int
+    snapshot_term: int
+    entries: list[Entry]  # after snapshot_index, in index order, truncations applied
+    corrupted: bool = False  # see WalRecovery.corrupted; entries stop before the damage
+
+
+@dataclass
+class WalRecovery:
+    groups: dict[int, GroupRecovery]
+    corrupted: list[CorruptionReport]
+    torn_tail_truncated: list[tuple[Path, int]]
+
+
+def _frame(rtype: int, group: int, seg: int, pos: int, body: bytes) -> bytes:
+    pre = _HDR_PRE.pack(MAGIC, rtype, 0, len(body), group, seg, pos, crc32c(body))
+    return pre + _U32.pack(crc32c(pre)) + body
+
+
+_OK, _BAD_HEADER, _BAD_BODY = 0, 1, 2
+
+
+def _parse(mv: memoryview, p: int, seq: int) -> tuple[int, int, int, int, int]:
+    """(status, type, group, body_start, end) of the record claimed to start at ``p``."""
+    n = len(mv)
+    if p + HEADER_BYTES > n:
+        return (_BAD_HEADER, 0, 0, 0, 0)
+    magic, rtype, flags, blen, group, seg, pos, bcrc = _HDR_PRE.unpack_from(mv, p)
+    if magic != MAGIC or seg != seq or pos != p or flags != 0 or rtype not in _TYPES:
+        return (_BAD_HEADER, 0, 0, 0, 0)
+    if blen > MAX_BODY_BYTES or _U32.unpack_from(mv, p + 28)[0] != _crc(mv[p : p + 28]):
+        return (_BAD_HEADER, 0, 0, 0, 0)
+    start = p + HEADER_BYTES
+    end = start + blen
+    if end > n or _crc(mv[start:end]) != bcrc:
+        return (_BAD_BODY, rtype, group, start, end)
+    return (_OK, rtype, group, start, end)
+
+
+def _has_valid_record(mv: memoryview, start: int, seq: int) -> bool:
+    """Is there any valid record of segment ``seq`` starting at or after ``start``?"""
+    data = mv.obj
+    assert isinstance(data, bytes)
+    q = data.find(_MAGIC_BYTES, start)
+    while q != -1:
+        if _parse(mv, q, seq)[0] == _OK:
+            return True
+        q = data.find(_MAGIC_BYTES, q + 1)
+    return False
+
+
+@dataclass
+class _GroupState:
+    """What the writer must know per group (also what a checkpoint record carries)."""
+
+    last_index: int = 0
+    snapshot_index: int = 0
+    snapshot_term: int = 0
+    hard_state: HardState | None = None
+
+    def checkpoint_body(self) -> bytes:
+        term, vote, commit = self.hard_state if self.hard_state is not None else (0, b"", 0)
+        has = 1 if self.hard_state is not None else 0
+        return (
+            _CKPT.pack(has, term, commit, self.snapshot_index, self.snapshot_term, self.last_index)
+            + vote
+        )
+
+
+@dataclass
+class _RecoveringGroup:
+    state: _GroupState = field(default_factory=_GroupState)
+    entries: list[Entry] = field(default_factory=list)
+    corrupted: bool = False
+    fresh: bool = True  # no record of this group replayed yet
+
+    def first_index(self) -> int:
+        return self.entries[0][1] if self.entries else self.state.last_index + 1
+
+    def truncate_from(self, from_index: int) -> None:
+        if self.entries and from_index <= self.entries[-1][1]:
+            del self.entries[max(0, from_index - self.entries[0][1]) :]
+        self.state.last_index = min(self.state.last_index, from_index - 1)
+
+    def compact_to(self, index: int, term: int) -> None:
+        if index <= self.state.snapshot_index:
+            return
+        self.state.snapshot_index = index
+        self.state.snapshot_term = term
+        if self.entries:
+            drop = index - self.entries[0][1] + 1
+            if drop > 0:
+                del self.entries[:drop]
+        self.state.last_index = max(self.state.last_index, index)
+
+
+class WriteAheadLog:
+    def __init__(
+        self,
+        directory: Path,
+        segment_bytes: int = 64 << 20,
+        max_pending_bytes: int = 64 << 20,
+        ledger: Path | str | SyncLedger | None = None,
+    ) -> None:
+        invariant(256 <= segment_bytes <= MAX_SEGMENT_BYTES, "segment_bytes must be in [256 B, 2 GiB]")
+        invariant(max_pending_bytes > 0, "max_pending_bytes must be positive")
+        self.directory = Path(directory)
+        self.segment_bytes = segment_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self._ledger = SyncLedger(Path(ledger)) if isinstance(ledger, Path | str) else ledger
+        self._opened = False
+        self._closed = False
+        self._failed: BaseException | None = None
+
+        # Appender side, guarded by _lock.
+        self._lock = threading.Lock()
+        self._pending: list[tuple[int, bytearray]] = []  # (segment seq, bytes for that segment)
+        self._pending_bytes = 0
+        self._pending_snapshots: list[tuple[int, int]] = []  # (group, index) awaiting sync
+        self._seg_seq = 0  # segment the next record goes to
+        self._seg_size = 0  # its size once everything pending is written
+        self._appended_seq = 0
+        self._groups: dict[int, _GroupState] = {}
+        # segment seq -> group -> highest entry index still live in that segment.
+        self._seg_max: dict[int, dict[int, int]] = {}
+
+        # Syncer side, guarded by _sync_lock.
+        self._sync_lock = threading.Lock()
+        self._fd: int | None = None
+        self._fd_seq = 0
+        self._fd_length = 0
+        self._synced_seq = 0
+        self._disk_segments: list[int] = []
+        self._durable_snapshot: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ recovery
+
+    def open(self) -> WalRecovery:
+        invariant(not self._opened, "WAL opened twice")
+        self._opened = True
+        self.directory.mkdir(parents=True, exist_ok=True)
+        files = self._list_segments()
+        for (a, _), (b, path) in zip(files, files[1:], strict=False):
+            if b != a + 1:
+                raise WalCorruption(path, 0, f"segments {a + 1}..{b - 1} are missing")
+
+        groups: dict[int, _RecoveringGroup] = {}
+        corrupted: list[CorruptionReport] = []
+        torn: list[tuple[Path, int]] = []
+        kept: list[int] = []
+        for i, (seq, path) in enumerate(files):
+            self._seg_max[seq] = {}
+            stop = self._recover_segment(seq, path, files[i + 1 :], groups, corrupted, torn)
+            kept.append(seq)
+            if stop:
+                for _later_seq, later_path in files[i + 1 :]:
+                    later_path.unlink()
+                    torn.append((later_path, 0))
+                    if self._ledger is not None:
+                        self._ledger.forget(later_path)
+                fsync_dir(self.directory)
+                break
+
+        result: dict[int, GroupRecovery] = {}
+        for g in sorted(groups):
+            rg = groups[g]
+            st = rg.state
+            if not rg.corrupted and rg.first_index() > st.snapshot_index + 1:
+                rg.corrupted = True
+                corrupted.append(
+                    CorruptionReport(
+                        files[0][1] if files else self.directory,
+                        0,
+                        g,
+                        f"entries {st.snapshot_index + 1}..{rg.first_index() - 1} of group {g} are missing",
+                    )
+                )
+            top = rg.entries[-1][1] if rg.entries else st.snapshot_index
+            if not rg.corrupted and st.hard_state is not None and st.hard_state[2] > top:
+                # Raft never commits past its own last entry, so entries that were synced (they
+                # are older than the hard state naming them) have been lost.
+                rg.corrupted = True
+                corrupted.append(
+                    CorruptionReport(
+                        files[-1][1] if files else self.directory,
+                        0,
+                        g,
+                        f"group {g} commit index {st.hard_state[2]} is beyond its last entry {top}",
+                    )
+                )
+            result[g] = GroupRecovery(st.hard_state, st.snapshot_index, st.snapshot_term, rg.entries, rg.corrupted)
+            self._groups[g] = _GroupState(st.last_index, st.snapshot_index, st.snapshot_term, st.hard_state)
+            self._durable_snapshot[g] = st.snapshot_index
+
+        # A trailing segment torn at 0 carries no checkpoint; drop it.
+        while kept and (self.directory / segment_name(kept[-1])).stat().st_size == 0:
+            seq = kept.pop()
+            (self.directory / segment_name(seq)).unlink()
+            self._seg_max.pop(seq, None)
+        fsync_dir(self.directory)
+        self._disk_segments = kept
+        # Always write into a fresh segment that starts with checkpoints of every group: resuming a
+        # segment whose checkpoint block was torn would leave old segments holding the only copy.
+        self._seg_seq = (files[-1][0] if files else 0)
+        with self._lock:
+            self._start_segment_locked()
+        return WalRecovery(result, corrupted, torn)
+
+    def _list_segments(self) -> list[tuple[int, Path]]:
+        found: list[tuple[int, Path]] = []
+        for entry in os.scandir(self.directory):
+            m = _SEGMENT_RE.match(entry.name)
+            if m:
+                found.append((int(m.group(1)), Path(entry.path)))
+        found.sort()
+        return found
+
+    def _recover_segment(
+        self,
+        seq: int,
+        path: Path,
+        later: Sequence[tuple[int, Path]],
+        groups: dict[int, _RecoveringGroup],
+        corrupted: list[CorruptionReport],
+        torn: list[tuple[Path, int]],
+    ) -> bool:
+        """Apply one segment's records; return True if a torn tail was cut here (stop)."""
+        data = path.read_bytes()
+        mv = memoryview(data)
+        n = len(data)
+        p = 0
+        while p < n:
+            status, rtype, group, start, end = _parse(mv, p, seq)
+            if status == _OK:
+                rg = groups.get(group)
+                if rg is None:
+                    rg = groups[group] = _RecoveringGroup()
+                if not rg.corrupted:
+                    err = self._apply(seq, rg, group, rtype, mv, start, end)
+                    rg.fresh = False
+                    if err is not None:
+                        rg.corrupted = True
+                        corrupted.append(CorruptionReport(path, p, group, err))
+                p = end
+                continue
+            resume = min(end, n) if status == _BAD_BODY else p + 1
+            if _has_valid_record(mv, resume, seq) or self._later_has_valid(later):
+                if status == _BAD_HEADER:
+                    raise WalCorruption(path, p, "record header fails its checksum and valid records follow")
+                rg = groups.setdefault(group, _RecoveringGroup())
+                rg.corrupted = True
+                corrupted.append(
+                    CorruptionReport(path, p, group, f"record of group {group} fails its checksum")
+                )
+                p = resume
+                continue
+            truncate_durably(path, p)
+            if self._ledger is not None:
+                self._ledger.record(path, p)
+            torn.append((path, p))
+            return True
+        return False
+
+    @staticmethod
+    def _later_has_valid(later: Sequence[tuple[int, Path]]) -> bool:
+        for seq, path in later:
+            data = path.read_bytes()
+            if _has_valid_record(memoryview(data), 0, seq):
+                return True
+        return False
+
+    def _apply(
+        self, seq: int, rg: _RecoveringGroup, group: int, rtype: int, mv: memoryview, start: int, end: int
+    ) -> str | None:
+        """Replay one valid record; return an error message if it makes the group inconsistent."""
+        st = rg.state
+        if rtype == T_ENTRY:
+            term, index, etype = _ENTRY.unpack_from(mv, start)
+            if index <= st.snapshot_index:
+                return None  # compacted already (cannot happen with this writer; harmless)
+            if index <= st.last_index:
+                rg.truncate_from(index)
+                self._note_truncate(group, index)
+            elif index != st.last_index + 1:
+                return f"entry {index} of group {group} follows {st.last_index}: entries missing"
+            rg.entries.append(Entry(term, index, etype, bytes(mv[start + _ENTRY.size : end])))
+            st.last_index = index
+            seg = self._seg_max[seq]
+            seg[group] = index
+        elif rtype == T_HARD_STATE:
+            term, commit = _HARD.unpack_from(mv, start)
+            st.hard_state = HardState(term, bytes(mv[start + _HARD.size : end]), commit)
+        elif rtype == T_TRUNCATE:
+            (from_index,) = _TRUNC.unpack_from(mv, start)
+            rg.truncate_from(from_index)
+            self._note_truncate(group, from_index)
+        elif rtype == T_SNAPSHOT:
+            index, term = _SNAP.unpack_from(mv, start)
+            rg.compact_to(index, term)
+        elif rtype == T_CHECKPOINT:
+            has, term, commit, snap_index, snap_term, last_index = _CKPT.unpack_from(mv, start)
+            if has:
+                st.hard_state = HardState(term, bytes(mv[start + _CKPT.size : end]), commit)
+            rg.compact_to(snap_index, snap_term)
+            if rg.fresh:
+                # First sight of this group (older segments reclaimed): entries up to last_index
+                # lived there; a later snapshot mark must cover them (checked at the end).
+                st.last_index = max(st.last_index, last_index)
+            elif last_index < st.last_index:
+                rg.truncate_from(last_index + 1)
+        return None
+
+    # ------------------------------------------------------------------ appending (any thread)
+
+    def append_entries(self, group: int, entries: Sequence[tuple[int, int, int, bytes]]) -> None:
+        """Buffer entries of ``group``; entries at or below the group's last index replace the old ones."""
+        if not entries:
+            return
+        with self._lock:
+            self._check_open()
+            if self._pending_bytes >= self.max_pending_bytes:
+                raise WalBackpressure(f"{self._pending_bytes} bytes wait for sync")
+            st = self._groups.get(group)
+            if st is None:
+                st = self._groups[group] = _GroupState()
+            first = entries[0][1]
+            invariant(first > st.snapshot_index, f"group {group}: entry {first} is compacted")
+            invariant(first <= st.last_index + 1, f"group {group}: entry {first} leaves a gap after {st.last_index}")
+            if first <= st.last_index:
+                self._emit(T_TRUNCATE, group, _TRUNC.pack(first))
+                self._note_truncate(group, first)
+            expected = first
+            pack = _ENTRY.pack
+            seg_seq = self._seg_seq
+            for term, index, etype, data in entries:
+                invariant(index == expected, f"group {group}: entries not contiguous at {index}")
+                expected += 1
+                self._emit(T_ENTRY, group, pack(term, index, etype) + data)
+                if self._seg_seq != seg_seq:
+                    # This entry opened a new segment: the ones before it live in the old one.
+                    if index > first:
+                        self._seg_max.setdefault(seg_seq, {})[group] = index - 1
+                    seg_seq = self._seg_seq
+            last = expected - 1
+            st.last_index = last
+            self._seg_max.setdefault(seg_seq, {})[group] = last
+            self._appended_seq += 1
+
+    def truncate(self, group: int, from_index: int) -> None:
+        """Discard entries of ``group`` with index >= ``from_index`` (e.g. a conflicting snapshot)."""
+        with self._lock:
+            self._check_open()
+            st = self._groups.setdefault(group, _GroupState())
+            invariant(from_index > st.snapshot_index, f"group {group}: truncate below snapshot")
+            if from_index > st.last_index:
+                return
+            self._emit(T_TRUNCATE, group, _TRUNC.pack(from_index))
+            self._note_truncate(group, from_index)
+            st.last_index = from_index - 1
+            self._appended_seq += 1
+
+    def set_hard_state(self, group: int, term: int, vote: bytes, commit: int) -> None:
+        with self._lock:
+            self._check_open()
+            st = self._groups.setdefault(group, _GroupState())
+            st.hard_state = HardState(term, bytes(vote), commit)
+            self._emit(T_HARD_STATE, group, _HARD.pack(term, commit) + vote)
+            self._appended_seq += 1
+
+    def mark_snapshot(self, group: int, index: int, term: int) -> None:
+        """Entries of ``group`` up to ``index`` are covered by a saved snapshot and may be dropped."""
+        with self._lock:
+            self._check_open()
+            st = self._groups.setdefault(group, _GroupState())
+            invariant(index >= st.snapshot_index, f"group {group}: snapshot index went back")
+            if index == st.snapshot_index:
+                return
+            st.snapshot_index = index
+            st.snapshot_term = term
+            st.last_index = max(st.last_index, index)
+            self._emit(T_SNAPSHOT, group, _SNAP.pack(index, term))
+            self._pending_snapshots.append((group, index))
+            self._appended_seq += 1
+
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    def appended_seq(self) -> int:
+        return self._appended_seq
+
+    def synced_seq(self) -> int:
+        return self._synced_seq
+
+    def last_index(self, group: int) -> int:
+        with self._lock:
+            st = self._groups.get(group)
+            return st.last_index if st is not None else 0
+
+    def snapshot_index(self, group: int) -> int:
+        with self._lock:
+            st = self._groups.get(group)
+            return st.snapshot_index if st is not None else 0
+
+    def _check_open(self) -> None:
+        invariant(self._opened and not self._closed, "WAL is not open")
+        if self._failed is not None:
+            # After a failed write or fdatasync the file's contents are unknown (fsyncgate):
+            # nothing more may be acknowledged from this log. The node must stop.
+            raise OSError(f"WAL failed earlier: {self._failed!r}")
+
+    def _emit(self, rtype: int, group: int, body: bytes) -> None:
+        if self._seg_size > 0 and self._seg_size + HEADER_BYTES + len(body) > self.segment_bytes:
+            self._start_segment_locked()
+        self._emit_here(rtype, group, body)
+
+    def _emit_here(self, rtype: int, group: int, body: bytes) -> None:
+        invariant(len(body) <= MAX_BODY_BYTES, "WAL record too large")
+        frame = _frame(rtype, group, self._seg_seq, self._seg_size, body)
+        pending = self._pending
+        if pending and pending[-1][0] == self._seg_seq:
+            pending[-1][1].extend(frame)
+        else:
+            pending.append((self._seg_seq, bytearray(frame)))
+        self._seg_size += len(frame)
+        self._pending_bytes += len(frame)
+
+    def _start_segment_locked(self) -> None:
+        self._seg_seq += 1
+        self._seg_size = 0
+        self._seg_max[self._seg_seq] = {}
+        for g in sorted(self._groups):
+            self._emit_here(T_CHECKPOINT, g, self._groups[g].checkpoint_body())
+
+    def _note_truncate(self, group: int, from_index: int) -> None:
+        for seg in self._seg_max.values():
+            top = seg.get(group)
+            if top is not None and top >= from_index:
+                seg[group] = from_index - 1
+
+    # ------------------------------------------------------------------ syncing (one thread at a time)
+
+    def sync(self) -> int:
+        """Write and fdatasync everything appended before the call; return its sequence number."""
+        with self._sync_lock:
+            with self._lock:
+                self._check_open()
+                chunks = self._pending
+                self._pending = []
+                self._pending_bytes = 0
+                snapshots = self._pending_snapshots
+                self._pending_snapshots = []
+                seq = self._appended_seq
+            if not chunks:
+                invariant(not snapshots, "snapshot marks pending without bytes")
+                self._synced_seq = max(self._synced_seq, seq)
+                return self._synced_seq
+            changed: list[tuple[Path, int]] = []
+            try:
+                for seg_seq, chunk in chunks:
+                    if seg_seq != self._fd_seq:
+                        self._switch_segment(seg_seq, changed)
+                    assert self._fd is not None
+                    write_all(self._fd, chunk)
+                    self._fd_length += len(chunk)
+                assert self._fd is not None
+                os.fdatasync(self._fd)
+            except BaseException as exc:
+                self._failed = exc
+                raise
+            changed.append((self.directory / segment_name(self._fd_seq), self._fd_length))
+            for group, index in snapshots:
+                self._durable_snapshot[group] = max(self._durable_snapshot.get(group, 0), index)
+            invariant(seq >= self._synced_seq, "sync sequence went back")
+            self._synced_seq = seq
+            if self._ledger is not None:
+                self._ledger.record_many(changed)
+            return seq
+
+    def _switch_segment(self, seg_seq: int, changed: list[tuple[Path, int]]) -> None:
+        invariant(seg_seq > self._fd_seq, "segments are written in order")
+        if self._fd is not None:
+            # The old segment must be complete on disk before the new one holds anything: a
+            # valid record in a later segment then proves the earlier ones whole (recovery).
+            os.fdatasync(self._fd)
+            os.close(self._fd)
+            changed.append((self.directory / segment_name(self._fd_seq), self._fd_length))
+        path = self.directory / segment_name(seg_seq)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        fsync_dir(self.directory)
+        self._fd_seq = seg_seq
+        self._fd_length = 0
+        self._disk_segments.append(seg_seq)
+        changed.append((path, 0))
+
+    # ------------------------------------------------------------------ reclaiming
+
+    def reclaim(self) -> list[Path]:
+        """Delete the oldest segments whose entries are all covered by durable snapshot marks."""
+        removed: list[Path] = []
+        with self._sync_lock:
+            while len(self._disk_segments) > 1:
+                seq = self._disk_segments[0]
+                if seq >= self._fd_seq:
+                    break  # the segment being written, or one whose successor is not yet durable
+                with self._lock:
+                    tops = dict(self._seg_max.get(seq, {}))
+                if any(top > self._durable_snapshot.get(g, 0) for g, top in tops.items()):
+                    break
+                path = self.directory / segment_name(seq)
+                path.unlink()
+                if self._ledger is not None:
+                    self._ledger.forget(path)
+                removed.append(path)
+                self._disk_segments.pop(0)
+                with self._lock:
+                    self._seg_max.pop(seq, None)
+            if removed:
+                fsync_dir(self.directory)
+        return removed
+
+    def groups_pinning_oldest_segment(self) -> list[int]:
+        """Groups whose entries above their durable snapshot keep the oldest segment alive."""
+        with self._sync_lock:
+            if not self._disk_segments:
+                return []
+            seq = self._disk_segments[0]
+            with self._lock:
+                tops = dict(self._seg_max.get(seq, {}))
+            return sorted(g for g, top in tops.items() if top > self._durable_snapshot.get(g, 0))
+
+    def segment_paths(self) -> list[Path]:
+        with self._sync_lock:
+            return [self.directory / segment_name(s) for s in self._disk_segments]
+
+    def close(self) -> None:
+        """Sync what is pending, then close. Idempotent."""
+        if self._closed or not self._opened:
+            self._closed = True
+            return
+        self.sync()
+        with self._sync_lock:
+            self._closed = True
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
