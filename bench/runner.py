@@ -102,15 +102,31 @@ def _with_broker(
     kind: Broker, env: Mapping[str, str] | None, body: Callable[[RunningBroker], dict[str, Any]]
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"moorline-bench-{kind.name}-") as tmp:
-        broker = kind.start(Path(tmp), env)
+        workdir = Path(tmp)
+        try:
+            broker = kind.start(workdir, env)
+        except Exception as exc:
+            raise RuntimeError(f"{exc}{_stderr_tail(workdir)}") from exc
         try:
             result = body(broker)
             if not broker.alive():
                 raise RuntimeError(f"{kind.name} died during the run (exit {broker.proc.returncode})")
             result["peak_rss_mb"] = broker.peak_rss_bytes() / 2**20
             return result
+        except Exception as exc:
+            broker.stop()
+            # The temporary dir goes away with the broker's log: keep the end of it in the error.
+            raise RuntimeError(f"{exc}{_stderr_tail(workdir)}") from exc
         finally:
             broker.stop()
+
+
+def _stderr_tail(workdir: Path, limit: int = 800) -> str:
+    try:
+        text = (workdir / "stderr.log").read_text(errors="replace").strip()
+    except OSError:
+        return ""
+    return f" | broker stderr: ...{text[-limit:]}" if text else ""
 
 
 def run_paho_once(
@@ -255,22 +271,40 @@ def _guarded(log: Log, what: str, action: Callable[[], dict[str, Any]]) -> dict[
 
 
 def _paho_reps(
-    kind: Broker, workload: PahoWorkload, config: BenchConfig, log: Log, env: Mapping[str, str] | None = None
-) -> dict[str, Any]:
-    reps: list[dict[str, Any]] = []
-    label = f"{kind.name} {workload.name}" + (" (loose packet ids)" if env else "")
+    kind: Broker,
+    workload: PahoWorkload,
+    config: BenchConfig,
+    log: Log,
+    variants: Mapping[str, Mapping[str, str] | None],
+) -> dict[str, dict[str, Any]]:
+    """``config.reps`` repetitions of each variant (name -> extra broker env), interleaved rep by rep so that a
+    drift in outside load hits every variant alike (the strict/loose packet-id difference is small)."""
+    reps: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    errors: dict[str, str] = {}
     for rep in range(config.reps):
-        result = _guarded(
-            log, f"{label} rep {rep + 1}", lambda: run_paho_once(kind, workload, config.client_timeout_s, env)
-        )
-        if "error" in result:
-            return {"error": result["error"], "reps": reps}
-        log(
-            f"{label} rep {rep + 1}/{config.reps}: {result['msgs_per_s']:,.0f} msgs/s, "
-            f"p50 {result['latency_p50_ms']:.1f} ms, {result['cpu_s_per_10k'] or 0:.3f} CPU-s/10k"
-        )
-        reps.append(result)
-    return {"median": median_of(reps), "reps": reps}
+        for name, env in variants.items():
+            if name in errors:
+                continue
+            label = f"{kind.name} {name}"
+
+            def once(env: Mapping[str, str] | None = env) -> dict[str, Any]:
+                return run_paho_once(kind, workload, config.client_timeout_s, env)
+
+            result = _guarded(log, f"{label} rep {rep + 1}", once)
+            if "error" in result:
+                errors[name] = result["error"]
+                continue
+            log(
+                f"{label} rep {rep + 1}/{config.reps}: {result['msgs_per_s']:,.0f} msgs/s, "
+                f"p50 {result['latency_p50_ms']:.1f} ms, {result['cpu_s_per_10k'] or 0:.3f} CPU-s/10k"
+            )
+            reps[name].append(result)
+    return {
+        name: {"error": errors[name], "reps": reps[name]}
+        if name in errors
+        else {"median": median_of(reps[name]), "reps": reps[name]}
+        for name in variants
+    }
 
 
 def _saturation_sweep(kind: Broker, config: BenchConfig, log: Log) -> dict[str, Any]:
@@ -314,15 +348,17 @@ def run(config: BenchConfig, log: Log) -> dict[str, Any]:
             continue
         brokers[name] = {"status": "ok", "version": version}
         log(f"[bold]{name}[/bold] {version}")
+        w1_variants: dict[str, Mapping[str, str] | None] = {"w1": None}
+        if name == "moorline":
+            w1_variants["w1_loose_packet_ids"] = {LOOSE_PACKET_IDS_ENV: "1"}
+        w1 = _paho_reps(kind, config.w1, config, log, w1_variants)
         per: dict[str, Any] = {
-            "w1": _paho_reps(kind, config.w1, config, log),
-            "w2": _paho_reps(kind, config.w2, config, log),
+            "w1": w1["w1"],
+            "w2": _paho_reps(kind, config.w2, config, log, {"w2": None})["w2"],
             "saturation": _saturation_sweep(kind, config, log),
         }
-        if name == "moorline":
-            per["w1_loose_packet_ids"] = _paho_reps(
-                kind, config.w1, config, log, env={LOOSE_PACKET_IDS_ENV: "1"}
-            )
+        if "w1_loose_packet_ids" in w1:
+            per["w1_loose_packet_ids"] = w1["w1_loose_packet_ids"]
         results[name] = per
     return {
         "config": asdict(config),

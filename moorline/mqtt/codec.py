@@ -12,6 +12,7 @@ Hot paths (PUBLISH and the 4-byte acks) are written out inline with no per-byte 
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Callable
 from typing import Any, Final, Literal
@@ -43,7 +44,6 @@ from moorline.mqtt.packets import (
 )
 from moorline.mqtt.properties import (
     ALLOWED,
-    BIN,
     BOOLEAN_BYTE_PROPERTIES,
     BY_NAME,
     BYTE,
@@ -131,6 +131,11 @@ def _fixed(first_byte: int, body: bytes) -> bytes:
     return bytes((first_byte,)) + encode_varint(len(body)) + body
 
 
+_PROPERTY_FIELDS: Final = tuple((name, pid, kind) for name, (pid, kind) in BY_NAME.items())
+_get_all_properties = operator.attrgetter(*(name for name, _, _ in _PROPERTY_FIELDS))
+_EMPTY_PROPERTY_VALUES: Final = _get_all_properties(NO_PROPERTIES)
+
+
 def encode_properties(props: Properties) -> bytes:
     """The property *body* (without its length prefix), in identifier order.
 
@@ -139,9 +144,11 @@ def encode_properties(props: Properties) -> bytes:
     """
     if props is NO_PROPERTIES:
         return b""
+    values = _get_all_properties(props)
+    if values == _EMPTY_PROPERTY_VALUES:  # one C-level tuple compare instead of 27 checks
+        return b""
     out: list[bytes] = []
-    for name, (pid, kind) in BY_NAME.items():
-        value = getattr(props, name)
+    for (name, pid, kind), value in zip(_PROPERTY_FIELDS, values, strict=True):
         if value is None or value == ():
             continue
         if kind == PAIR:
@@ -422,8 +429,30 @@ def _read_varint(buf: bytes, pos: int, end: int, what: str) -> tuple[int, int]:
     raise MalformedPacket(_MALFORMED, f"{what} longer than 4 bytes")
 
 
+# Fast construction of frozen slotted dataclasses: their __init__ goes through
+# object.__setattr__ once per field (27 for Properties); setting the slots through their
+# descriptors is markedly cheaper and gives an equal object.
+_new = object.__new__
+_PROPERTY_SLOT_SETTERS: Final = {name: Properties.__dict__[name].__set__ for name in Properties.__dataclass_fields__}
+_PROPERTY_DEFAULTS: Final = tuple((_PROPERTY_SLOT_SETTERS[name], getattr(NO_PROPERTIES, name))
+                                  for name in Properties.__dataclass_fields__)
+
+
+def _make_properties(values: dict[str, Any]) -> Properties:
+    props = _new(Properties)
+    for setter, default in _PROPERTY_DEFAULTS:
+        setter(props, default)
+    for name, value in values.items():
+        _PROPERTY_SLOT_SETTERS[name](props, value)
+    return props  # type: ignore[no-any-return]
+
+
 def _read_properties(buf: bytes, pos: int, end: int, context: int) -> tuple[Properties, int]:
-    length, pos = _read_varint(buf, pos, end, "property length")
+    if pos < end and buf[pos] < 0x80:
+        length = buf[pos]
+        pos += 1
+    else:
+        length, pos = _read_varint(buf, pos, end, "property length")
     if length == 0:
         return NO_PROPERTIES, pos
     stop = pos + length
@@ -441,6 +470,11 @@ def _read_properties(buf: bytes, pos: int, end: int, context: int) -> tuple[Prop
         name, kind = entry
         pos += 1
         value: Any
+        if kind == PAIR:  # user properties first: by far the most common here (GUIDs)
+            k, pos = _read_str(buf, pos, stop, "user property name")
+            v, pos = _read_str(buf, pos, stop, "user property value")
+            user.append((k, v))
+            continue
         if kind == BYTE:
             if pos >= stop:
                 raise _truncated(name)
@@ -458,13 +492,8 @@ def _read_properties(buf: bytes, pos: int, end: int, context: int) -> tuple[Prop
             value, pos = _read_varint(buf, pos, stop, name)
         elif kind == STR:
             value, pos = _read_str(buf, pos, stop, name)
-        elif kind == BIN:
-            value, pos = _read_bin(buf, pos, stop, name)
         else:
-            k, pos = _read_str(buf, pos, stop, "user property name")
-            v, pos = _read_str(buf, pos, stop, "user property value")
-            user.append((k, v))
-            continue
+            value, pos = _read_bin(buf, pos, stop, name)
         if name in BOOLEAN_BYTE_PROPERTIES and value > 1:
             raise ProtocolError(_PROTOCOL, f"{name} must be 0 or 1")
         if value == 0 and name in NONZERO_PROPERTIES:
@@ -483,7 +512,7 @@ def _read_properties(buf: bytes, pos: int, end: int, context: int) -> tuple[Prop
         values["subscription_identifiers"] = tuple(sub_ids)
     if user:
         values["user_properties"] = tuple(user)
-    return Properties(**values), stop
+    return _make_properties(values), stop
 
 
 def _expect_end(pos: int, end: int, what: str) -> None:
@@ -491,9 +520,7 @@ def _expect_end(pos: int, end: int, what: str) -> None:
         raise MalformedPacket(_MALFORMED, f"{end - pos} unexpected bytes at end of {what}")
 
 
-# Fast construction of Publish: a frozen dataclass's __init__ goes through object.__setattr__
-# per field; setting the slots directly is about twice as fast and gives an equal object.
-_new = object.__new__
+# Publish is built the same way as Properties (see _make_properties).
 _pub_slots = tuple(P.Publish.__dict__[f].__set__ for f in (  # type: ignore[attr-defined]
     "topic", "payload", "qos", "retain", "dup", "packet_id", "properties"))
 _set_topic, _set_payload, _set_qos, _set_retain, _set_dup, _set_pid, _set_props = _pub_slots

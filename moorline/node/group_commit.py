@@ -62,7 +62,7 @@ class GroupCommit:
                     self.wal.append_entries(shard, [(e.term, e.index, e.type, e.data) for e in entries])
                     self.wal.set_hard_state(shard, host.raft.term, b"", host.raft.commit)
                     staged.append((host, entries[-1].index))
-            if not staged:
+            if not staged and self.wal.pending_bytes() == 0:
                 continue
             if self.unsafe_ack_before_sync:  # deliberately broken build for the crash harness
                 for host, index in staged:

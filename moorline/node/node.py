@@ -516,6 +516,14 @@ class Node:
 
     def _reclaim(self) -> None:
         try:
+            if len(self.wal.segment_paths()) > 2:
+                # Idle groups pin old segments: snapshot them so the segments can go.
+                for shard in self.wal.groups_pinning_oldest_segment():
+                    host = self.hosts[shard] if shard < len(self.hosts) else None
+                    if host is not None and host.failed is None:
+                        index, term = host.take_snapshot()
+                        self.wal.mark_snapshot(shard, index, term)
+                        self.commit.kick(shard)
             self.wal.reclaim()
             for host in self.hosts:
                 host.store.reclaim()

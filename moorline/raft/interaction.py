@@ -242,6 +242,9 @@ class InteractionEnv:
 
     def _send_all(self, msgs: list[Message]) -> None:
         for m in msgs:
+            slot = self.nodes.get(m.to[0])
+            if slot is not None and slot.crashed:
+                continue  # lost with the crashed node
             self.inbox.setdefault(m.to[0], []).append(m)
 
     def _persist(self, slot: NodeSlot, rd: Ready) -> None:
@@ -411,7 +414,8 @@ class InteractionEnv:
     def cmd_raft_state(self, args: list[str], kw: dict[str, str]) -> None:
         for i in sorted(self.nodes):
             r = self.nodes[i].raft
-            self.emit(f"{i}: {r.role.name} term={r.term} leader={fmt_member(r.lead)} {fmt_conf(r.conf_state)}")
+            down = " (down)" if self.nodes[i].crashed else ""
+            self.emit(f"{i}: {r.role.name} term={r.term} leader={fmt_member(r.lead)} {fmt_conf(r.conf_state)}{down}")
 
     def cmd_read_index(self, args: list[str], kw: dict[str, str]) -> None:
         try:
@@ -452,6 +456,7 @@ class InteractionEnv:
             storage = old.storage
         cfg = self._config(i, sid, kw)
         self._install(i, sid, storage, cfg)
+        self.inbox[i] = []
         hs, cs = storage.initial_state()
         self.emit(f"INFO node {i} restarts as {fmt_member((i, sid))}: {fmt_hs(hs)} {fmt_conf(cs)}")
 

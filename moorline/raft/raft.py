@@ -210,7 +210,7 @@ class RaftNode:
         if pr.match == self.log.last_index():
             self._send(MT.TIMEOUT_NOW, to)
         else:
-            self._send_append(to)
+            self._send_append(to, force=True)  # a probe even if nothing new: find its match now
 
     def mark_corrupted(self) -> None:
         """Synced data of this group failed its checksum: never vote or campaign again here."""
@@ -438,10 +438,9 @@ class RaftNode:
 
     def _tick_election(self) -> None:
         self.election_elapsed += 1
-        if self.election_elapsed >= self.randomized_election_timeout:
+        if self.election_elapsed >= self.randomized_election_timeout and self._promotable():
             self.election_elapsed = 0
-            if self._promotable():
-                self._hup(transfer=False)
+            self._hup(transfer=False)
 
     def _tick_heartbeat(self) -> None:
         self.heartbeat_elapsed += 1
@@ -668,6 +667,9 @@ class RaftNode:
             log.append([e])
         self.uncommitted_bytes += len(data)
         self._bcast_pending = True
+        me = self.progress.get(self.id)
+        if me is not None:
+            me.next = index + 1
         if self.bugs.self_ack_before_sync:
             self.progress[self.id].maybe_update(index)
             self._maybe_commit()
@@ -681,8 +683,11 @@ class RaftNode:
             if mid != self.id:
                 self._send_append(mid)
 
-    def _send_append(self, to: MemberId, force: bool = False) -> None:
-        """Send as many appends to ``to`` as flow control allows (at least one probe if forced)."""
+    def _send_append(self, to: MemberId, force: bool = False, bump_commit: bool = True) -> None:
+        """Send as many appends to ``to`` as flow control allows (at least one probe if forced).
+
+        With ``bump_commit`` false an append goes out only if it carries entries: commit-only
+        updates are left to the next Ready's broadcast, which coalesces them."""
         pr = self.progress[to]
         log = self.log
         cfg = self.cfg
@@ -691,7 +696,7 @@ class RaftNode:
             if pr.state == ProgressState.SNAPSHOT:
                 return
             has_entries = pr.next <= last
-            can_bump = pr.pending_commit < min(log.committed, pr.next - 1)
+            can_bump = bump_commit and pr.pending_commit < min(log.committed, pr.next - 1)
             if pr.is_paused():
                 if not force:
                     return
@@ -764,7 +769,7 @@ class RaftNode:
             pr.free_le(m.index)
         if self._maybe_commit():
             self._bcast_pending = True
-        self._send_append(m.from_)
+        self._send_append(m.from_, bump_commit=False)
         if m.from_ == self.lead_transferee and pr.match == self.log.last_index():
             self._send(MT.TIMEOUT_NOW, m.from_)
 
@@ -781,6 +786,7 @@ class RaftNode:
         log.commit_to(mci)
         self._note_commit()
         self._release_reads_waiting_commit()
+        self._bcast_pending = True  # followers learn the new commit index in the next Ready
         return True
 
     def _note_commit(self) -> None:

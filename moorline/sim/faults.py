@@ -26,6 +26,7 @@ class FaultParams:
     snapshot_every: int = 200
     keep_entries: int = 20
     clock_skews_ms: list[int] = field(default_factory=list)
+    report_snapshot: bool = True
 
     def describe(self) -> str:
         n = self.net
@@ -34,7 +35,7 @@ class FaultParams:
             f"partition_every={self.partition_every_ms} crash_every={self.crash_every_ms} "
             f"pause_every={self.pause_every_ms} wipe_p={self.wipe_p:.2f} corrupt_p={self.corrupt_p:.2f} "
             f"transfer_every={self.transfer_every_ms} replace_every={self.replace_every_ms} "
-            f"snapshot_every={self.snapshot_every} keep={self.keep_entries} "
+            f"snapshot_every={self.snapshot_every} keep={self.keep_entries} report_snap={int(self.report_snapshot)} "
             f"sync_ms={[(d.sync_latency_ms_min, d.sync_latency_ms_max) for d in self.disks]}"
         )
 
@@ -74,6 +75,7 @@ def draw_faults(rng: random.Random, nodes: int, bug: str | None = None) -> Fault
     f.snapshot_every = rng.choice([10, 30, 100, 500])
     f.keep_entries = rng.choice([0, 5, 50])
     f.clock_skews_ms = [rng.randint(-50, 50) for _ in range(nodes)]
+    f.report_snapshot = rng.random() < 0.5
     _bias_for_bug(f, rng, bug)
     return f
 

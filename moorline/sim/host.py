@@ -70,13 +70,14 @@ class HostBugs:
 
 @dataclass(slots=True)
 class HostParams:
-    tick_ms: int = 10
+    tick_ms: int = 20
     election_tick: int = 10
     heartbeat_tick: int = 2
     snapshot_every: int = 200  # applied entries between snapshots (0: never)
     keep_entries: int = 20  # entries kept behind a snapshot for slow followers
     clock_skew_ms: int = 0  # this node's clock offset, used in the leader's stamps
     max_pending_requests: int = 10_000
+    report_snapshot: bool = True  # tell the core when a snapshot transfer ended (swarm: on/off)
 
 
 @dataclass(slots=True)
@@ -379,7 +380,7 @@ class SimNode:
 
     def _kick(self) -> None:
         r = self.replica
-        if r is None or r.process_scheduled or r.syncing:
+        if r is None or r.process_scheduled or r.syncing or not r.raft.has_ready():
             return
         r.process_scheduled = True
         self.sh.loop.call_later(0, self._process, self.epoch)
@@ -474,7 +475,21 @@ class SimNode:
     def _send(self, me: int, m: Message) -> None:
         if m.type == MessageType.SNAP:
             self.sh.marks.hit("snapshot_sent")
+            if self.params.report_snapshot:
+                self.sh.net.send(me, m.to[0], m, on_done=self._snapshot_done(m.to))
+                return
         self.sh.net.send(me, m.to[0], m)
+
+    def _snapshot_done(self, to: MemberId) -> Callable[[bool], None]:
+        epoch = self.epoch
+
+        def done(ok: bool) -> None:
+            r = self.replica
+            if epoch == self.epoch and r is not None:
+                r.raft.report_snapshot(to, ok)
+                self._kick()
+
+        return done
 
     def _apply(self, r: Replica, e: Any) -> None:
         invariant_next = e.index == r.applied + 1

@@ -69,20 +69,23 @@ class SimNetwork:
         return (src, dst) in self._blocked
 
     # -- traffic ------------------------------------------------------------------------------
-    def send(self, src: int, dst: int, payload: Any, reliable: bool = False) -> None:
-        """Send one message. ``reliable`` skips drop/duplicate (client links), not partitions."""
+    def send(
+        self, src: int, dst: int, payload: Any, reliable: bool = False, on_done: Callable[[bool], None] | None = None
+    ) -> None:
+        """Send one message. ``reliable`` skips drop/duplicate (client links), not partitions.
+        ``on_done(delivered)`` is called once the fate of the (first copy of the) message is known,
+        as a streaming transport learns it (used to report snapshot transfers)."""
         self.sent += 1
         p = self.params
-        if (src, dst) in self._blocked:
-            self.dropped += 1
-            return
         rng = self._rng
-        if self.faults_enabled and not reliable and p.drop_p and rng.random() < p.drop_p:
+        if (
+            (src, dst) in self._blocked
+            or (self.faults_enabled and not reliable and p.drop_p and rng.random() < p.drop_p)
+            or self._in_flight.get(dst, 0) >= p.max_in_flight_per_dst
+        ):
             self.dropped += 1
-            return
-        if self._in_flight.get(dst, 0) >= p.max_in_flight_per_dst:
-            self.dropped += 1
-            self._marks.hit("net_buffer_full")
+            if on_done is not None:
+                self._loop.call_later(p.delay_min_ms, on_done, False)
             return
         copies = 1
         if self.faults_enabled and not reliable and p.dup_p and rng.random() < p.dup_p:
@@ -91,15 +94,17 @@ class SimNetwork:
         for _ in range(copies):
             delay = p.delay_min_ms + (int(rng.random() * p.delay_jitter_ms) if p.delay_jitter_ms else 0)
             self._in_flight[dst] = self._in_flight.get(dst, 0) + 1
-            self._loop.call_later(delay, self._deliver, src, dst, payload)
+            self._loop.call_later(delay, self._deliver, src, dst, payload, on_done)
+            on_done = None
 
-    def _deliver(self, src: int, dst: int, payload: Any) -> None:
+    def _deliver(self, src: int, dst: int, payload: Any, on_done: Callable[[bool], None] | None) -> None:
         self._in_flight[dst] -= 1
-        if (src, dst) in self._blocked:  # the link broke while the message was on the wire
-            self.dropped += 1
-            return
         handler = self._handlers.get(dst)
-        if handler is None:
+        if (src, dst) in self._blocked or handler is None:  # link broke in flight, or dst is down
             self.dropped += 1
+            if on_done is not None:
+                on_done(False)
             return
         handler(src, payload)
+        if on_done is not None:
+            on_done(True)

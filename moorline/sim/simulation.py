@@ -123,6 +123,7 @@ class Simulation:
                 snapshot_every=self.fp.snapshot_every,
                 keep_entries=self.fp.keep_entries,
                 clock_skew_ms=self.fp.clock_skews_ms[i],
+                report_snapshot=self.fp.report_snapshot,
             )
             self.nodes.append(SimNode(i + 1, self.shared, SimDisk(self.fp.disks[i]), hp))
             self.state[i + 1] = _NodeState()

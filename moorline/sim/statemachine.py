@@ -44,7 +44,7 @@ class SimStateMachine:
     def __init__(
         self,
         dedup_window_ms: int = 60_000,
-        visibility_ms: int = 3_000,
+        visibility_ms: int = 1_000,
         max_dedup_ids: int = 1_000_000,
         dedup_at_apply: bool = True,
     ) -> None:

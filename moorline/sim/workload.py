@@ -269,7 +269,7 @@ class Client:
         elif now - self.drain_empty_since > self.visibility_wait_ms:
             self.drain_done = True
 
-    visibility_wait_ms = 4_000
+    visibility_wait_ms = 1_500
 
     def _end(self, ok: bool) -> None:
         op = self.op

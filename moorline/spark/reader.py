@@ -17,6 +17,7 @@ from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, Inp
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 
 from moorline.invariant import invariant
+from moorline.spark import failpoints
 from moorline.spark.node_client import NodeClient, ShardInfo
 from moorline.spark.options import ReadOptions
 from moorline.spark.planning import (
@@ -203,6 +204,7 @@ class MoorlineStreamReader(DataSourceStreamReader):
             shards = client.shards()
             ranges = plan_ranges(start, end, shards, self.opts.fail_on_data_loss)
             self._pin(client, start)  # the whole position: a pin replaces the reader's previous one
+        failpoints.maybe_fail("stream_partitions")  # tests: die after the batch's offsets were logged
         return [ShardRangePartition(r) for r in ranges]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:

@@ -453,6 +453,7 @@ class WriteAheadLog:
             if first <= st.last_index:
                 self._emit(T_TRUNCATE, group, _TRUNC.pack(first))
                 self._note_truncate(group, first)
+                st.last_index = first - 1
             expected = first
             pack = _ENTRY.pack
             seg_seq = self._seg_seq
@@ -460,6 +461,9 @@ class WriteAheadLog:
                 invariant(index == expected, f"group {group}: entries not contiguous at {index}")
                 expected += 1
                 self._emit(T_ENTRY, group, pack(term, index, etype) + data)
+                # Kept current per entry: a checkpoint written by a rotation inside the next
+                # _emit must describe exactly the records before it.
+                st.last_index = index
                 if self._seg_seq != seg_seq:
                     # This entry opened a new segment: the ones before it live in the old one.
                     if index > first:

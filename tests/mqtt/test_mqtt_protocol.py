@@ -1,0 +1,282 @@
+"""Per-connection protocol state: CONNECT ordering, topic aliases, receive maximum, maximum
+packet size, flow control and keepalive."""
+
+from __future__ import annotations
+
+import pytest
+
+from moorline.invariant import InvariantViolation
+from moorline.mqtt.codec import Decoder, encode, encode_properties
+from moorline.mqtt.errors import ProtocolError
+from moorline.mqtt.packets import (
+    NO_PROPERTIES,
+    Auth,
+    Connect,
+    Disconnect,
+    Pingreq,
+    Properties,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Suback,
+    Subscribe,
+    SubscriptionOptions,
+    Will,
+)
+from moorline.mqtt.protocol import ProtocolState
+from moorline.mqtt.reasons import ReasonCode as RC
+
+
+def connected(version: int = 5, connect_props: Properties = NO_PROPERTIES, **kw: int) -> ProtocolState:
+    state = ProtocolState(**kw)  # type: ignore[arg-type]
+    [c] = state.receive(encode(Connect("MQTT", version, "cid", True, 30, properties=connect_props), version))
+    assert isinstance(c, Connect) and not state.awaiting_connect and state.version == version
+    return state
+
+
+def pub(topic: str, qos: int = 0, pid: int | None = None, alias: int | None = None, **props: object) -> Publish:
+    p = Properties(topic_alias=alias, **props) if (alias is not None or props) else NO_PROPERTIES  # type: ignore[arg-type]
+    return Publish(topic, b"x", qos, False, False, pid, p)
+
+
+def expect_error(state: ProtocolState, data: bytes, reason: int) -> None:
+    with pytest.raises(ProtocolError) as info:
+        state.receive(data)
+    assert info.value.reason_code == reason
+    with pytest.raises(ProtocolError):  # stays failed
+        state.receive(encode(Pingreq(), 5))
+
+
+# --- CONNECT ordering ---------------------------------------------------------------------------------
+
+
+def test_first_packet_must_be_connect() -> None:
+    state = ProtocolState()
+    assert state.awaiting_connect
+    expect_error(state, encode(Pingreq(), 4), RC.PROTOCOL_ERROR)
+
+
+def test_second_connect_is_protocol_error() -> None:
+    state = connected(4)
+    expect_error(state, encode(Connect("MQTT", 4, "again"), 4), RC.PROTOCOL_ERROR)
+
+
+def test_connect_then_packets_in_one_read() -> None:
+    state = ProtocolState()
+    data = encode(Connect("MQTT", 4, "c"), 4) + encode(pub("a/b"), 4) + encode(Pingreq(), 4)
+    out = state.receive(data)
+    assert [type(p) for p in out] == [Connect, Publish, Pingreq]
+
+
+def test_invalid_will_topic() -> None:
+    state = ProtocolState()
+    bad = Connect("MQTT", 5, "c", will=Will("a/#", b""))
+    expect_error(state, encode(bad, 5), RC.TOPIC_NAME_INVALID)
+    assert state.awaiting_connect  # the broker answers with CONNACK 0x90
+
+
+def test_auth_data_without_method_in_connect() -> None:
+    state = ProtocolState()
+    expect_error(state, encode(Connect("MQTT", 5, "c", properties=Properties(authentication_data=b"x")), 5),
+                 RC.PROTOCOL_ERROR)
+
+
+# --- PUBLISH validation and inbound topic aliases -------------------------------------------------------
+
+
+@pytest.mark.parametrize("topic", ["a/+", "#", "a/#/b"])
+def test_wildcard_in_publish_topic(topic: str) -> None:
+    expect_error(connected(5), encode(pub(topic), 5), RC.TOPIC_NAME_INVALID)
+
+
+def test_empty_topic_v3() -> None:
+    expect_error(connected(4), encode(pub(""), 4), RC.TOPIC_NAME_INVALID)
+
+
+def test_empty_topic_without_alias_v5() -> None:
+    expect_error(connected(5, topic_alias_maximum_in=4), encode(pub(""), 5), RC.PROTOCOL_ERROR)
+
+
+def test_topic_alias_resolution() -> None:
+    state = connected(5, topic_alias_maximum_in=4)
+    out = state.receive(encode(pub("a/b", alias=2), 5) + encode(pub("", alias=2), 5)
+                        + encode(pub("c/d", alias=2, content_type="t"), 5) + encode(pub("", alias=2), 5))
+    assert [p.topic for p in out] == ["a/b", "a/b", "c/d", "c/d"]  # type: ignore[union-attr]
+    assert all(p.properties.topic_alias is None for p in out)  # type: ignore[union-attr]
+    assert out[0].properties == NO_PROPERTIES  # type: ignore[union-attr]
+    assert out[2].properties == Properties(content_type="t")  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("alias", [0, 5, 65535])
+def test_topic_alias_out_of_range(alias: int) -> None:
+    expect_error(connected(5, topic_alias_maximum_in=4), encode(pub("a", alias=alias), 5), RC.TOPIC_ALIAS_INVALID)
+
+
+def test_topic_alias_when_none_allowed() -> None:
+    expect_error(connected(5), encode(pub("a", alias=1), 5), RC.TOPIC_ALIAS_INVALID)
+
+
+def test_unknown_alias_with_empty_topic() -> None:
+    expect_error(connected(5, topic_alias_maximum_in=4), encode(pub("", alias=3), 5), RC.PROTOCOL_ERROR)
+
+
+# --- inbound receive maximum ------------------------------------------------------------------------------
+
+
+def test_receive_maximum_exceeded_and_acks_free_slots() -> None:
+    state = connected(5, receive_maximum_in=2)
+    state.receive(encode(pub("t", 1, 1), 5) + encode(pub("t", 2, 2), 5) + encode(pub("t", 0), 5))
+    assert state.inbound_inflight == 2  # QoS 0 does not count
+    state.receive(encode(pub("t", 2, 2), 5))  # a resend of an in-flight id does not count again
+    assert state.encode_outbound(Puback(1)) is not None
+    assert state.inbound_inflight == 1
+    state.receive(encode(pub("t", 1, 3), 5))
+    state.note_inbound_acked(2)
+    state.note_inbound_acked(2)  # idempotent
+    state.receive(encode(pub("t", 1, 4), 5))
+    assert state.inbound_inflight == 2
+    expect_error(state, encode(pub("t", 1, 5), 5), RC.RECEIVE_MAXIMUM_EXCEEDED)
+
+
+def test_qos2_slot_freed_by_pubcomp_or_failed_pubrec() -> None:
+    state = connected(5, receive_maximum_in=1)
+    state.receive(encode(pub("t", 2, 9), 5))
+    state.encode_outbound(Pubrec(9))  # success PUBREC keeps the slot until PUBCOMP
+    assert state.inbound_inflight == 1
+    state.encode_outbound(Pubcomp(9))
+    assert state.inbound_inflight == 0
+    state.receive(encode(pub("t", 2, 10), 5))
+    state.encode_outbound(Pubrec(10, RC.QUOTA_EXCEEDED))
+    assert state.inbound_inflight == 0
+
+
+def test_receive_maximum_not_enforced_for_v3() -> None:
+    state = connected(4, receive_maximum_in=1)
+    state.receive(encode(pub("t", 1, 1), 4) + encode(pub("t", 1, 2), 4))
+    assert state.inbound_inflight == 2  # the broker applies back-pressure from this count
+
+
+def test_connack_properties_advertise_limits() -> None:
+    state = ProtocolState(max_packet_size_in=5000, topic_alias_maximum_in=7, receive_maximum_in=100)
+    assert state.connack_properties() == Properties(receive_maximum=100, topic_alias_maximum=7, maximum_packet_size=5000)
+
+
+# --- SUBSCRIBE / AUTH rules --------------------------------------------------------------------------------
+
+
+def test_no_local_on_shared_subscription() -> None:
+    sub = Subscribe(1, (("$share/g/a", SubscriptionOptions(1, no_local=True)),))
+    expect_error(connected(5), encode(sub, 5), RC.PROTOCOL_ERROR)
+    ok = Subscribe(1, (("$share/g/a", SubscriptionOptions(1)), ("a", SubscriptionOptions(1, no_local=True))))
+    assert connected(5).receive(encode(ok, 5)) == [ok]
+
+
+def test_auth_rules() -> None:
+    expect_error(connected(5), encode(Auth(RC.REAUTH), 5), RC.PROTOCOL_ERROR)  # no method at all
+    state = connected(5, Properties(authentication_method="SCRAM"))
+    expect_error(state, encode(Auth(RC.REAUTH, Properties(authentication_method="OTHER")), 5), RC.PROTOCOL_ERROR)
+    state = connected(5, Properties(authentication_method="SCRAM"))
+    a = Auth(RC.REAUTH, Properties(authentication_method="SCRAM", authentication_data=b"d"))
+    assert state.receive(encode(a, 5)) == [a]
+
+
+# --- outbound: maximum packet size, aliases, flow control ------------------------------------------------
+
+
+def test_outbound_drops_reason_string_then_packet_when_too_large() -> None:
+    state = connected(5, Properties(maximum_packet_size=40))
+    small = Suback(1, (0,), Properties(reason_string="r" * 60))
+    data = state.encode_outbound(small)
+    assert data is not None and len(data) <= 40
+    assert Decoder(role="client", version=5).feed(data) == [Suback(1, (0,))]
+    big = Suback(1, (0,) * 50)
+    assert state.encode_outbound(big) is None
+    assert state.encode_outbound(pub("t" * 50)) is None
+    assert state.encode_outbound(pub("t")) is not None
+    disc = Disconnect(RC.SERVER_SHUTTING_DOWN, Properties(user_properties=(("k", "v" * 50),)))
+    data = state.encode_outbound(disc)
+    assert data is not None
+    assert Decoder(role="client", version=5).feed(data) == [Disconnect(RC.SERVER_SHUTTING_DOWN)]
+
+
+def test_no_client_limit_means_no_drop_and_v3_ignores_limits() -> None:
+    state = connected(5)
+    assert state.encode_outbound(pub("t" * 100_000)) is not None
+    state = connected(4)
+    assert state.encode_outbound(Suback(1, (0x87,))) == encode(Suback(1, (0x80,)), 4)
+
+
+def test_outbound_topic_aliases() -> None:
+    state = connected(5, Properties(topic_alias_maximum=2))
+    client = Decoder(role="client", version=5)
+    stream = b""
+    for topic in ["a", "b", "a", "c", "b", "c"]:
+        data = state.encode_outbound(pub(topic))
+        assert data is not None
+        stream += data
+    got = client.feed(stream)
+    # first use carries topic + alias, later uses only the alias; "c" found no free alias.
+    assert [(p.topic, p.properties.topic_alias) for p in got] == [  # type: ignore[union-attr]
+        ("a", 1), ("b", 2), ("", 1), ("c", None), ("", 2), ("c", None)]
+
+
+def test_outbound_alias_not_recorded_for_dropped_publish() -> None:
+    state = connected(5, Properties(topic_alias_maximum=2, maximum_packet_size=30))
+    assert state.encode_publish("big", b"big", b"x" * 100, 0, False, False, None) is None
+    data = state.encode_publish("big", b"big", b"x", 0, False, False, None)
+    [p] = Decoder(role="client", version=5).feed(data)  # type: ignore[arg-type]
+    assert p.topic == "big" and p.properties.topic_alias == 1  # type: ignore[union-attr]
+
+
+def test_outbound_alias_with_cached_properties() -> None:
+    state = connected(5, Properties(topic_alias_maximum=1))
+    props = Properties(user_properties=(("guid", "00" * 16),))
+    body = encode_properties(props)
+    client = Decoder(role="client", version=5)
+    out = []
+    for _ in range(2):
+        data = state.encode_publish("t/x", b"t/x", b"p", 1, False, False, 7, body)
+        assert data is not None
+        out += client.feed(data)
+    assert out[0].properties == Properties(user_properties=props.user_properties, topic_alias=1)  # type: ignore[union-attr]
+    assert out[1].topic == "" and out[1].properties.topic_alias == 1  # type: ignore[union-attr]
+
+
+def test_outbound_aliases_can_be_turned_off() -> None:
+    state = ProtocolState(outbound_topic_aliases=False)
+    state.receive(encode(Connect("MQTT", 5, "c", properties=Properties(topic_alias_maximum=5)), 5))
+    assert state.encode_outbound(pub("a")) == encode(pub("a"), 5)
+
+
+def test_outbound_flow_control() -> None:
+    state = connected(5, Properties(receive_maximum=2))
+    assert state.outbound_quota_available() == 2
+    state.on_outbound_publish_sent(1)
+    state.on_outbound_publish_sent(0)  # QoS 0 is not counted
+    state.on_outbound_publish_sent(2)
+    assert state.outbound_quota_available() == 0
+    with pytest.raises(InvariantViolation):
+        state.on_outbound_publish_sent(1)
+    state.on_outbound_ack()
+    assert state.outbound_quota_available() == 1 and state.outbound_inflight == 1
+    state.on_outbound_ack()
+    with pytest.raises(InvariantViolation):
+        state.on_outbound_ack()
+
+
+def test_outbound_flow_control_defaults_to_spec_maximum() -> None:
+    assert connected(4).outbound_quota_available() == 65535
+    assert connected(5).outbound_quota_available() == 65535
+
+
+# --- keepalive --------------------------------------------------------------------------------------------
+
+
+def test_keepalive_deadline_one_and_a_half_times() -> None:
+    state = connected(4)  # keepalive 30 s
+    assert state.keepalive_deadline(100.0) == pytest.approx(145.0)
+    state.keepalive = 10  # e.g. the broker sent Server Keep Alive = 10
+    assert state.keepalive_deadline(0.0) == pytest.approx(15.0)
+    state.keepalive = 0
+    assert state.keepalive_deadline(100.0) is None

@@ -1,0 +1,188 @@
+"""One SparkSession for the whole tests/spark run, and a moorline to talk to.
+
+The ``broker`` fixture prefers a real node (``python -m moorline run`` on port 0, ready line
+parsed); when the node cannot start it falls back to the in-process fake of the HTTP API, and
+says so in the test report header. ``MOORLINE_SPARK_BROKER=node`` makes the fallback an error,
+``=fake`` skips the node.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_broker import FakeBroker  # noqa: E402
+
+pytest.importorskip("pyspark")
+
+FAILPOINT_DIR = tempfile.mkdtemp(prefix="moorline-spark-failpoints-")
+# Must be in the environment before the JVM starts, so Python workers inherit it.
+os.environ["MOORLINE_SPARK_FAILPOINTS"] = FAILPOINT_DIR
+
+READY = re.compile(r"moorline ready mqtt=(\S+) http=(\S+)")
+_node_status: dict[str, str] = {}
+
+
+def pytest_report_header(config: Any) -> str:
+    return f"moorline spark tests: broker preference = {os.environ.get('MOORLINE_SPARK_BROKER', 'auto')}"
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    from pyspark.sql import SparkSession
+
+    from moorline.spark import MoorlineDataSource
+
+    session = (
+        SparkSession.builder.master("local[2,3]")  # 3 attempts per task: retries are part of the tests
+        .appName("moorline-spark-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.streaming.stopTimeout", "30s")
+        .config("spark.driver.memory", "1g")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    session.dataSource.register(MoorlineDataSource)
+    yield session
+    session.stop()
+
+
+def arm_failpoint(name: str) -> Path:
+    p = Path(FAILPOINT_DIR) / name
+    p.touch()
+    return p
+
+
+@dataclass
+class Broker:
+    """What a test needs from a moorline: an HTTP address, maybe an MQTT one, maybe fake hooks."""
+
+    http: str
+    mqtt: str | None
+    fake: FakeBroker | None
+    kind: str
+
+    def request(self, method: str, path: str, doc: Any = None) -> Any:
+        data = None if doc is None else json.dumps(doc).encode()
+        req = urllib.request.Request(f"http://{self.http}{path}", data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return json.loads(r.read())
+
+    def publish(self, items: list[tuple[str, bytes]]) -> list[dict[str, Any]]:
+        msgs = [{"topic": t, "payload": base64.b64encode(p).decode(), "qos": 1} for t, p in items]
+        results = self.request("POST", "/v1/publish", {"messages": msgs})["results"]
+        assert all(r["status"] == "ok" for r in results), results
+        return list(results)
+
+    def read_all(self, prefix: str) -> list[dict[str, Any]]:
+        """Every stored message whose topic starts with ``prefix``, straight from the fetch API."""
+        out: list[dict[str, Any]] = []
+        for s in self.request("GET", "/v1/shards")["shards"]:
+            start = s["low_water"]
+            while start < s["next_offset"]:
+                doc = self.request("GET", f"/v1/shards/{s['shard']}/messages?from={start}&max=5000")
+                if not doc["messages"]:
+                    break
+                out.extend(m for m in doc["messages"] if m["topic"].startswith(prefix))
+                start = doc["messages"][-1]["offset"] + 1
+        return out
+
+
+def _start_node(tmp: Path) -> tuple[subprocess.Popen[str], str, str] | None:
+    cmd = [sys.executable, "-m", "moorline", "run", "--data-dir", str(tmp / "node"), "--mqtt", "127.0.0.1:0", "--http", "127.0.0.1:0"]
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp))
+    except OSError as exc:
+        _node_status["why"] = str(exc)
+        return None
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and proc.poll() is None:
+        if sel.select(timeout=0.5):
+            line = proc.stdout.readline()
+            m = READY.search(line)
+            if m:
+                return proc, m.group(1), m.group(2)
+    err = ""
+    if proc.poll() is None:
+        proc.kill()
+    else:
+        err = (proc.stderr.read() if proc.stderr else "")[-500:]
+    proc.wait(timeout=10)
+    _node_status["why"] = f"node did not print its ready line (exit {proc.returncode}): {err.strip()}"
+    return None
+
+
+def _node_works(b: Broker) -> bool:
+    try:
+        doc = b.request("GET", "/v1/shards")
+        b.publish([("moorline-spark-probe/x", b"probe")])
+        return bool(doc["shard_count"])
+    except Exception as exc:  # the node runs but its HTTP API is not there yet
+        _node_status["why"] = f"node HTTP API not usable: {exc}"
+        return False
+
+
+@pytest.fixture()
+def fake_broker() -> Iterator[Broker]:
+    fb = FakeBroker(shard_count=4).start()
+    yield Broker(fb.address, None, fb, "fake")
+    fb.stop()
+
+
+@pytest.fixture()
+def broker(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Broker]:
+    pref = os.environ.get("MOORLINE_SPARK_BROKER", "auto")
+    if pref != "fake":
+        started = _start_node(tmp_path)
+        if started is not None:
+            proc, mqtt, http = started
+            b = Broker(http, mqtt, None, "node")
+            if _node_works(b):
+                request.node.user_properties.append(("broker", "node"))
+                yield b
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                return
+            proc.kill()
+            proc.wait()
+        if pref == "node":
+            pytest.fail(f"MOORLINE_SPARK_BROKER=node but the node is unusable: {_node_status.get('why')}")
+    fb = FakeBroker(shard_count=4).start()
+    request.node.user_properties.append(("broker", f"fake ({_node_status.get('why', 'forced')})"))
+    print(f"[moorline spark] using the FAKE broker: {_node_status.get('why', 'forced')}", file=sys.stderr)
+    yield Broker(fb.address, None, fb, "fake")
+    fb.stop()
+
+
+def wait_for(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

@@ -1,0 +1,120 @@
+"""Pure parts of the data source: options, offset planning, canonical sequencing (no Spark, no IO)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from moorline.hashing import shard_of
+from moorline.spark.node_client import ShardInfo
+from moorline.spark.options import MoorlineOptionError, parse_read_options, parse_write_options
+from moorline.spark.planning import (
+    MoorlineDataLossError,
+    clamp_to_complete,
+    latest_end,
+    plan_ranges,
+    relevant_shards,
+    resolve_spec,
+    topic_matches,
+)
+from moorline.spark.sequencing import make_row, sequenced_messages
+
+SHARDS = {i: ShardInfo(i, f"inc{i}", 10 * i, 100 + 10 * i) for i in range(4)}
+
+
+def pos(inc: str, off: int) -> dict[str, object]:
+    return {"incarnation": inc, "offset": off}
+
+
+def test_topic_matching_follows_mqtt() -> None:
+    assert topic_matches("sensors/#", "sensors/a/b")
+    assert topic_matches("sensors/#", "sensors")
+    assert topic_matches("sensors/+/t", "sensors/a/t")
+    assert not topic_matches("sensors/+/t", "sensors/a/b/t")
+    assert not topic_matches("#", "$SYS/x")
+    assert not topic_matches("sensors/a", "sensors/a/b")
+
+
+def test_only_the_topics_own_shards_are_read_without_wildcards() -> None:
+    assert relevant_shards(("a/b", "c"), 16) == sorted({shard_of("a/b", 16), shard_of("c", 16)})
+    assert relevant_shards(("a/#",), 16) == list(range(16))
+
+
+def test_options_reject_unknown_and_malformed() -> None:
+    base = {"servers": "127.0.0.1:1", "topics": "a/#"}
+    with pytest.raises(MoorlineOptionError, match="unknown option.*bogus"):
+        parse_read_options({**base, "bogus": "1"}, streaming=True)
+    with pytest.raises(MoorlineOptionError, match="startingOffsets.*JSON"):
+        parse_read_options({**base, "startingOffsets": "{nope"}, streaming=True)
+    with pytest.raises(MoorlineOptionError, match="HOST:PORT"):
+        parse_read_options({**base, "servers": "localhost"}, streaming=True)
+    with pytest.raises(MoorlineOptionError, match="not a valid MQTT topic filter"):
+        parse_read_options({**base, "topics": "a/#/b"}, streaming=True)
+    with pytest.raises(MoorlineOptionError, match="batch reads"):
+        parse_read_options({**base, "endingOffsets": "latest"}, streaming=True)
+    with pytest.raises(MoorlineOptionError, match="qos"):
+        parse_write_options({"servers": "127.0.0.1:1", "qos": "3"})
+    o = parse_read_options({**base, "STARTINGOFFSETS": '{"1": {"offset": 12}}', "maxOffsetsPerTrigger": "5"}, True)
+    assert o.starting.per_shard == {1: (None, 12)} and o.max_offsets_per_trigger == 5
+
+
+def test_resolve_and_clamp() -> None:
+    o = parse_read_options({"servers": "h:1", "topics": "#", "startingOffsets": '{"1": 3, "2": {"offset": 25}}'}, True)
+    start = resolve_spec(o.starting, SHARDS, [0, 1, 2, 3], True, "startingOffsets")
+    assert start["0"] == pos("inc0", 0) and start["2"] == pos("inc2", 25) and start["3"] == pos("inc3", 30)
+    with pytest.raises(MoorlineDataLossError, match="earliest complete offset is 10"):
+        clamp_to_complete(start, SHARDS, fail_on_data_loss=True)
+    skipped = clamp_to_complete(start, SHARDS, fail_on_data_loss=False)
+    assert skipped["1"] == pos("inc1", 10)
+    rebuilt = clamp_to_complete({"2": pos("old", 50)}, SHARDS, fail_on_data_loss=False)
+    assert rebuilt["2"] == pos("inc2", 20)
+    with pytest.raises(MoorlineDataLossError, match="rebuilt"):
+        clamp_to_complete({"2": pos("old", 50)}, SHARDS, fail_on_data_loss=True)
+
+
+@given(st.lists(st.integers(0, 500), min_size=1, max_size=6), st.integers(1, 1000))
+def test_trigger_budget_is_exact_and_within_backlog(backlogs: list[int], budget: int) -> None:
+    shards = {i: ShardInfo(i, "x", 0, b) for i, b in enumerate(backlogs)}
+    start = {str(i): pos("x", 0) for i in shards}
+    end = latest_end(start, shards, budget)
+    taken = [int(end[str(i)]["offset"]) for i in shards]  # type: ignore[call-overload]
+    assert all(0 <= t <= b for t, b in zip(taken, backlogs, strict=True))
+    assert sum(taken) == min(budget, sum(backlogs))
+
+
+def test_plan_ranges_cut_or_fail_below_low_water() -> None:
+    start = {"1": pos("inc1", 5), "2": pos("inc2", 40)}
+    end = {"1": pos("inc1", 50), "2": pos("inc2", 60)}
+    with pytest.raises(MoorlineDataLossError, match="earliest complete offset is 10"):
+        plan_ranges(start, end, SHARDS, fail_on_data_loss=True)
+    ranges = plan_ranges(start, end, SHARDS, fail_on_data_loss=False)
+    assert [(r.shard, r.start, r.end) for r in ranges] == [(1, 10, 50), (2, 40, 60)]
+
+
+def test_canonical_sequencing_ignores_row_order_and_numbers_per_shard() -> None:
+    rows = [make_row(f"t/{i % 9}", f"p{i % 13}".encode(), None, None, {"k": str(i % 3)}, None, 1) for i in range(300)]
+    shuffled = rows[:]
+    random.Random(7).shuffle(shuffled)
+    a = sequenced_messages(rows, 16, "ab" * 8, 5)
+    b = sequenced_messages(shuffled, 16, "ab" * 8, 5)
+    assert a == b
+    per_shard: dict[int, list[int]] = {}
+    for m in a:
+        per_shard.setdefault(shard_of(m["topic"], 16), []).append(m["seq"])
+    for seqs in per_shard.values():
+        assert seqs == [(5 << 32) | n for n in range(len(seqs))]
+    # the next batch starts above every sequence of this one
+    c = sequenced_messages(rows, 16, "ab" * 8, 6)
+    assert min(m["seq"] for m in c) > max(m["seq"] for m in a)
+
+
+def test_reserved_user_properties_are_refused() -> None:
+    from moorline.spark.sequencing import MoorlineRowError
+
+    with pytest.raises(MoorlineRowError, match="reserved"):
+        make_row("t", b"x", None, None, {"guid": "1"}, None, 1)
+    with pytest.raises(MoorlineRowError, match="wildcard"):
+        make_row("t/#", b"x", None, None, None, None, 1)

@@ -1,0 +1,245 @@
+"""MessageStore: append/get/scan, release and low-water, reclaim and copy-forward, recovery."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from moorline.invariant import InvariantViolation
+from moorline.storage.ledger import SyncLedger, read_ledger
+from moorline.storage.msgstore import HEADER_BYTES, MessageStore, StoreCorruption, segment_name
+
+
+def msg(offset: int, size: int = 30) -> bytes:
+    return (f"m{offset}-".encode() * size)[:size]
+
+
+def fill(store: MessageStore, count: int, size: int = 30) -> None:
+    for _ in range(count):
+        o = store.next_offset
+        store.append(o, msg(o, size))
+
+
+def test_append_get_scan(tmp_path: Path) -> None:
+    s = MessageStore(tmp_path, segment_bytes=1024, cache_bytes=0)
+    s.open()
+    assert (s.next_offset, s.low_water) == (0, 0)
+    fill(s, 100)
+    assert s.next_offset == 100
+    assert s.get(0) == msg(0) and s.get(99) == msg(99)
+    assert s.get(100) is None and s.get(-1) is None
+    got = s.scan(10, max_count=5, max_bytes=1 << 20)
+    assert got == [(i, msg(i)) for i in range(10, 15)]
+    assert len(s.scan(0, 1000, max_bytes=95)) == 3  # 3 x 30 bytes fit, the 4th would not
+    assert len(s.scan(0, 1000, max_bytes=1)) == 1  # always at least one
+    assert s.scan(100, 10, 1000) == []
+    assert len(s.segment_paths()) > 1
+    with pytest.raises(InvariantViolation):
+        s.append(5, b"x")  # offsets are dense and in order
+    s.sync()
+    s.close()
+
+    s2 = MessageStore(tmp_path, segment_bytes=1024, cache_bytes=0)
+    s2.open()
+    assert s2.next_offset == 100 and s2.low_water == 0
+    assert [o for o, _ in s2.scan(0, 1000, 1 << 20)] == list(range(100))
+    assert all(s2.get(i) == msg(i) for i in range(100))
+    s2.close()
+
+
+def test_cache_is_bounded_and_reads_fall_back_to_disk(tmp_path: Path) -> None:
+    s = MessageStore(tmp_path, cache_bytes=300, write_buffer_bytes=1 << 20)
+    s.open()
+    fill(s, 50, size=30)
+    assert s._cache_used <= 300 and len(s._cache) == 10
+    # Records not in the cache, not yet flushed (still in the write buffer), and flushed.
+    assert s.get(0) == msg(0)
+    s.sync()
+    assert s.get(1) == msg(1) and s.get(49) == msg(49)
+
+
+def test_release_low_water_and_scan_skips(tmp_path: Path) -> None:
+    s = MessageStore(tmp_path, segment_bytes=1024)
+    s.open()
+    fill(s, 40)
+    s.release([5, 7])
+    assert s.get(5) is None and s.get(6) == msg(6)
+    assert s.low_water == 8
+    assert [o for o, _ in s.scan(4, 5, 1 << 20)] == [4, 6, 8, 9, 10]
+    s.release([3])  # below the mark: the mark does not move back
+    assert s.low_water == 8
+    s.release_below(20)
+    assert s.low_water == 20 and s.get(19) is None and s.get(20) == msg(20)
+    s.release_below(10)
+    assert s.low_water == 20
+    s.release([20, 20, 20])  # idempotent
+    assert s.low_water == 21
+    with pytest.raises(InvariantViolation):
+        s.release([40])
+
+
+def test_reclaim_deletes_empty_segments_and_copies_forward(tmp_path: Path) -> None:
+    ledger = SyncLedger(tmp_path / "ledger.jsonl")
+    d = tmp_path / "shard-0"
+    s = MessageStore(d, segment_bytes=1000, ledger=ledger, cache_bytes=0)
+    s.open()
+    fill(s, 100)  # 50-byte frames: 20 per segment
+    assert len(s.segment_paths()) == 5
+    first_two = s.segment_paths()[:2]
+    s.release(range(0, 40))  # two whole segments
+    s.release([o for o in range(40, 60) if o not in (45, 52)])  # sparse survivors
+    size_before = s.size_bytes()
+    reclaimed = s.reclaim()
+    assert reclaimed == size_before - s.size_bytes() > 0
+    assert all(not p.exists() for p in first_two)
+    assert s.get(45) == msg(45) and s.get(52) == msg(52) and s.get(46) is None
+    compacted = d / segment_name(40)
+    assert compacted.stat().st_size == 2 * (HEADER_BYTES + 30)
+    assert read_ledger(ledger.path)[str(compacted)] == compacted.stat().st_size
+    assert [o for o, _ in s.scan(0, 10, 1 << 20)] == [45, 52, 60, 61, 62, 63, 64, 65, 66, 67]
+    assert s.low_water == 60
+    assert s.reclaim() == 0  # nothing more to do
+    s.sync()
+    s.close()
+
+    s2 = MessageStore(d, segment_bytes=1000, cache_bytes=0)
+    s2.open()
+    assert s2.low_water == 60 and s2.next_offset == 100
+    assert s2.get(45) == msg(45) and s2.get(52) == msg(52) and s2.get(46) is None and s2.get(10) is None
+    assert [o for o, _ in s2.scan(40, 3, 1 << 20)] == [45, 52, 60]
+    fill(s2, 5)
+    assert s2.get(104) == msg(104)
+
+
+def test_low_water_from_gaps_without_persisted_mark(tmp_path: Path) -> None:
+    s = MessageStore(tmp_path, segment_bytes=1000, cache_bytes=0)
+    s.open()
+    fill(s, 60)
+    s.release([o for o in range(0, 20) if o != 7])
+    s.reclaim()  # copy-forward leaves offset 7 alone in its segment
+    s.close()  # no sync: the low-water file is not written
+    s2 = MessageStore(tmp_path, segment_bytes=1000)
+    s2.open()
+    # Every offset from 20 up is present; 8..19 are gone, so the mark is at least 20.
+    assert s2.low_water == 20 and s2.get(7) == msg(7)
+
+
+def test_truncate_from(tmp_path: Path) -> None:
+    s = MessageStore(tmp_path, segment_bytes=1000, cache_bytes=1 << 20)
+    s.open()
+    fill(s, 70)
+    s.truncate_from(25)
+    assert s.next_offset == 25 and s.get(25) is None and s.get(24) == msg(24)
+    assert [p.name for p in s.segment_paths()] == [segment_name(0), segment_name(20)]
+    s.append(25, b"again")
+    fill(s, 30)
+    assert s.get(25) == b"again" and s.next_offset == 56
+    s.truncate_from(20)  # exactly at a segment boundary
+    fill(s, 3)
+    s.sync()
+    s.close()
+    s2 = MessageStore(tmp_path, segment_bytes=1000)
+    s2.open()
+    assert s2.next_offset == 23
+    assert [o for o, _ in s2.scan(0, 100, 1 << 20)] == list(range(23))
+    s2.truncate_from(0)
+    assert s2.next_offset == 0 and s2.scan(0, 10, 1000) == []
+    fill(s2, 2)
+    s2.sync()
+    s2.close()
+    s3 = MessageStore(tmp_path)
+    s3.open()
+    assert s3.next_offset == 2 and s3.get(1) == msg(1)
+
+
+def test_reset_for_installed_snapshot(tmp_path: Path) -> None:
+    s = MessageStore(tmp_path)
+    s.open()
+    fill(s, 10)
+    s.reset(500)
+    assert (s.next_offset, s.low_water, s.get(3)) == (500, 500, None)
+    s.close()
+    s2 = MessageStore(tmp_path)
+    s2.open()
+    assert (s2.next_offset, s2.low_water) == (500, 500)
+    s2.append(500, b"x")
+
+
+def _store_with(d: Path, count: int) -> list[int]:
+    s = MessageStore(d, segment_bytes=1 << 20)
+    s.open()
+    fill(s, count)
+    s.sync()
+    positions = [s._segments[0].positions[i] for i in range(count)]
+    s.close()
+    return positions
+
+
+def test_torn_tail_every_byte(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    positions = _store_with(src, 4)
+    seg = src / segment_name(0)
+    full = seg.read_bytes()
+    for cut in range(positions[-1], len(full)):
+        d = tmp_path / f"c{cut}"
+        shutil.copytree(src, d)
+        (d / segment_name(0)).write_bytes(full[:cut] + b"\x4d\x53\x00")
+        s = MessageStore(d)
+        s.open()
+        assert s.next_offset == 3 and s.get(2) == msg(2)
+        assert (d / segment_name(0)).stat().st_size == positions[-1]
+        s.append(3, b"new")
+        s.sync()
+        s.close()
+        shutil.rmtree(d)
+
+
+def test_bit_flip_before_valid_records_is_corruption(tmp_path: Path) -> None:
+    positions = _store_with(tmp_path, 5)
+    seg = tmp_path / segment_name(0)
+    raw = bytearray(seg.read_bytes())
+    raw[positions[2] + HEADER_BYTES + 3] ^= 0x04
+    seg.write_bytes(bytes(raw))
+    with pytest.raises(StoreCorruption) as err:
+        MessageStore(tmp_path).open()
+    assert (err.value.path, err.value.offset) == (seg, positions[2])
+    assert seg.stat().st_size == len(raw)  # never truncated
+
+
+def test_expected_next_offset_separates_synced_from_unsynced(tmp_path: Path) -> None:
+    positions = _store_with(tmp_path / "a", 6)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    # Damage record 4 (after the snapshot's next offset 3): an unsynced tail, cut even though
+    # record 5 after it is valid (unsynced pages may reach the disk out of order).
+    seg = tmp_path / "a" / segment_name(0)
+    raw = bytearray(seg.read_bytes())
+    raw[positions[4] + HEADER_BYTES] ^= 0x01
+    seg.write_bytes(bytes(raw))
+    s = MessageStore(tmp_path / "a")
+    s.open(expected_next_offset=3)
+    assert s.next_offset == 4
+    # Damage record 1 (before the synced point): corruption, even with nothing valid after.
+    seg = tmp_path / "b" / segment_name(0)
+    raw = bytearray(seg.read_bytes())
+    seg.write_bytes(bytes(raw[: positions[1] + 5]))
+    with pytest.raises(StoreCorruption):
+        MessageStore(tmp_path / "b").open(expected_next_offset=3)
+    with pytest.raises(StoreCorruption):
+        MessageStore(tmp_path / "c").open(expected_next_offset=3)  # store missing entirely
+
+
+def test_ledger_tracks_store_syncs(tmp_path: Path) -> None:
+    ledger = SyncLedger(tmp_path / "l.jsonl")
+    d = tmp_path / "s"
+    s = MessageStore(d, segment_bytes=500, ledger=ledger)
+    s.open()
+    fill(s, 30)
+    s.sync()
+    lengths = read_ledger(ledger.path)
+    for p in d.glob("seg-*.dat"):
+        assert lengths[str(p)] == p.stat().st_size
+    s.release_below(5)
+    s.sync()
+    assert read_ledger(ledger.path)[str(d / "lowwater")] == 12
