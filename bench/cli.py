@@ -29,12 +29,15 @@ def bench(
     names = tuple(name.strip() for name in brokers.split(",") if name.strip())
     config = runner.quick_config(names) if quick else runner.full_config(names, max(1, reps))
     started = time.time()
+    load_at_start = os.getloadavg()
     result = runner.run(config, log=console.print)
     result["meta"] = {
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "duration_s": round(time.time() - started, 1),
         "quick": quick,
         "cpus": os.cpu_count(),
+        # Other work on the machine moves msgs/s a lot (CPU-s/10k much less): keep it next to the figures.
+        "load_average_at_start": load_at_start,
         "load_average_at_end": os.getloadavg(),
         "python": platform.python_version(),
         "machine": platform.machine(),

@@ -20,7 +20,7 @@ from moorline.mqtt.codec import (  # noqa: E402
     encode_puback,
     encode_publish_fast,
 )
-from moorline.mqtt.packets import Connect, Properties, Puback, Publish  # noqa: E402
+from moorline.mqtt.packets import NO_PROPERTIES, Connect, Properties, Puback, Publish  # noqa: E402
 from moorline.mqtt.protocol import ProtocolState  # noqa: E402
 from moorline.mqtt.topics import SubscriptionTrie  # noqa: E402
 
@@ -43,35 +43,40 @@ def report(name: str, us: float) -> None:
     print(f"{name:<58} {us:7.3f} µs")
 
 
+def bench_publish(version: int, qos: int, props: Properties) -> None:
+    pid = 1 if qos else None
+    pub = Publish(TOPIC, PAYLOAD, qos, False, False, pid, props)
+    batch = encode(pub, version) * BATCH
+    label = f"v{version} qos{qos}{' +guid' if props.user_properties else ''}"
+
+    dec = Decoder(version=version)
+    report(f"decode PUBLISH ({label}, {BATCH}/feed)", best_us_per_item(lambda: dec.feed(batch), BATCH))
+
+    state = ProtocolState(receive_maximum_in=65535)
+    state.receive(encode(Connect("MQTT", version, "bench"), version))
+
+    def receive() -> None:
+        state.receive(batch)
+        state.note_inbound_acked(1)  # QoS 1 ids repeat; keep the in-flight counter from filling up
+
+    report(f"ProtocolState.receive PUBLISH ({label})", best_us_per_item(receive, BATCH))
+
+    tb = TOPIC.encode()
+    body = encode_properties(props) if version == 5 else b""
+    report(f"encode_publish_fast ({label})", best_us_per_item(
+        lambda: encode_publish_fast(tb, PAYLOAD, qos, False, False, pid, version, body), 1, calls=20000))
+    report(f"encode(Publish) ({label})", best_us_per_item(lambda: encode(pub, version), 1, calls=20000))
+    report(f"ProtocolState.encode_publish ({label})", best_us_per_item(
+        lambda: state.encode_publish(TOPIC, tb, PAYLOAD, qos, False, False, pid, body), 1, calls=20000))
+
+
 def main() -> None:
     guid_props = Properties(user_properties=(("guid", "0123456789abcdef0123456789abcdef"),))
     for version in (4, 5):
         for qos in (0, 1):
-            for props in (Properties(), guid_props) if version == 5 else (Properties(),):
-                pid = 1 if qos else None
-                pub = Publish(TOPIC, PAYLOAD, qos, False, False, pid, props)
-                batch = encode(pub, version) * BATCH
-                label = f"v{version} qos{qos}{' +guid' if props != Properties() else ''}"
-
-                dec = Decoder(version=version)
-                report(f"decode PUBLISH ({label}, {BATCH}/feed)", best_us_per_item(lambda: dec.feed(batch), BATCH))
-
-                state = ProtocolState(receive_maximum_in=65535)
-                state.receive(encode(Connect("MQTT", version, "bench"), version))
-                state._inflight_in.clear()  # QoS 1 ids repeat; keep the counter from filling up
-
-                def receive() -> None:
-                    state.receive(batch)
-                    state.note_inbound_acked(1)
-                report(f"ProtocolState.receive PUBLISH ({label})", best_us_per_item(receive, BATCH))
-
-                tb = TOPIC.encode()
-                body = encode_properties(props) if version == 5 else b""
-                report(f"encode_publish_fast ({label})", best_us_per_item(
-                    lambda: encode_publish_fast(tb, PAYLOAD, qos, False, False, pid, version, body), 1, calls=20000))
-                report(f"encode(Publish) ({label})", best_us_per_item(lambda: encode(pub, version), 1, calls=20000))
-                report(f"ProtocolState.encode_publish ({label})", best_us_per_item(
-                    lambda: state.encode_publish(TOPIC, tb, PAYLOAD, qos, False, False, pid, body), 1, calls=20000))
+            bench_publish(version, qos, NO_PROPERTIES)
+            if version == 5:
+                bench_publish(version, qos, guid_props)
 
     report("encode_puback", best_us_per_item(lambda: encode_puback(1234), 1, calls=50000))
     acks = encode(Puback(7), 5) * BATCH

@@ -94,12 +94,19 @@ def subscriber_main(
         if counters["measured"] == count:
             done.set()
 
+    def on_disconnect(client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        if not done.is_set():  # paho would reconnect with a clean session: that run is void, say why
+            conn.send(("error", f"subscriber disconnected by the broker: {reason_code}"))
+            client.disconnect()
+
     client.on_connect = on_connect
     client.on_subscribe = on_subscribe
     client.on_message = on_message
+    client.on_disconnect = on_disconnect
     _connect(client, port, protocol, receive_maximum=window)
     client.loop_start()
     finished = done.wait(timeout_s)
+    done.set()
     client.disconnect()
     client.loop_stop()
     latencies.sort()
@@ -143,8 +150,16 @@ def publisher_main(
     def on_publish(client: Any, userdata: Any, mid: Any, reason_code: Any, properties: Any) -> None:
         credit.release()
 
+    finished = threading.Event()
+
+    def on_disconnect(client: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        if not finished.is_set():
+            conn.send(("error", f"publisher disconnected by the broker: {reason_code}"))
+            client.disconnect()
+
     client.on_connect = on_connect
     client.on_publish = on_publish
+    client.on_disconnect = on_disconnect
     _connect(client, port, protocol, receive_maximum=None)
     client.loop_start()
     if not connected.wait(timeout_s):
@@ -171,6 +186,7 @@ def publisher_main(
     assert conn.recv() == "go"
     first_ns = time.monotonic_ns()
     ok = publish_all(PHASE_MEASURED, count)
+    finished.set()
     conn.send(("done", {"complete": ok, "first_publish_ns": first_ns, "last_ack_ns": time.monotonic_ns()}))
     client.disconnect()
     client.loop_stop()

@@ -84,6 +84,8 @@ def _expect(conn: Connection, tag: str, timeout_s: float, proc: SpawnProcess) ->
             message = conn.recv()
             if message[0] == tag:
                 return tuple(message)
+            if message[0] == "error":
+                raise RuntimeError(f"{proc.name}: {message[1]}")
             raise RuntimeError(f"{proc.name}: expected {tag!r}, got {message!r}")
         if not proc.is_alive():
             raise RuntimeError(f"{proc.name} exited with {proc.exitcode} while we waited for {tag!r}")

@@ -14,8 +14,9 @@ from moorline.broker.commands import Command
 class Effects:
     appends: list[tuple[int, bytes]] = field(default_factory=list)
     releases: list[int] = field(default_factory=list)
-    owed_regs: set[str] = field(default_factory=set)  # registrations with new owed messages
-    claims: list[tuple[str, str]] = field(default_factory=list)  # (share reg, member) granted claims
+    owed_new: list[tuple[str, int]] = field(default_factory=list)  # (registration, offset) newly owed, in apply order
+    owed_regs: set[str] = field(default_factory=set)  # registrations whose owed set changed (dispatch, caps)
+    claims: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)  # (share reg, member, offsets)
     cross: list[tuple[str, Command]] = field(default_factory=list)  # (routing key kind:key, command)
     sessions_touched: set[str] = field(default_factory=set)
 
@@ -25,16 +26,19 @@ class Effects:
     def store_release(self, offsets: list[int]) -> None:
         self.releases.extend(offsets)
 
-    def owed(self, reg_key: str) -> None:
+    def owed(self, reg_key: str, offset: int = -1) -> None:
         self.owed_regs.add(reg_key)
+        if offset >= 0:
+            self.owed_new.append((reg_key, offset))
 
-    def claimed(self, reg_key: str, member: str) -> None:
-        self.claims.append((reg_key, member))
+    def claimed(self, reg_key: str, member: str, offsets: tuple[int, ...]) -> None:
+        self.claims.append((reg_key, member, offsets))
 
     def clear(self) -> None:
         self.appends.clear()
         self.releases.clear()
         self.owed_regs.clear()
+        self.owed_new.clear()
         self.claims.clear()
         self.cross.clear()
         self.sessions_touched.clear()

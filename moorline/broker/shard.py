@@ -108,6 +108,7 @@ class ShardState:
             drops=list(t.drops),
             drop_counts=dict(sorted(t.drop_counts.items())),
             topic_ts_ms=t.last_ts_ms,
+            max_released=t.max_released,
             sessions=list(s.sessions.values()),
             incarnations=s.incarnations,
             session_ts_ms=s.last_ts_ms,
@@ -140,6 +141,8 @@ class ShardState:
         t.drops = deque(snap.drops, maxlen=limits.max_drop_records)
         t.drop_counts = dict(snap.drop_counts)
         t.last_ts_ms = snap.topic_ts_ms
+        t.max_released = snap.max_released
+        t.rebuild_indexes()
         st.sessions.sessions = {x.client_id: x for x in snap.sessions}
         st.sessions.incarnations = snap.incarnations
         st.sessions.last_ts_ms = snap.session_ts_ms
@@ -164,6 +167,7 @@ class _Snapshot:
     drops: list[DropRecord]
     drop_counts: dict[str, int]
     topic_ts_ms: int
+    max_released: int
     sessions: list[Session]
     incarnations: int
     session_ts_ms: int

@@ -8,6 +8,7 @@ than ``retention.min_age``, or through a counted limit that records its GUID and
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -109,6 +110,20 @@ class TopicState:
         self.drops: deque[DropRecord] = deque(maxlen=limits.max_drop_records)
         self.drop_counts: dict[str, int] = {}
         self.last_ts_ms = 0
+        self.max_released = -1
+        # Derived indexes (rebuilt from meta/owed on restore, never snapshotted):
+        self._unowed_heap: list[tuple[int, int]] = []  # (ts_ms, offset) of messages owed to nobody
+        self._expiry_heap: list[tuple[int, int]] = []  # (expires_at_ms, offset)
+        self._match_cache: dict[str, list[str]] = {}  # cleared whenever the trie changes
+
+    def _trie_changed(self) -> None:
+        self._match_cache.clear()
+
+    def rebuild_indexes(self) -> None:
+        self._unowed_heap = [(m.ts_ms, o) for o, m in self.meta.items() if not self.owed_count.get(o)]
+        heapq.heapify(self._unowed_heap)
+        self._expiry_heap = [(m.expires_at_ms, o) for o, m in self.meta.items() if m.expires_at_ms is not None]
+        heapq.heapify(self._expiry_heap)
 
     # --- publish -------------------------------------------------------------------------
     def apply_publish(self, cmd: Publish, fx: Effects) -> PublishResult:
@@ -144,16 +159,30 @@ class TopicState:
             else:
                 self.retained.pop(msg.topic, None)
         owed = 0
-        for reg_key in sorted(k for k, _ in self.trie.match(msg.topic)):
+        for reg_key in self._matching(msg.topic):
             reg = self.regs[reg_key]
             if reg.draining or (reg.no_local and reg.client_id == msg.origin):
                 continue
             reg.owed[offset] = None
             owed += 1
-            fx.owed(reg_key)
+            fx.owed(reg_key, offset)
         if owed:
             self.owed_count[offset] = owed
+        else:
+            heapq.heappush(self._unowed_heap, (msg.ts_ms, offset))
+        exp = msg.expires_at_ms()
+        if exp is not None:
+            heapq.heappush(self._expiry_heap, (exp, offset))
         return PublishResult("ok", offset)
+
+    def _matching(self, topic: str) -> list[str]:
+        """Registration keys whose filter matches ``topic``, sorted (a cache over the trie)."""
+        keys = self._match_cache.get(topic)
+        if keys is None:
+            if len(self._match_cache) >= 10_000:
+                self._match_cache.clear()
+            keys = self._match_cache[topic] = sorted(k for k, _ in self.trie.match(topic))
+        return keys
 
     # --- registrations -------------------------------------------------------------------
     def apply_register(self, cmd: Register, fx: Effects) -> RegisterResult:
@@ -163,6 +192,7 @@ class TopicState:
             reg.no_local = cmd.no_local
             if reg.draining:
                 reg.draining = False
+                self._trie_changed()
                 self.trie.insert(reg.filter, reg.reg_key, None)
         else:
             if reg is not None:
@@ -172,6 +202,7 @@ class TopicState:
                 cmd.share_group, self.next_offset,
             )
             self.regs[cmd.reg_key] = reg
+            self._trie_changed()
             self.trie.insert(reg.filter, reg.reg_key, None)
         retained: tuple[StoredMessage, ...] = ()
         if cmd.want_retained and cmd.share_group is None:
@@ -189,6 +220,7 @@ class TopicState:
             # Stop new messages; those already owed are finished (delivered and acked) first.
             if not reg.draining:
                 reg.draining = True
+                self._trie_changed()
                 self.trie.remove(reg.filter, reg.reg_key)
             if not reg.owed:
                 self._forget(reg)
@@ -205,6 +237,7 @@ class TopicState:
 
     def _forget(self, reg: Registration) -> None:
         if not reg.draining:
+            self._trie_changed()
             self.trie.remove(reg.filter, reg.reg_key)
         del self.regs[reg.reg_key]
 
@@ -225,6 +258,9 @@ class TopicState:
         invariant(n > 0, f"offset {offset} was not owed")
         if n == 1:
             del self.owed_count[offset]
+            meta = self.meta.get(offset)
+            if meta is not None:
+                heapq.heappush(self._unowed_heap, (meta.ts_ms, offset))
         else:
             self.owed_count[offset] = n - 1
 
@@ -265,7 +301,7 @@ class TopicState:
             if offset in reg.owed and offset not in reg.claims:
                 reg.claims[offset] = cmd.member
                 granted.append(offset)
-        fx.claimed(cmd.reg_key, cmd.member)
+        fx.claimed(cmd.reg_key, cmd.member, tuple(granted))
         return tuple(granted)
 
     def apply_share_return(self, cmd: ShareReturn, fx: Effects) -> None:
@@ -287,55 +323,57 @@ class TopicState:
     def apply_housekeeping(self, cmd: Housekeeping, fx: Effects) -> None:
         now = max(self.last_ts_ms, cmd.ts_ms)
         self.last_ts_ms = now
-        released: list[int] = []
-        budget = self.limits.max_release_per_housekeeping
-        for offset, meta in list(self.meta.items()):
-            if budget <= 0:
-                break
-            expired = meta.expires_at_ms is not None and meta.expires_at_ms <= now
-            old = now - meta.ts_ms >= self.limits.retention_min_age_ms
-            if not old and not expired:
-                if meta.expires_at_ms is None:
-                    break  # younger messages follow; expiry-bearing ones are rare
+        # Message expiry: a counted drop for every registration still owed the message.
+        exp = self._expiry_heap
+        while exp and exp[0][0] <= now:
+            _, offset = heapq.heappop(exp)
+            if offset not in self.meta or not self.owed_count.get(offset):
                 continue
-            if expired and self.owed_count.get(offset):
-                for reg in self.regs.values():
-                    if offset in reg.owed:
-                        del reg.owed[offset]
-                        reg.claims.pop(offset, None)
-                        self._record_drop(offset, reg.reg_key, "message_expiry")
-                        self._unowe(offset)
-            if self.owed_count.get(offset) or (0 <= cmd.pin_floor <= offset):
+            for reg in sorted(self.regs.values(), key=lambda r: r.reg_key):
+                if offset in reg.owed:
+                    del reg.owed[offset]
+                    reg.claims.pop(offset, None)
+                    self._record_drop(offset, reg.reg_key, "message_expiry")
+                    self._unowe(offset)
+        # Release what nobody is owed once it is older than retention.min_age (and not pinned).
+        released: list[int] = []
+        pinned: list[tuple[int, int]] = []
+        heap = self._unowed_heap
+        cutoff = now - self.limits.retention_min_age_ms
+        budget = self.limits.max_release_per_housekeeping
+        while heap and budget > 0:
+            ts, offset = heap[0]
+            meta = self.meta.get(offset)
+            expired = meta is not None and meta.expires_at_ms is not None and meta.expires_at_ms <= now
+            if ts > cutoff and not expired:
+                break
+            heapq.heappop(heap)
+            if meta is None or self.owed_count.get(offset):
+                continue  # already released, or owed again (stale heap entry)
+            if 0 <= cmd.pin_floor <= offset:
+                pinned.append((ts, offset))
                 continue
             del self.meta[offset]
             self.bytes_used -= meta.size
             released.append(offset)
             budget -= 1
+        for item in pinned:
+            heapq.heappush(heap, item)
         if released:
+            released.sort()
             fx.store_release(released)
-        first_present = next(iter(self.meta), self.next_offset)
-        # Low water: everything at or above it is present. Survivors below a gap keep it there.
-        lw = self.low_water
-        if released:
-            lw = self._complete_from()
-        invariant(lw >= self.low_water, "low-water mark only rises")
-        self.low_water = lw
-        _ = first_present
-        cutoff = now - self.limits.dedup_window_ms
+            self.max_released = max(self.max_released, released[-1])
+            # Low water: every offset at or above it is present; released offsets are the gaps.
+            lw = self.max_released + 1
+            invariant(lw >= self.low_water, "low-water mark only rises")
+            self.low_water = lw
+        dcut = now - self.limits.dedup_window_ms
         while self.dedup:
             k, (_, ts, _) = next(iter(self.dedup.items()))
-            if ts >= cutoff and len(self.dedup) <= self.limits.dedup_max_history:
+            if ts >= dcut and len(self.dedup) <= self.limits.dedup_max_history:
                 break
             del self.dedup[k]
         pcut = now - self.limits.producer_ttl_ms
-        for p in [p for p, v in self.producers.items() if v[2] < pcut]:
-            del self.producers[p]
-
-    def _complete_from(self) -> int:
-        """Lowest offset from which every message up to next_offset is still present."""
-        lw = self.next_offset
-        for offset in reversed(self.meta):
-            if offset != lw - 1:
-                break
-            lw = offset
-        return max(lw, self.low_water)
+        if self.producers:
+            for p in [p for p, v in self.producers.items() if v[2] < pcut]:
+                del self.producers[p]

@@ -525,6 +525,13 @@ _pub_slots = tuple(P.Publish.__dict__[f].__set__ for f in (  # type: ignore[attr
     "topic", "payload", "qos", "retain", "dup", "packet_id", "properties"))
 _set_topic, _set_payload, _set_qos, _set_retain, _set_dup, _set_pid, _set_props = _pub_slots
 
+# First byte of the 4-byte acks -> (class, slot setters for packet_id, reason_code, properties).
+_FAST_ACKS: Final[dict[int, tuple[type, Any, Any, Any]]] = {
+    first: (cls, cls.__dict__["packet_id"].__set__, cls.__dict__["reason_code"].__set__,
+            cls.__dict__["properties"].__set__)
+    for first, cls in ((0x40, Puback), (0x50, Pubrec), (0x62, Pubrel), (0x70, Pubcomp))
+}
+
 # Which packet types each side may receive. Index = packet type.
 _SERVER_RECEIVES: Final = frozenset({P.CONNECT, P.PUBLISH, P.PUBACK, P.PUBREC, P.PUBREL, P.PUBCOMP, P.SUBSCRIBE,
                                      P.UNSUBSCRIBE, P.PINGREQ, P.DISCONNECT, P.AUTH})
@@ -604,6 +611,9 @@ class Decoder:
         self._need = 0
         while n - pos >= 2:
             first = buf[pos]
+            ptype = first >> 4
+            if ptype not in receives:
+                self._reject_type(ptype)  # before waiting for a body we would refuse anyway
             b = buf[pos + 1]
             if b < 0x80:
                 rl = b
@@ -632,9 +642,6 @@ class Decoder:
             if end > n:
                 self._need = end - pos
                 return out, pos
-            ptype = first >> 4
-            if ptype not in receives:
-                self._reject_type(ptype)
             version = self.version
             if ptype == P.PUBLISH and version is not None:
                 # Hot path, written out: topic, packet id, properties, payload.
@@ -683,6 +690,17 @@ class Decoder:
                 _set_pid(pub, pid)
                 _set_props(pub, props)
                 out.append(pub)
+            elif rl == 2 and first in _FAST_ACKS and version is not None:
+                # Hot path: PUBACK/PUBREC/PUBREL/PUBCOMP with success and no properties.
+                pid = (buf[start] << 8) | buf[start + 1]
+                if not pid:
+                    raise MalformedPacket(_MALFORMED, "packet identifier 0")
+                cls, set_pid, set_rc, set_ack_props = _FAST_ACKS[first]
+                ack: Packet = _new(cls)
+                set_pid(ack, pid)
+                set_rc(ack, 0)
+                set_ack_props(ack, NO_PROPERTIES)
+                out.append(ack)
             else:
                 out.append(self._decode_other(ptype, first & 0x0F, buf, start, end))
             pos = end

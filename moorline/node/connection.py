@@ -376,7 +376,7 @@ class Connection(asyncio.Protocol):
             if known is not None:
                 guid = known
             else:
-                guid = guid or os.urandom(16)
+                guid = guid or self.node.new_guid()
                 fut = self.node.propose(self.live.shard, c.InboundQos2(self.client_id, self.live.epoch, pk.packet_id, guid))  # type: ignore[arg-type]
                 assert fut is not None
                 self._q2_inprogress.add(pk.packet_id)  # type: ignore[arg-type]
@@ -389,7 +389,7 @@ class Connection(asyncio.Protocol):
                     return
                 guid = recorded
         msg = StoredMessage(
-            pk.topic, pk.payload, pk.qos, pk.retain, guid or os.urandom(16), self.node.now_ms(),
+            pk.topic, pk.payload, pk.qos, pk.retain, guid or self.node.new_guid(), self.node.now_ms(),
             pk.properties.message_expiry_interval if v5 else None, self._message_props(pk.properties) if v5 else None,
             self.client_id,
         )

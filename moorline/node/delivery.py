@@ -13,8 +13,9 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moorline.broker import commands as c
@@ -37,15 +38,6 @@ class OutboundPublish:
     dup: bool
     packet_id: int | None
     sub_ids: tuple[int, ...]
-
-
-@dataclass(slots=True)
-class _Candidate:
-    offset: int
-    qos: int = 0
-    sub_ids: list[int] = field(default_factory=list)
-    reg_keys: list[str] = field(default_factory=list)
-    rap: bool = False
 
 
 class LiveSession:
@@ -78,6 +70,7 @@ class LiveSession:
         self.pid_to_seq: dict[int, int] = {}
         self.inflight_out = 0  # QoS>0 PUBLISHes not yet acknowledged by the client
         self.share_delivered: set[tuple[int, int]] = set()  # (shard, offset) of share claims in flight
+        self.pending: dict[int, deque[tuple[int, str]]] = {}  # shard -> (offset, registration), arrival order
         self._acks: list[tuple[int, int]] = []
         self._ack_flush: asyncio.TimerHandle | None = None
 
@@ -87,6 +80,9 @@ class LiveSession:
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
         self._resend()
+        sess = self.session()
+        if sess is not None:
+            self._load_pending(sess)
         self._task = asyncio.get_running_loop().create_task(self._pump(), name=f"deliver:{self.client_id}")
         self.wake()
 
@@ -149,39 +145,112 @@ class LiveSession:
     def _room(self) -> int:
         return self.receive_max - self.inflight_out
 
+    def notify(self, shard: int, reg_key: str, offset: int) -> None:
+        """A committed apply made ``offset`` owed to (or claimed for) this session. Wakes only:
+        the message itself is read from the shard's store when it is delivered."""
+        dq = self.pending.get(shard)
+        if dq is None:
+            dq = self.pending[shard] = deque()
+        dq.append((offset, reg_key))
+
+    def _load_pending(self, sess: Session) -> None:
+        """On (re)connect: everything owed past the delivered cursor, and our undelivered claims."""
+        node = self.node
+        self.pending = {}
+        for shard, regs in node.session_regs(self.client_id, sess):
+            topics = node.hosts[shard].state.topics
+            cursor = self.cursor.get(shard, -1)
+            entries: list[tuple[int, str]] = []
+            for reg_key, _sub in regs:
+                reg = topics.regs.get(reg_key)
+                if reg is None:
+                    continue
+                if reg.share_group is not None:
+                    entries.extend((o, reg_key) for o, m in reg.claims.items()
+                                   if m == self.client_id and (shard, o) not in self.share_delivered)
+                elif reg.session_inc == self.incarnation:
+                    entries.extend((o, reg_key) for o in reg.owed if o > cursor)
+            if entries:
+                entries.sort()
+                self.pending[shard] = deque(entries)
+
     async def _deliver_once(self) -> bool:
         sess = self.session()
         if sess is None or sess.epoch != self.epoch:
             return False
+        subs = self.node.reg_subs(self.client_id, sess)
         room = self._room()
+        batch_max = self.node.cfg.session.delivery_batch_max
         items: list[c.DeliveryItem] = []
         msgs: list[StoredMessage] = []
         more = False
         now_ms = int(time.time() * 1000)
-        for shard, cands in self._candidates(sess):
+        me = self.client_id
+        for shard, dq in self.pending.items():
+            if not dq:
+                continue
             host = self.node.hosts[shard]
+            topics = host.state.topics
+            cursor = self.cursor.get(shard, -1)
             expired: dict[str, list[int]] = {}
-            for cand in cands:
-                if cand.qos > 0 and room <= 0:
-                    more = True
-                    break
-                rec = host.store.get(cand.offset)
+            while dq:
+                offset = dq[0][0]
+                n = 1
+                while n < len(dq) and dq[n][0] == offset:
+                    n += 1
+                qos = -1
+                sub_ids: list[int] = []
+                reg_keys: list[str] = []
+                rap = False
+                share = False
+                for i in range(n):
+                    reg_key = dq[i][1]
+                    reg = topics.regs.get(reg_key)
+                    sub = subs.get(reg_key)
+                    if reg is None:
+                        continue
+                    if reg.share_group is not None:
+                        if reg.claims.get(offset) != me or (shard, offset) in self.share_delivered:
+                            continue
+                        share = True
+                    elif reg.session_inc != self.incarnation or offset not in reg.owed or offset <= cursor:
+                        continue
+                    sq = sub.qos if sub is not None else reg.qos
+                    if sq > qos:
+                        qos = sq
+                    if sub is not None:
+                        if sub.sub_id:
+                            sub_ids.append(sub.sub_id)
+                        rap = rap or sub.retain_as_published
+                    reg_keys.append(reg_key)
+                if qos < 0:
+                    for _ in range(n):
+                        dq.popleft()
+                    continue
+                rec = host.store.get(offset)
                 if rec is None:
+                    for _ in range(n):
+                        dq.popleft()
                     continue
                 msg = decode_message(rec)
-                qos = min(cand.qos, msg.qos)
+                qos = min(qos, msg.qos)
+                if qos > 0 and room <= 0:
+                    more = False  # woken again by acknowledgements
+                    break
+                for _ in range(n):
+                    dq.popleft()
                 exp = msg.expires_at_ms()
                 if exp is not None and exp <= now_ms:
-                    for rk in cand.reg_keys:
-                        expired.setdefault(rk, []).append(cand.offset)
-                    self.cursor[shard] = max(self.cursor.get(shard, -1), cand.offset)
+                    for rk in reg_keys:
+                        expired.setdefault(rk, []).append(offset)
+                    if not share:
+                        self.cursor[shard] = max(cursor, offset)
                     continue
-                retain = msg.retain and cand.rap
-                items.append(c.DeliveryItem(shard, cand.offset, qos, retain, tuple(cand.sub_ids), tuple(cand.reg_keys)))
+                items.append(c.DeliveryItem(shard, offset, qos, msg.retain and rap, tuple(sub_ids), tuple(reg_keys)))
                 msgs.append(msg)
                 if qos > 0:
                     room -= 1
-                if len(items) >= self.node.cfg.session.delivery_batch_max:
+                if len(items) >= batch_max:
                     more = True
                     break
             for rk, offs in expired.items():
@@ -192,43 +261,6 @@ class LiveSession:
             return False
         await self._commit_and_send(items, msgs)
         return more
-
-    def _candidates(self, sess: Session) -> list[tuple[int, list[_Candidate]]]:
-        """Owed, undelivered offsets per topic shard, merged over this session's subscriptions."""
-        out: list[tuple[int, list[_Candidate]]] = []
-        node = self.node
-        for shard, regs in node.session_regs(self.client_id, sess):
-            topics = node.hosts[shard].state.topics
-            cursor = self.cursor.get(shard, -1)
-            merged: dict[int, _Candidate] = {}
-            for reg_key, sub in regs:
-                reg = topics.regs.get(reg_key)
-                if reg is None:
-                    continue
-                if reg.share_group is not None:
-                    for offset, member in reg.claims.items():
-                        if member == self.client_id and (shard, offset) not in self.share_delivered:
-                            self._merge(merged, offset, reg_key, sub)
-                    continue
-                if reg.session_inc != self.incarnation:
-                    continue
-                for offset in reg.owed:
-                    if offset > cursor:
-                        self._merge(merged, offset, reg_key, sub)
-            if merged:
-                out.append((shard, [merged[o] for o in sorted(merged)]))
-        return out
-
-    @staticmethod
-    def _merge(merged: dict[int, _Candidate], offset: int, reg_key: str, sub: Any) -> None:
-        cand = merged.get(offset)
-        if cand is None:
-            cand = merged[offset] = _Candidate(offset)
-        cand.qos = max(cand.qos, sub.qos)
-        if sub.sub_id:
-            cand.sub_ids.append(sub.sub_id)
-        cand.reg_keys.append(reg_key)
-        cand.rap = cand.rap or sub.retain_as_published
 
     async def deliver_retained(self, retained: list[tuple[StoredMessage, int, int | None]]) -> None:
         """Retained messages returned by a Register apply: (message, granted qos, subscription id)."""

@@ -66,6 +66,10 @@ class Node:
         self._share_pending: set[tuple[int, str]] = set()
         self._share_rr: dict[str, int] = {}
         self._regs_cache: dict[str, tuple[int, int, list[tuple[int, list[tuple[str, SubscriptionState]]]]]] = {}
+        self._reg_subs_cache: dict[str, tuple[int, int, dict[str, SubscriptionState]]] = {}
+        self._topic_shards: dict[str, int] = {}
+        self._guid_prefix = os.urandom(8)
+        self._guid_counter = 0
         self._tasks: list[asyncio.Task[Any]] = []
         self.fatal: BaseException | None = None
         self.stopping = asyncio.Event()
@@ -225,7 +229,17 @@ class Node:
         return shard_of(client_id, self.shard_count)
 
     def topic_shard(self, topic: str) -> int:
-        return shard_of(topic, self.shard_count)
+        shard = self._topic_shards.get(topic)
+        if shard is None:
+            if len(self._topic_shards) >= 100_000:
+                self._topic_shards.clear()
+            shard = self._topic_shards[topic] = shard_of(topic, self.shard_count)
+        return shard
+
+    def new_guid(self) -> bytes:
+        """A GUID for a message that came without one: this process's random prefix ‖ a counter."""
+        self._guid_counter += 1
+        return self._guid_prefix + self._guid_counter.to_bytes(8, "big")
 
     def shards_for_filter(self, topic_filter: str) -> list[int]:
         if is_wildcard(topic_filter):
@@ -260,6 +274,15 @@ class Node:
                 by_shard.setdefault(shard, []).append((reg_key, sub))
         out = sorted(by_shard.items())
         self._regs_cache[client_id] = (sess.incarnation, sess.sub_version, out)
+        return out
+
+    def reg_subs(self, client_id: str, sess: Session) -> dict[str, SubscriptionState]:
+        """Registration key -> the session's subscription behind it."""
+        cached = self._reg_subs_cache.get(client_id)
+        if cached is not None and cached[0] == sess.incarnation and cached[1] == sess.sub_version:
+            return cached[2]
+        out = {reg_key_for(client_id, flt)[0]: sub for flt, sub in sess.subs.items()}
+        self._reg_subs_cache[client_id] = (sess.incarnation, sess.sub_version, out)
         return out
 
     def _register_everywhere(
@@ -310,8 +333,15 @@ class Node:
         for shard in self.shards_for_filter(inner):
             if group is not None:
                 futs.append(self.propose_cross(shard, c.ShareMember(reg_key, live.client_id, False)))
-            else:
-                futs.append(self.propose_cross(shard, c.Unregister(reg_key, live.incarnation, "unsubscribe")))
+                continue
+            reg = self.hosts[shard].state.topics.regs.get(reg_key)
+            cursor = live.cursor.get(shard, -1)
+            if reg is not None:
+                # Not yet delivered: no longer wanted. In flight: finished first (acked as usual).
+                unwanted = tuple(o for o in reg.owed if o > cursor)
+                if unwanted:
+                    futs.append(self.propose_cross(shard, c.AckReport(reg_key, unwanted)))
+            futs.append(self.propose_cross(shard, c.Unregister(reg_key, live.incarnation, "unsubscribe")))
         await asyncio.gather(*futs)
         return True
 
@@ -363,19 +393,28 @@ class Node:
 
     # --- effects ---------------------------------------------------------------------------------
     def _on_effects(self, host: ShardHost, fx: Effects) -> None:
+        shard = host.shard
+        woken: set[LiveSession] = set()
+        for reg_key, offset in fx.owed_new:
+            if reg_key.startswith(SHARE_PREFIX):
+                continue
+            live = self.live.get(reg_key.partition("\x00")[0])
+            if live is not None:
+                live.notify(shard, reg_key, offset)
+                woken.add(live)
         for reg_key in fx.owed_regs:
             if self.is_share_key(reg_key):
-                self._schedule_dispatch(host.shard, reg_key)
-                continue
-            client_id = reg_key.partition("\x00")[0]
-            live = self.live.get(client_id)
-            if live is not None:
-                live.wake()
-            self._enforce_queue_cap(host, reg_key)
-        for reg_key, member in fx.claims:
+                self._schedule_dispatch(shard, reg_key)
+            else:
+                self._enforce_queue_cap(host, reg_key)
+        for reg_key, member, offsets in fx.claims:
             live = self.live.get(member)
             if live is not None:
-                live.wake()
+                for offset in offsets:
+                    live.notify(shard, reg_key, offset)
+                woken.add(live)
+        for live in woken:
+            live.wake()
 
     def _enforce_queue_cap(self, host: ShardHost, reg_key: str) -> None:
         reg = host.state.topics.regs.get(reg_key)

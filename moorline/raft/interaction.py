@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from moorline.raft.raft import RaftNode
 from moorline.raft.storage import MemoryStorage
 from moorline.raft.types import (
-    Config,
     ConfChange,
     ConfChangeType,
+    Config,
     ConfState,
     Entry,
     EntryType,
@@ -415,7 +415,8 @@ class InteractionEnv:
         for i in sorted(self.nodes):
             r = self.nodes[i].raft
             down = " (down)" if self.nodes[i].crashed else ""
-            self.emit(f"{i}: {r.role.name} term={r.term} leader={fmt_member(r.lead)} {fmt_conf(r.conf_state)}{down}")
+            conf = fmt_conf(r.active_conf_state)
+            self.emit(f"{i}: {r.role.name} term={r.term} leader={fmt_member(r.lead)} {conf}{down}")
 
     def cmd_read_index(self, args: list[str], kw: dict[str, str]) -> None:
         try:

@@ -31,6 +31,7 @@ class Progress:
         "max_inflight",
         "is_learner",
         "pending_commit",
+        "snapshot_ticks",
     )
 
     def __init__(self, next_index: int, max_inflight: int, is_learner: bool) -> None:
@@ -44,9 +45,11 @@ class Progress:
         self.max_inflight = max_inflight
         self.is_learner = is_learner
         self.pending_commit = 0  # highest commit index already sent (< next)
+        self.snapshot_ticks = 0  # ticks spent in SNAPSHOT state (a lost snapshot is retried)
 
     def _reset(self, state: ProgressState) -> None:
         self.state = state
+        self.snapshot_ticks = 0
         self.probe_sent = False
         self.pending_snapshot = 0
         self.inflights.clear()

@@ -18,8 +18,10 @@ Host obligations (the whole contract; the simulator and the node both follow it)
       apply them only after (a)); serve ``rd.read_states`` once applied >= their index;
    d. ``advance(rd)``. Only here does a leader count its own copy of ``rd.entries`` toward
       the commit quorum (it may replicate in parallel with its own fsync, but never counts
-      itself before that fsync). Configuration changes in ``rd.committed_entries`` take
-      effect here; ``conf_state`` then reflects the applied index (use it for snapshots).
+      itself before that fsync). Configuration changes take effect when appended to the log
+      (``active_conf_state``); ``conf_state`` is the configuration as of the applied index,
+      updated here: record it with any snapshot taken at that index. No host call applies
+      configuration changes.
    ``step``/``tick``/``propose`` may be called between ``ready()`` and ``advance()``, but not
    ``ready()`` itself.
 3. Drop nothing silently on the way in: ``step`` ignores messages not addressed to this
@@ -49,6 +51,7 @@ from moorline.raft.types import (
     CAMPAIGN_TRANSFER,
     CompactedError,
     ConfChange,
+    ConfChangeType,
     Config,
     ConfState,
     Entry,
@@ -79,7 +82,8 @@ class Status:
     commit: int
     applied: int
     last_index: int
-    conf_state: ConfState
+    conf_state: ConfState  # in force (latest in the log)
+    applied_conf_state: ConfState  # as of the applied index
     progress: dict[MemberId, str] = field(default_factory=dict)
     lead_transferee: MemberId | None = None
     corrupted: bool = False
@@ -114,7 +118,17 @@ class RaftNode:
         if config.applied:
             invariant(config.applied >= self.log.applied, "config.applied below the snapshot")
             self.log.applied_to(config.applied)
-        self.conf: ConfState = cs
+        # Configuration in force = the latest one in the log, committed or not (append-time, as in
+        # the Raft dissertation; see README.md). ``_conf_history`` holds (index, config after it)
+        # for the base (snapshot) and every conf entry above it, to revert on log truncation.
+        self._conf_history: list[tuple[int, ConfState]] = [(self.log.first_index() - 1, cs)]
+        lo, hi = self.log.first_index(), self.log.last_index()
+        if hi >= lo:
+            for e in self.log.slice(lo, hi + 1, 1 << 62):
+                if e.type == EntryType.CONF_CHANGE:
+                    self._push_conf(e)
+        self.conf: ConfState = self._conf_history[-1][1]
+        self.applied_conf: ConfState = self._conf_at(self.log.applied)
         self.progress: dict[MemberId, Progress] = {}
         self.role = StateRole.FOLLOWER
         self.lead: MemberId | None = None
@@ -136,6 +150,7 @@ class RaftNode:
         self._prev_hs = hs  # the last hard state handed out (durable once advanced)
         self._ready_out: Ready | None = None
         self._committed_term = self.log.term_or_zero(self.log.committed)
+        self._tracking_removed = False
         self._step: Callable[[Message], None] = self._step_follower
         self._tick: Callable[[], None] = self._tick_election
         self._rebuild_progress()
@@ -146,7 +161,12 @@ class RaftNode:
     # ==========================================================================================
     @property
     def conf_state(self) -> ConfState:
-        """The configuration as of the applied index."""
+        """The configuration as of the applied index (what a snapshot at that index records)."""
+        return self.applied_conf
+
+    @property
+    def active_conf_state(self) -> ConfState:
+        """The configuration in force: the latest one in the log, committed or not."""
         return self.conf
 
     @property
@@ -176,6 +196,8 @@ class RaftNode:
             raise ProposalDropped(
                 f"conf change pending: index {self.pending_conf_index} not applied ({self.log.applied})"
             )
+        if change.member == self.id and change.type == ConfChangeType.REMOVE:
+            raise ProposalDropped("a leader cannot remove itself: transfer leadership first")
         try:
             apply_conf_change(self.conf, change)
         except ConfChangeInvalid as exc:
@@ -323,18 +345,23 @@ class RaftNode:
         if rd.snapshot is not None:
             log.stable_snap_to(rd.snapshot.meta.index)
             log.applied_to(rd.snapshot.meta.index)
+            self.applied_conf = rd.snapshot.meta.conf_state
         if rd.entries:
             last = rd.entries[-1]
             log.stable_to(last.index, last.term)
             if self.role == StateRole.LEADER and not self.bugs.self_ack_before_sync:
                 # Our own copy is durable now: only from here on does it count toward commit.
-                if self.progress[self.id].maybe_update(log.persisted_last_index()):
+                me = self.progress.get(self.id)
+                if me is not None and me.maybe_update(log.persisted_last_index()):
                     self._maybe_commit()
         if rd.committed_entries:
             log.applied_to(rd.committed_entries[-1].index)
             for e in rd.committed_entries:
                 if e.type == EntryType.CONF_CHANGE:
                     self._apply_conf_change(ConfChange.decode(e.data))
+            self._prune_conf_history()
+            if self._tracking_removed:
+                self._rebuild_progress()  # the removal is applied (and its commit was sent)
 
     def status(self) -> Status:
         st = Status(
@@ -347,6 +374,7 @@ class RaftNode:
             applied=self.log.applied,
             last_index=self.log.last_index(),
             conf_state=self.conf,
+            applied_conf_state=self.applied_conf,
             lead_transferee=self.lead_transferee,
             corrupted=self.corrupted,
         )
@@ -453,9 +481,21 @@ class RaftNode:
             self.lead_transferee = None  # a transfer that took an election timeout is aborted
         if self.role != StateRole.LEADER:
             return
+        self._expire_snapshots()
         if self.heartbeat_elapsed >= self.cfg.heartbeat_tick:
             self.heartbeat_elapsed = 0
             self._bcast_heartbeat(b"")
+
+    def _expire_snapshots(self) -> None:
+        """A snapshot neither acknowledged nor reported within two election timeouts is taken as
+        lost (the host may never call report_snapshot): probe again, which resends it."""
+        limit = 2 * self.cfg.election_tick
+        for pr in self.progress.values():
+            if pr.state == ProgressState.SNAPSHOT:
+                pr.snapshot_ticks += 1
+                if pr.snapshot_ticks > limit:
+                    pr.pending_snapshot = 0
+                    pr.become_probe()
 
     def _check_quorum_active(self) -> bool:
         active: dict[MemberId, bool] = {}
@@ -468,24 +508,10 @@ class RaftNode:
     def _hup(self, transfer: bool) -> None:
         if self.role == StateRole.LEADER or not self._promotable():
             return
-        if self._has_unapplied_conf_change():
-            # Our configuration may be stale until those are applied; campaigning with it could
-            # count votes of the wrong voter set.
-            return
         if self.cfg.pre_vote and not transfer:
             self._campaign(pre=True, transfer=False)
         else:
             self._campaign(pre=False, transfer=transfer)
-
-    def _has_unapplied_conf_change(self) -> bool:
-        log = self.log
-        if log.committed <= log.applied:
-            return False
-        lo = max(log.applied + 1, log.first_index())
-        for e in log.slice(lo, log.committed + 1, 1 << 62):
-            if e.type == EntryType.CONF_CHANGE:
-                return True
-        return False
 
     def _campaign(self, pre: bool, transfer: bool) -> None:
         if pre:
@@ -601,9 +627,18 @@ class RaftNode:
         if m.index < log.committed:
             self._send(MT.APP_RESP, m.from_, index=log.committed)
             return
-        last_new = log.maybe_append(m.index, m.log_term, m.commit, m.entries)
-        if last_new is not None:
-            self._note_commit()
+        if log.match_term(m.index, m.log_term):
+            ents = m.entries
+            last_new = m.index + len(ents)
+            if ents:
+                ci = log.find_conflict(ents)
+                if ci:
+                    invariant(ci > log.committed, f"conflict at {ci} would rewrite committed {log.committed}")
+                    new = ents[ci - ents[0].index :]
+                    log.append(new)
+                    self._on_log_appended(new)
+            if log.commit_to(min(m.commit, last_new)):
+                self._note_commit()
             self._send(MT.APP_RESP, m.from_, index=last_new)
             return
         # Reject with a hint so the leader skips a whole term's worth of entries at once.
@@ -641,8 +676,8 @@ class RaftNode:
             return
         log.restore(snap)
         self._note_commit()
-        self.conf = meta.conf_state
-        self._rebuild_progress()
+        self._conf_history = [(meta.index, meta.conf_state)]
+        self._set_conf(meta.conf_state)
         self._send(MT.APP_RESP, m.from_, index=log.last_index())
 
     # ==========================================================================================
@@ -670,8 +705,10 @@ class RaftNode:
         me = self.progress.get(self.id)
         if me is not None:
             me.next = index + 1
-        if self.bugs.self_ack_before_sync:
-            self.progress[self.id].maybe_update(index)
+        if kind == EntryType.CONF_CHANGE:
+            self._on_log_appended([e])
+        if self.bugs.self_ack_before_sync and me is not None:
+            me.maybe_update(index)
             self._maybe_commit()
         return index
 
@@ -762,9 +799,13 @@ class RaftNode:
         if pr.state == ProgressState.PROBE:
             pr.become_replicate()
         elif pr.state == ProgressState.SNAPSHOT:
-            if pr.match + 1 >= self.log.first_index():
+            # The snapshot (or something newer) arrived. If we compacted again meanwhile, the
+            # probe below finds the gap and sends the current snapshot.
+            reconnected = pr.match + 1 >= self.log.first_index()
+            if reconnected or pr.match >= pr.pending_snapshot:
                 pr.become_probe()
-                pr.become_replicate()
+                if reconnected:
+                    pr.become_replicate()
         else:
             pr.free_le(m.index)
         if self._maybe_commit():
@@ -869,41 +910,104 @@ class RaftNode:
     # Configuration
     # ==========================================================================================
     def _apply_conf_change(self, cc: ConfChange) -> None:
+        """A committed change was applied: track the applied configuration (for snapshots)."""
         try:
-            new = apply_conf_change(self.conf, cc)
+            self.applied_conf = apply_conf_change(self.applied_conf, cc)
         except ConfChangeInvalid:
-            return  # deterministic no-op on every replica (all apply the same sequence)
-        self.conf = new
-        if cc.member == self.id and self.id not in new.voters and self.id not in new.learners:
-            # Our removal is applied: our old acknowledgements count for nothing any more, so a
+            return  # the same deterministic no-op as in _push_conf
+        ac = self.applied_conf
+        if cc.member == self.id and self.id not in ac.voters and self.id not in ac.learners:
+            # Our removal is committed: our old acknowledgements count for nothing any more, so a
             # re-add (as a learner, caught up from the leader) may vote again.
             self.corrupted = False
+
+    def _push_conf(self, e: Entry) -> None:
+        cc = ConfChange.decode(e.data)
+        cur = self._conf_history[-1][1]
+        try:
+            new = apply_conf_change(cur, cc)
+        except ConfChangeInvalid:
+            new = cur  # invalid against the log's configuration: a no-op on every replica
+        self._conf_history.append((e.index, new))
+
+    def _conf_at(self, index: int) -> ConfState:
+        conf = self._conf_history[0][1]
+        for i, cs in self._conf_history:
+            if i > index:
+                break
+            conf = cs
+        return conf
+
+    def _on_log_appended(self, entries: list[Entry]) -> None:
+        """Entries were appended from ``entries[0].index`` on (anything after was truncated)."""
+        hist = self._conf_history
+        first = entries[0].index
+        invariant(hist[0][0] < first, "append below the configuration base")
+        changed = False
+        while hist[-1][0] >= first:
+            hist.pop()  # a conf entry was truncated away: revert to the configuration before it
+            changed = True
+        for e in entries:
+            if e.type == EntryType.CONF_CHANGE:
+                self._push_conf(e)
+                changed = True
+        if changed:
+            self._set_conf(hist[-1][1])
+
+    def _prune_conf_history(self) -> None:
+        """Entries at or below the applied index can no longer be truncated: keep one as base."""
+        hist = self._conf_history
+        applied = self.log.applied
+        k = 0
+        while k + 1 < len(hist) and hist[k + 1][0] <= applied:
+            k += 1
+        if k:
+            del hist[:k]
+
+    def _set_conf(self, cs: ConfState) -> None:
+        if cs == self.conf:
+            return
+        self.conf = cs
         self._rebuild_progress()
         if self.role != StateRole.LEADER:
             return
-        if self.id not in new.voters:
-            self.become_follower(self.term, None)  # a leader removed (or demoted) steps down
+        if self.id not in cs.voters:
+            # Cannot happen through propose_conf_change (a leader never removes itself), but a
+            # leader outside its own configuration must not go on counting itself.
+            self.become_follower(self.term, None)
             return
-        if self.lead_transferee is not None and self.lead_transferee not in new.voters:
+        if self.lead_transferee is not None and self.lead_transferee not in cs.voters:
             self.lead_transferee = None
-        if self._maybe_commit():
-            self._bcast_pending = True
+        self._maybe_commit()  # the quorum may have shrunk
         self._bcast_pending = True
+
+    def _tracked_members(self) -> set[MemberId]:
+        """Members the leader replicates to: the configuration in force, plus members that the
+        latest (not yet applied) change removes, so they still learn of their removal."""
+        members = set(self.conf.voters) | set(self.conf.learners)
+        hist = self._conf_history
+        self._tracking_removed = False
+        if len(hist) >= 2 and hist[-1][0] > self.log.applied:
+            prev = hist[-2][1]
+            extra = (set(prev.voters) | set(prev.learners)) - members
+            if extra:
+                members |= extra
+                self._tracking_removed = True
+        return members
 
     def _rebuild_progress(self) -> None:
         last = self.log.last_index()
-        learners = set(self.conf.learners)
-        members = self.conf.voters + self.conf.learners
+        voters = set(self.conf.voters)
         fresh: dict[MemberId, Progress] = {}
-        for mid in sorted(members):
+        for mid in sorted(self._tracked_members()):
             pr = self.progress.get(mid)
             if pr is None:
-                pr = Progress(last + 1, self.cfg.max_inflight_appends, mid in learners)
+                pr = Progress(last + 1, self.cfg.max_inflight_appends, mid not in voters)
                 # New members count as active so check-quorum does not fire before they speak.
                 pr.recent_active = True
                 if mid == self.id:
                     pr.match = self.log.persisted_last_index()
-            pr.is_learner = mid in learners
+            pr.is_learner = mid not in voters
             fresh[mid] = pr
         self.progress = fresh
 

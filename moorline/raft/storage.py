@@ -25,7 +25,9 @@ class Storage(Protocol):
     """Read access to a replica's stable log. All indexes are Raft indexes (first entry is 1)."""
 
     def initial_state(self) -> tuple[HardState, ConfState]:
-        """Hard state and the configuration as of the host's applied index at start-up."""
+        """Hard state, and the configuration as of the storage's snapshot (index first_index()-1).
+
+        The core replays configuration entries stored after the snapshot by itself."""
         ...
 
     def entries(self, lo: int, hi: int, max_bytes: int) -> list[Entry]:
@@ -73,7 +75,7 @@ class MemoryStorage:
 
     # -- Storage protocol ------------------------------------------------------------------
     def initial_state(self) -> tuple[HardState, ConfState]:
-        return self._hard_state, self._conf_state
+        return self._hard_state, self._snapshot.meta.conf_state
 
     def entries(self, lo: int, hi: int, max_bytes: int) -> list[Entry]:
         offset = self._ents[0].index
@@ -108,8 +110,12 @@ class MemoryStorage:
         self._hard_state = hs
 
     def set_conf_state(self, cs: ConfState) -> None:
-        """Record the configuration the host has applied (returned by ``initial_state``)."""
+        """Record the configuration the host has applied (informational: ``initial_state``
+        returns the snapshot's configuration, and the core replays later conf entries)."""
         self._conf_state = cs
+
+    def conf_state(self) -> ConfState:
+        return self._conf_state
 
     def append(self, entries: list[Entry]) -> None:
         """Append, replacing any existing suffix from the first new index on."""

@@ -70,13 +70,14 @@ class HostBugs:
 
 @dataclass(slots=True)
 class HostParams:
-    tick_ms: int = 20
+    tick_ms: int = 50  # heartbeat every 2 ticks (100 ms); election timeout 0.5-1 s
     election_tick: int = 10
     heartbeat_tick: int = 2
     snapshot_every: int = 200  # applied entries between snapshots (0: never)
     keep_entries: int = 20  # entries kept behind a snapshot for slow followers
     clock_skew_ms: int = 0  # this node's clock offset, used in the leader's stamps
     max_pending_requests: int = 10_000
+    batch_ms: int = 2  # inputs arriving within this window share one Ready (group commit)
     report_snapshot: bool = True  # tell the core when a snapshot transfer ended (swarm: on/off)
 
 
@@ -383,7 +384,7 @@ class SimNode:
         if r is None or r.process_scheduled or r.syncing or not r.raft.has_ready():
             return
         r.process_scheduled = True
-        self.sh.loop.call_later(0, self._process, self.epoch)
+        self.sh.loop.call_later(self.params.batch_ms, self._process, self.epoch)
 
     def _observe_role(self, r: Replica) -> None:
         raft = r.raft

@@ -40,7 +40,8 @@ class EventLoop:
         self._heap: list[tuple[int, float, int, Timer, Callable[..., Any], tuple[Any, ...]]] = []
 
     def call_at(self, when_ms: int, fn: Callable[..., Any], *args: Any) -> Timer:
-        invariant(when_ms >= self.now_ms, f"event scheduled in the past: {when_ms} < {self.now_ms}")
+        if when_ms < self.now_ms:
+            invariant(False, f"event scheduled in the past: {when_ms} < {self.now_ms}")
         self._seq += 1
         timer = Timer()
         heapq.heappush(self._heap, (when_ms, self._rng.random(), self._seq, timer, fn, args))
@@ -62,7 +63,8 @@ class EventLoop:
                 continue
             self.now_ms = when
             self.events_run += 1
-            invariant(self.events_run <= self._max_events, "event budget exhausted (runaway schedule?)")
+            if self.events_run > self._max_events:
+                invariant(False, "event budget exhausted (runaway schedule?)")
             fn(*args)
             if stop is not None and stop():
                 return

@@ -22,11 +22,11 @@ from moorline.sim.network import SimNetwork
 
 @dataclass(slots=True)
 class WorkloadParams:
-    queue_clients: int = 3
-    kv_clients: int = 2
+    queue_clients: int = 6
+    kv_clients: int = 6
     queues: int = 2
     keys: int = 3
-    timeout_ms: int = 400
+    timeout_ms: int = 800
     max_attempts: int = 6  # per logical op; keep attempts * timeout well under the dedup window
     think_ms_max: int = 20
     forget_ack_p: float = 0.1  # a consumer "crashes" before acking
@@ -208,7 +208,8 @@ class Client:
             hint = result[1] if status == "not_leader" else 0
             self.target = hint if hint in self.nodes else self.rng.choice(self.nodes)
             if op.attempts < self.p.max_attempts:
-                self.loop.call_later(self.rng.randint(5, 30), self._retry_if, req)
+                backoff = min(400, 20 << op.attempts)
+                self.loop.call_later(self.rng.randint(backoff // 2, backoff), self._retry_if, req)
                 return
             if op.kind == "enq" and not op.maybe:
                 op.record.refused = True

@@ -193,7 +193,7 @@ class MoorlineStreamReader(DataSourceStreamReader):
                 start = resolve_spec(self.opts.starting, shards, _wanted(self.opts, shards), True, "startingOffsets")
             clamped = clamp_to_complete(start, shards, self.opts.fail_on_data_loss)
             self._pin(client, clamped)
-        max_rows = limit.maxRows if isinstance(limit, ReadMaxRows) else None
+        max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         end = latest_end(clamped, shards, max_rows)
         return start if end == start else end
 

@@ -15,6 +15,19 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def ensure_dir(directory: Path) -> None:
+    """Create ``directory`` (and missing parents), making each creation durable in its parent."""
+    directory = Path(directory)
+    if directory.is_dir():
+        return
+    ensure_dir(directory.parent)
+    try:
+        directory.mkdir()
+    except FileExistsError:
+        return
+    fsync_dir(directory.parent)
+
+
 def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     """``os.write`` until every byte is written (short writes happen on large buffers)."""
     view = memoryview(data)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from moorline.hashing import crc32c
 from moorline.invariant import invariant
-from moorline.storage.fsutil import fsync_dir, truncate_durably, write_all, write_file_atomically
+from moorline.storage.fsutil import ensure_dir, fsync_dir, truncate_durably, write_all, write_file_atomically
 from moorline.storage.ledger import SyncLedger
 
 _crc: Callable[[bytes | bytearray | memoryview], int] = crc32c  # type: ignore[assignment]
@@ -146,7 +146,7 @@ class MessageStore:
     def open(self, expected_next_offset: int | None = None) -> None:
         invariant(not self._opened, "store opened twice")
         self._opened = True
-        self.directory.mkdir(parents=True, exist_ok=True)
+        ensure_dir(self.directory)
         for entry in os.scandir(self.directory):
             if entry.name.endswith(".tmp"):
                 os.unlink(entry.path)  # unfinished copy-forward or low-water write
@@ -604,7 +604,13 @@ class MessageStore:
         for k in [k for k in self._cache if k >= offset]:
             self._cache_used -= len(self._cache.pop(k))
         self.next_offset = offset
-        if not self._segments:
+        last = self._segments[-1] if self._segments else None
+        if last is None or (
+            last.first_offset != offset and (not last.offsets or last.offsets[-1] != offset - 1)
+        ):
+            # The files must still say where the next offset is: the last segment's last record
+            # (or its name, when empty). Copy-forward may have dropped released records just
+            # below `offset`, so start an empty segment named after it.
             self._new_segment(offset)
 
     def reset(self, next_offset: int) -> None:

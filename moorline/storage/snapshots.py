@@ -17,7 +17,7 @@ from pathlib import Path
 
 from moorline.hashing import crc32c
 from moorline.invariant import invariant
-from moorline.storage.fsutil import fsync_dir, write_all
+from moorline.storage.fsutil import ensure_dir, fsync_dir, write_all
 from moorline.storage.ledger import SyncLedger
 
 MAGIC = b"MLSNAP01"
@@ -50,10 +50,7 @@ class SnapshotStore:
         """Durably store a snapshot of ``group`` at ``index``/``term``; prune to the latest ``keep``."""
         invariant(index >= 0 and term >= 0, "negative snapshot index or term")
         gdir = self._group_dir(group)
-        if not gdir.exists():
-            self.directory.mkdir(parents=True, exist_ok=True)
-            gdir.mkdir(exist_ok=True)
-            fsync_dir(self.directory)
+        ensure_dir(gdir)
         pre = _HDR_PRE.pack(MAGIC, group, index, term, len(data), crc32c(data))
         path = gdir / f"snap-{index:020d}-{term:020d}.snap"
         tmp = gdir / (path.name + ".tmp")

@@ -108,7 +108,7 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         .withColumn("inc", F.sum(F.when(is_break, 1).otherwise(0)).over(w_sess))
         .withColumn("conn", F.sum(F.when(is_connack, 1).otherwise(0)).over(w_sess))
         .withColumn("sub", F.concat_ws("#", F.col("session"), F.col("inc").cast("string")))
-        .persist()
+        .localCheckpoint()
     )
     final_inc = sev.groupBy("run", "session").agg(F.max("inc").alias("final_inc"))
     # A session was drained when its last connection event is a successful connect or a clean disconnect.
@@ -137,7 +137,7 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
             "status",
             F.when(F.col("ok_ns").isNotNull(), "ok").when(F.col("failed") == 1, "fail").otherwise("indeterminate"),
         )
-        .persist()
+        .localCheckpoint()
     )
     acked = msgs.where(F.col("status") == "ok")
 
@@ -173,7 +173,7 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         .withColumn("prev_conn", F.lag("conn").over(w_g))
         .withColumn("prev_pid", F.lag("packet_id").over(w_g))
         .withColumn("orig_ns", F.first("mono_ns").over(w_g.rowsBetween(W.unboundedPreceding, 0)))
-        .persist()
+        .localCheckpoint()
     )
     pid_changed = app.where(
         (F.col("k") > 1) & (F.col("qos") > 0) & F.col("prev_pid").isNotNull()
@@ -183,7 +183,7 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
     legit_repeat = (F.col("qos") == 1) & F.col("dup") & (F.col("conn") > F.col("prev_conn"))
     dup_bad = repeats.where(~legit_repeat)
     dup_legit = repeats.where(legit_repeat)
-    first = app.where(F.col("k") == 1).drop("k", "prev_conn", "prev_pid", "orig_ns").persist()
+    first = app.where(F.col("k") == 1).drop("k", "prev_conn", "prev_pid", "orig_ns").localCheckpoint()
 
     # --- unexpected: delivered but never published (or without a guid), and refused-but-delivered
     known = pub.select("run", "guid").distinct()
@@ -222,7 +222,7 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
             & F.coalesce(F.col("drained"), F.lit(False)),
         )
     )
-    subs = subs.join(F.broadcast(_filter_regexes(spark, subs)), ["filter"], "left").persist()
+    subs = subs.join(F.broadcast(_filter_regexes(spark, subs)), ["filter"], "left").localCheckpoint()
 
     drops = ev.where(F.col("op") == "drop").select("run", "guid", F.col("session").alias("drop_session"), "reason")
 
@@ -331,7 +331,7 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         app.join(checked_subs, ["run", "sub"]).where(match)
         .select("run", "sub", "session", "guid", "topic", "conn", "k", "orig_ns", "mono_ns", "index")
         .dropDuplicates(["run", "sub", "mono_ns", "index"])
-        .persist()
+        .localCheckpoint()
     )
     w_conn = (
         W.partitionBy("run", "sub", "topic", "conn").orderBy("mono_ns", "index")
@@ -413,6 +413,8 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
             F.col("prev_pid").cast("string"))))
     )
 
+    # Materialised here: the anomaly plan is deep and every output below reads it.
+    anomalies = anomalies.localCheckpoint()
     per_run = _per_run(ev, msgs, dl, app, excused_count, dup_legit, share_dup_legit, anomalies, faults)
     timeline = _timeline(ev, msgs, first)
     run_start = ev.groupBy("run").agg(F.min("mono_ns").alias("start_ns"))

@@ -59,8 +59,8 @@ from moorline.mqtt.reasons import (
 )
 
 # Valid MQTT strings: any code point except U+0000 and lone surrogates (not encodable).
-mqtt_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12)
-level = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00/+#"), max_size=6)
+mqtt_text = st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00"), max_size=12)
+level = st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00/+#"), max_size=6)
 topic_names = st.lists(level, min_size=1, max_size=5).map("/".join).filter(bool)
 packet_ids = st.integers(1, 0xFFFF)
 small_bytes = st.binary(max_size=40)

@@ -12,7 +12,7 @@ from moorline.mqtt.errors import ProtocolError
 from moorline.mqtt.packets import Packet
 from moorline.mqtt.protocol import ProtocolState
 
-FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def feed_all(dec: Decoder, chunks: list[bytes]) -> list[Packet]:
@@ -79,20 +79,14 @@ def test_mutated_streams_only_raise_protocol_errors(case: tuple[bytes, int, str]
     data, version, role = case
     dec = Decoder(max_packet_size=max_size, role=role, version=None if role == "server" else version)  # type: ignore[arg-type]
     feed_all(dec, chunked(data, cuts))
-
-
-@FUZZ
-@given(case=mutated_streams(), cuts=st.lists(st.integers(0, 10_000), max_size=5))
-def test_protocol_state_only_raises_protocol_errors(case: tuple[bytes, int, str], cuts: list[int]) -> None:
-    data, _, role = case
-    if role != "server":
-        return
-    state = ProtocolState(topic_alias_maximum_in=5, receive_maximum_in=3)
-    for chunk in chunked(data, cuts):
-        try:
-            state.receive(chunk)
-        except ProtocolError:
-            break
+    if role == "server":
+        # The protocol state adds its own checks (aliases, receive maximum, ordering) on top.
+        state = ProtocolState(topic_alias_maximum_in=5, receive_maximum_in=3)
+        for chunk in chunked(data, cuts):
+            try:
+                state.receive(chunk)
+            except ProtocolError:
+                break
 
 
 def test_fuzz_harness_can_see_a_good_stream() -> None:

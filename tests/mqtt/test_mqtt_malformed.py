@@ -286,7 +286,7 @@ def test_version_taken_from_connect_within_one_feed() -> None:
 
 @pytest.mark.parametrize("version", [4, 5])
 @given(data=st.data())
-@settings(max_examples=80)
+@settings(max_examples=50)
 def test_split_feed_gives_same_packets(version: int, data: st.DataObject) -> None:
     packets = data.draw(st.lists(client_packets(version), min_size=1, max_size=8))
     connect = Connect("MQTT", version, "c")

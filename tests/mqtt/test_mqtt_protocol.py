@@ -202,7 +202,7 @@ def test_outbound_drops_reason_string_then_packet_when_too_large() -> None:
 
 def test_no_client_limit_means_no_drop_and_v3_ignores_limits() -> None:
     state = connected(5)
-    assert state.encode_outbound(pub("t" * 100_000)) is not None
+    assert state.encode_outbound(Publish("t", b"x" * 100_000)) is not None
     state = connected(4)
     assert state.encode_outbound(Suback(1, (0x87,))) == encode(Suback(1, (0x80,)), 4)
 

@@ -60,7 +60,7 @@ def roundtrip(packet: Packet, version: int, role: str) -> Packet:
 
 @pytest.mark.parametrize("version", VERSIONS)
 @given(data=st.data())
-@settings(max_examples=150)
+@settings(max_examples=100)
 def test_connect_roundtrip(version: int, data: st.DataObject) -> None:
     c = data.draw(connects(version))
     dec = Decoder()
@@ -70,7 +70,7 @@ def test_connect_roundtrip(version: int, data: st.DataObject) -> None:
 
 @pytest.mark.parametrize("version", VERSIONS)
 @given(data=st.data())
-@settings(max_examples=300)
+@settings(max_examples=150)
 def test_client_to_server_packets_roundtrip(version: int, data: st.DataObject) -> None:
     p = data.draw(client_packets(version))
     assert roundtrip(p, version, "server") == normalise(p, version)
@@ -78,7 +78,7 @@ def test_client_to_server_packets_roundtrip(version: int, data: st.DataObject) -
 
 @pytest.mark.parametrize("version", VERSIONS)
 @given(data=st.data())
-@settings(max_examples=300)
+@settings(max_examples=150)
 def test_server_to_client_packets_roundtrip(version: int, data: st.DataObject) -> None:
     p = data.draw(server_packets(version))
     assert roundtrip(p, version, "client") == normalise(p, version)

@@ -186,3 +186,14 @@ def wait_for(cond: Any, timeout_s: float, what: str) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def wait_query(q: Any, cond: Any, timeout_s: float, what: str) -> None:
+    """Like ``wait_for`` but fails at once, with the query's error, if the query died."""
+
+    def check() -> bool:
+        if not q.isActive:
+            raise AssertionError(f"query stopped while waiting for {what}: {q.exception()}")
+        return bool(cond())
+
+    wait_for(check, timeout_s, what)

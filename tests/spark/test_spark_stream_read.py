@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Broker, arm_failpoint, wait_for
+from conftest import Broker, arm_failpoint, wait_for, wait_query
 
 pytestmark = pytest.mark.spark
 
@@ -56,13 +56,13 @@ def test_stream_read_crash_and_restart_exactly_once(spark: Any, broker: Broker, 
     pub.start()
     # Run 1: the query dies in partitions(), after batch offsets were written to the checkpoint.
     q = start_query(spark, broker, out, ckpt, startingOffsets="earliest", maxOffsetsPerTrigger="700")
-    wait_for(lambda: q.lastProgress is not None and q.lastProgress["batchId"] >= 1, 120, "two batches")
+    wait_query(q, lambda: q.lastProgress is not None and q.lastProgress["batchId"] >= 1, 120, "two batches")
     arm_failpoint("stream_partitions")
     wait_for(lambda: not q.isActive, 60, "the injected planning failure")
     assert q.exception() is not None and "stream_partitions" in str(q.exception())
     # Run 2: restart; stop it while publishers keep going.
     q = start_query(spark, broker, out, ckpt, startingOffsets="latest", maxOffsetsPerTrigger="700")
-    wait_for(lambda: q.lastProgress is not None and q.lastProgress["numInputRows"] > 0, 120, "a batch after restart")
+    wait_query(q, lambda: q.lastProgress is not None and q.lastProgress["numInputRows"] > 0, 120, "a batch after restart")
     q.stop()
     stop.set()
     pub.join(timeout=60)
@@ -74,7 +74,7 @@ def test_stream_read_crash_and_restart_exactly_once(spark: Any, broker: Broker, 
     def drained() -> bool:
         return spark.read.parquet(str(out)).count() >= total
 
-    wait_for(drained, 180, f"{total} rows in the sink")
+    wait_query(q, drained, 180, f"{total} rows in the sink")
     q.stop()
     rows = spark.read.parquet(str(out)).select("payload", "topic", "offset", "shard", "guid").collect()
     counts = Counter(bytes(r["payload"]) for r in rows)

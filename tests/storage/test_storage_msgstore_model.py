@@ -105,3 +105,45 @@ def _run(d: Path, ops: list[tuple], cache_bytes: int) -> None:
         low_marks.append(s.low_water)
         assert low_marks[-1] >= low_marks[-2]  # only rises (truncate stays at or above it here)
     s.close()
+
+
+def test_store_seeded_random_walks(monkeypatch: object) -> None:
+    """Longer seeded walks than hypothesis tends to draw; asserts copy-forward really ran."""
+    import random
+
+    calls = {"copy": 0, "drop": 0}
+    real_copy, real_drop = MessageStore._copy_forward, MessageStore._drop_segment
+
+    def copy(self: MessageStore, seg: object) -> object:
+        calls["copy"] += 1
+        return real_copy(self, seg)  # type: ignore[arg-type]
+
+    def drop(self: MessageStore, seg: object) -> None:
+        calls["drop"] += 1
+        real_drop(self, seg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MessageStore, "_copy_forward", copy)  # type: ignore[attr-defined]
+    monkeypatch.setattr(MessageStore, "_drop_segment", drop)  # type: ignore[attr-defined]
+    for seed in range(12):
+        r = random.Random(seed)
+        ops: list[tuple] = []
+        for _ in range(50):
+            k = r.choice(["append", "append", "release_most", "release", "reclaim", "restart", "check", "truncate"])
+            if k == "append":
+                ops.append(("append", r.randint(1, 12), r.randint(0, 80)))
+            elif k == "release_most":
+                ops.append(("release_most", r.randint(0, 100), r.randint(2, 9)))
+            elif k == "release":
+                ops.append(("release", [r.randint(0, 150) for _ in range(10)]))
+            elif k == "truncate":
+                ops.append(("truncate", r.randint(0, 10)))
+            elif k == "check":
+                ops.append(("check", r.randint(0, 200), r.randint(1, 20), r.randint(1, 400)))
+            else:
+                ops.append((k,))
+        d = Path(tempfile.mkdtemp(prefix="storewalk-"))
+        try:
+            _run(d, ops, r.choice([0, 200, 1 << 20]))
+        finally:
+            shutil.rmtree(d)
+    assert calls["copy"] > 0 and calls["drop"] > 0

@@ -413,3 +413,39 @@ def test_power_loss_after_sync_keeps_synced_prefix(tmp_path: Path) -> None:
     assert rec.corrupted == []
     assert [e.index for e in rec.groups[1].entries] == list(range(1, synced_through + 1))
     assert len(rec.torn_tail_truncated) == 1
+
+
+def test_empty_trailing_segment_from_a_crash_is_dropped(tmp_path: Path) -> None:
+    w, _ = reopen(tmp_path)
+    w.append_entries(1, [ent(1)])
+    w.sync()
+    w.close()
+    # A crash right after a new segment file was created, before anything reached it.
+    (tmp_path / segment_name(2)).write_bytes(b"")
+    for _ in range(3):  # reopen repeatedly: numbering must stay contiguous
+        w, rec = reopen(tmp_path)
+        assert [e.index for e in rec.groups[1].entries] == [1]  # type: ignore[attr-defined]
+        w.sync()
+        w.close()
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert names == [segment_name(i) for i in range(1, len(names) + 1)]
+
+
+def test_hard_states_are_coalesced_and_written_after_entries(tmp_path: Path) -> None:
+    w, _ = reopen(tmp_path)
+    w.set_hard_state(1, 1, b"", 0)
+    w.set_hard_state(1, 2, b"x", 0)
+    w.set_hard_state(1, 2, b"x", 3)  # names entries appended after it, in the same batch
+    w.append_entries(1, [ent(1), ent(2), ent(3)])
+    w.sync()
+    w.close()
+    raw = (tmp_path / segment_name(1)).read_bytes()
+    assert raw.count(b"\x57\x4c\x02") == 1  # one hard-state record (type 2)
+    # Tear the segment anywhere: a surviving hard state never names a lost entry.
+    for cut in range(0, len(raw)):
+        d = tmp_path / f"cut{cut}"
+        d.mkdir()
+        (d / segment_name(1)).write_bytes(raw[:cut])
+        rec = WriteAheadLog(d).open()
+        assert rec.corrupted == [], cut
+        shutil.rmtree(d)

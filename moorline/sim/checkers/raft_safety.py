@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +27,8 @@ class RaftObserver:
     applied: dict[int, tuple[int, int]] = field(default_factory=dict)  # index -> (term, crc of data)
     snapshots: dict[int, int] = field(default_factory=dict)  # index -> crc of state bytes
     committed_max: tuple[int, int] = (0, 0)  # (index, term) of the highest applied entry
+    # (term, highest applied index of that term), in index order: terms only grow along the log
+    term_marks: list[tuple[int, int]] = field(default_factory=list)
     max_violations: int = 20
 
     def _fail(self, msg: str) -> None:
@@ -44,8 +47,13 @@ class RaftObserver:
     def _check_completeness(
         self, term: int, member: Member, term_at: Callable[[int], int | None], snap_index: int
     ) -> None:
-        idx, t = self.committed_max
-        if idx == 0 or idx <= snap_index:
+        # The highest committed entry of an older term (entries of this term or later were
+        # not necessarily known when this member won: e.g. it was paused holding the votes).
+        at = bisect.bisect_left(self.term_marks, (term, -1)) - 1
+        if at < 0:
+            return
+        t, idx = self.term_marks[at]
+        if idx <= snap_index:
             return
         have = term_at(idx)
         if have != t:
@@ -82,6 +90,13 @@ class RaftObserver:
             self.applied[index] = (term, c)
             if index > self.committed_max[0]:
                 self.committed_max = (index, term)
+                marks = self.term_marks
+                if marks and marks[-1][0] == term:
+                    marks[-1] = (term, index)
+                elif not marks or marks[-1][0] < term:
+                    marks.append((term, index))
+                else:
+                    self._fail(f"state machine safety: applied index {index} has term {term} below an earlier entry's")
         elif ref != (term, c):
             self._fail(
                 f"state machine safety: {member} applied index {index} term {term}, "

@@ -1,0 +1,161 @@
+"""Authentication and ACLs (moorline only): password file made with `moorline passwd`, [[auth.acl]] rules.
+
+Config format (moorline/config.py): [auth] allow_anonymous, password_file; [[auth.acl]] user / client_id,
+action = "publish" | "subscribe" | "all", allow, pattern (topic filter with %u / %c). With any rule present,
+what no rule allows is denied.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT, BrokerFactory, BrokerProc
+from rawclient import CONNACK, PUBACK, PUBREC, RawClient, encode_connect, encode_publish
+
+pytestmark = [pytest.mark.e2e, pytest.mark.moorline_only]
+HOST = "127.0.0.1"
+
+
+def passwd(file: Path, user: str, password: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "moorline.cli", "passwd", str(file), user, password],
+                       capture_output=True, cwd=str(REPO_ROOT), timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert password.encode() not in file.read_bytes(), "password stored in clear text"
+
+
+@pytest.fixture
+def auth_broker(broker_factory: BrokerFactory, tmp_path: Path) -> BrokerProc:
+    pw = tmp_path / "passwords"
+    passwd(pw, "alice", "wonderland")
+    passwd(pw, "bob", "builder")
+    config = f"""
+[auth]
+allow_anonymous = false
+password_file = "{pw}"
+
+[[auth.acl]]
+user = "alice"
+action = "all"
+pattern = "u/%u/#"
+
+[[auth.acl]]
+user = "bob"
+action = "subscribe"
+pattern = "u/alice/#"
+
+[[auth.acl]]
+action = "subscribe"
+pattern = "public/#"
+
+[[auth.acl]]
+action = "publish"
+pattern = "public/#"
+
+[[auth.acl]]
+action = "publish"
+allow = false
+pattern = "u/#"
+"""
+    return broker_factory(config_text=config)
+
+
+def login(b: BrokerProc, version: int, cid: str, user: str | None, password: bytes | None) -> RawClient:
+    c = RawClient(HOST, b.mqtt_port, version)
+    ack = c.connect(cid, username=user, password=password)
+    assert ack.reason == 0, ack
+    return c
+
+
+def refused(b: BrokerProc, version: int, user: str | None, password: bytes | None) -> int:
+    with RawClient(HOST, b.mqtt_port, version) as c:
+        c.send(encode_connect("refused", version, username=user, password=password))
+        got = c.wait_closed(10)
+    assert [p.type for p in got] == [CONNACK], got
+    return got[0].reason
+
+
+def test_anonymous_allowed_on_loopback_by_default(broker: BrokerProc) -> None:
+    for v in (4, 5):
+        c = login(broker, v, f"anon-{v}", None, None)
+        c.ping()
+        c.disconnect()
+
+
+@pytest.mark.parametrize("version", [4, 5], ids=["v311", "v5"])
+def test_failed_logins(auth_broker: BrokerProc, version: int) -> None:
+    bad_pw = refused(auth_broker, version, "alice", b"wrong")
+    unknown = refused(auth_broker, version, "mallory", b"wonderland")
+    anonymous = refused(auth_broker, version, None, None)
+    no_password = refused(auth_broker, version, "alice", None)
+    if version == 4:
+        # 3.1.1: 0x04 bad user name or password, 0x05 not authorized
+        assert bad_pw in (0x04, 0x05) and unknown in (0x04, 0x05) and no_password in (0x04, 0x05)
+        assert anonymous == 0x05
+    else:
+        assert (bad_pw, unknown, no_password) == (0x86, 0x86, 0x86)
+        assert anonymous in (0x86, 0x87)
+    good = login(auth_broker, version, f"alice-{version}", "alice", b"wonderland")
+    good.ping()
+    good.disconnect()
+
+
+@pytest.mark.parametrize("version", [4, 5], ids=["v311", "v5"])
+def test_subscribe_acl(auth_broker: BrokerProc, version: int) -> None:
+    alice = login(auth_broker, version, f"alice-{version}", "alice", b"wonderland")
+    suback = alice.subscribe([("u/alice/#", 1), ("u/bob/#", 1), ("public/news", 2), ("#", 0)])
+    denied = 0x80 if version == 4 else 0x87
+    assert suback.reasons == [1, denied, 2, denied], suback
+    bob = login(auth_broker, version, f"bob-{version}", "bob", b"builder")
+    assert bob.subscribe([("u/alice/+", 1), ("u/bob/#", 1)]).reasons == [1, denied]
+    # allowed traffic flows: alice publishes to her own tree, bob (allowed to read it) receives
+    assert alice.publish_and_wait("u/alice/diary", b"dear diary", 1).reason == 0
+    m = bob.next_message(10)
+    assert (m.topic, m.payload) == ("u/alice/diary", b"dear diary")
+    bob.ack(m)
+    alice.disconnect()
+    bob.disconnect()
+
+
+@pytest.mark.parametrize("version", [4, 5], ids=["v311", "v5"])
+def test_publish_acl(auth_broker: BrokerProc, version: int) -> None:
+    alice = login(auth_broker, version, f"alice-{version}", "alice", b"wonderland")
+    alice.subscribe([("u/alice/#", 1), ("public/#", 1)])
+    bob = login(auth_broker, version, f"bob-{version}", "bob", b"builder")
+    # bob may not publish into alice's tree (the explicit deny on u/#)
+    ack = bob.publish_and_wait("u/alice/forged", b"forged", 1)
+    rec = bob.publish_and_wait("u/alice/forged2", b"forged2", 2)
+    if version == 5:
+        assert (ack.type, ack.reason) == (PUBACK, 0x87), ack
+        assert (rec.type, rec.reason) == (PUBREC, 0x87), rec
+    else:
+        # 3.1.1 allows only a positive ack (then drop) or closing the connection; moorline acks and drops
+        assert ack.type == PUBACK
+    bob.send(encode_publish("u/alice/forged0", b"forged0", 0, version=version))
+    # bob may publish to public/
+    if version == 4 and bob.closed:
+        bob = login(auth_broker, version, f"bob-{version}", "bob", b"builder")
+    assert bob.publish_and_wait("public/hello", b"hi", 1).reason == 0
+    m = alice.next_message(10)
+    assert (m.topic, m.payload) == ("public/hello", b"hi"), "a denied publish was delivered"
+    alice.ack(m)
+    assert alice.recv_or_none(0.7) is None
+    alice.disconnect()
+    bob.disconnect()
+
+
+def test_will_to_denied_topic_refused(auth_broker: BrokerProc) -> None:
+    with RawClient(HOST, auth_broker.mqtt_port, 5) as c:
+        c.send(encode_connect("bob-will", 5, username="bob", password=b"builder",
+                              will=("u/alice/will", b"x", 1, False)))
+        got = c.wait_closed(10)
+    assert [(p.type, p.reason) for p in got] == [(CONNACK, 0x87)], got
+
+
+def test_password_file_survives_restart(auth_broker: BrokerProc) -> None:
+    auth_broker.restart(kill=True)
+    assert refused(auth_broker, 5, "alice", b"nope") == 0x86
+    c = login(auth_broker, 5, "alice-again", "alice", b"wonderland")
+    c.disconnect()

@@ -1,0 +1,334 @@
+"""Durability across broker crashes (moorline's promise: an acknowledged message is never lost).
+
+Each scenario runs with a SIGKILL restart (moorline only) and with a clean SIGTERM restart (both brokers,
+which also checks the test logic against the mosquitto reference). The seed of every random choice is
+MOORLINE_E2E_SEED (default 20261123), printed on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+from conftest import BrokerFactory, BrokerProc
+from e2e_support import mosquitto_presubscribe, mosquitto_pub, mosquitto_sub, sub_lines
+from rawclient import (
+    DISCONNECT,
+    P_RECEIVE_MAXIMUM,
+    P_SESSION_EXPIRY,
+    PUBACK,
+    PUBCOMP,
+    PUBLISH,
+    PUBREC,
+    PUBREL,
+    ConnectionClosed,
+    Packet,
+    RawClient,
+    encode_ack,
+    encode_publish,
+)
+
+pytestmark = pytest.mark.e2e
+HOST = "127.0.0.1"
+SEED = int(os.environ.get("MOORLINE_E2E_SEED", "20261123"))
+
+RESTARTS = [
+    pytest.param(True, marks=pytest.mark.moorline_only, id="sigkill"),
+    pytest.param(False, id="sigterm"),
+]
+
+
+def reconnect(b: BrokerProc, cid: str, version: int = 5, timeout: float = 30.0,
+              receive_maximum: int | None = None) -> RawClient:
+    """Connect a persistent session (retrying while the broker comes back); asserts session present."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            c = RawClient(HOST, b.mqtt_port, version)
+            props = [(P_SESSION_EXPIRY, 3600)] if version == 5 else None
+            if receive_maximum is not None and props is not None:
+                props.append((P_RECEIVE_MAXIMUM, receive_maximum))
+            ack = c.connect(cid, clean=False, props=props)
+            assert ack.reason == 0, ack
+            assert ack.session_present, f"session {cid} lost"
+            return c
+        except (ConnectionRefusedError, ConnectionClosed, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def new_session(b: BrokerProc, cid: str, filters: list[tuple[str, int]], version: int = 5) -> RawClient:
+    c = RawClient(HOST, b.mqtt_port, version)
+    props = [(P_SESSION_EXPIRY, 3600)] if version == 5 else None
+    # clean=False on a fresh id: mosquitto 2.0.11 does not persist a clean-start session across restarts
+    ack = c.connect(cid, clean=False, props=props)
+    assert ack.reason == 0 and not ack.session_present, ack
+    sub = c.subscribe(filters)
+    assert sub.reasons == [q for _, q in filters], sub
+    return c
+
+
+def drain_acking(c: RawClient, quiet: float = 1.5, limit: int = 100_000) -> list[Packet]:
+    """Read and acknowledge (QoS 1) every message until `quiet` seconds pass without one."""
+    out: list[Packet] = []
+    while len(out) < limit:
+        m = c.recv_or_none(quiet)
+        if m is None:
+            break
+        assert m.type == PUBLISH, m
+        out.append(m)
+        if m.qos == 1:
+            c.send(encode_ack(PUBACK, m.pid, c.version))  # type: ignore[arg-type]
+    return out
+
+
+# --------------------------------------------------------------------------- offline subscriber, crash
+
+
+@pytest.mark.parametrize("kill", RESTARTS)
+def test_persistent_mosquitto_sub_gets_everything_after_crash(broker: BrokerProc, uniq: str, kill: bool) -> None:
+    port, topic, cid, n = broker.mqtt_port, f"{uniq}/d", f"{uniq}-sub", 300
+    mosquitto_presubscribe(port, topic, cid, qos=1)
+    r = mosquitto_pub(port, topic, None, qos=1, stdin_lines=[f"msg-{i:04d}" for i in range(n)])
+    assert r.returncode == 0, r.stderr  # every line was PUBACKed
+    broker.restart(kill=kill)
+    # -C n+1 with a short -W: one extra message would show up as a duplicate
+    lines = sub_lines(mosquitto_sub(port, topic, n + 1, qos=1, client_id=cid, persistent=True, timeout_s=8))
+    expected = [f"{topic} msg-{i:04d}" for i in range(n)]
+    assert len(lines) == n, f"got {len(lines)} of {n} (missing {sorted(set(expected) - set(lines))[:5]})"
+    assert lines == expected, "order or content differs"
+    # acknowledged deliveries are not delivered again after a clean restart (in-flight acks finish first)
+    broker.restart(kill=False)
+    assert sub_lines(mosquitto_sub(port, topic, 1, qos=1, client_id=cid, persistent=True, timeout_s=2)) == []
+
+
+@pytest.mark.moorline_only
+def test_canary_drop_on_restart_is_detected(broker_factory: BrokerFactory, uniq: str) -> None:
+    """With the deliberately broken MOORLINE_TEST_DROP_ON_RESTART build the same check must see a loss:
+    proof that the durability check above can fail."""
+    b = broker_factory(env={"MOORLINE_TEST_DROP_ON_RESTART": "1"})
+    port, topic, cid, n = b.mqtt_port, f"{uniq}/d", f"{uniq}-sub", 50
+    mosquitto_presubscribe(port, topic, cid, qos=1)
+    assert mosquitto_pub(port, topic, None, qos=1, stdin_lines=[f"m{i}" for i in range(n)]).returncode == 0
+    b.restart(kill=True)
+    lines = sub_lines(mosquitto_sub(port, topic, n, qos=1, client_id=cid, persistent=True, timeout_s=5))
+    assert len(lines) < n, "the broken build lost nothing: the durability check cannot detect a loss"
+
+
+# --------------------------------------------------------------------------- QoS 1 stream, crash mid-stream
+
+
+@dataclass
+class StreamPublisher:
+    """Pipelined QoS 1 publisher (window of in-flight PUBLISHes) recording what was PUBACKed."""
+
+    client: RawClient
+    topics: list[str]
+    total: int
+    window: int = 64
+    sent: list[int] = field(default_factory=list)
+    acked: set[int] = field(default_factory=set)
+    error: BaseException | None = None
+    ended_by_close: bool = False
+
+    def run(self) -> None:
+        pid_to_seq: dict[int, int] = {}
+        seq = 0
+        try:
+            while len(self.acked) < self.total:
+                while seq < self.total and len(pid_to_seq) < self.window:
+                    pid = seq % 65535 + 1
+                    self.client.send(encode_publish(self.topics[seq % len(self.topics)], f"{seq}".encode(), 1,
+                                                    pid=pid, version=self.client.version))
+                    pid_to_seq[pid] = seq
+                    self.sent.append(seq)
+                    seq += 1
+                ack = self.client.recv(30)
+                if ack.type == DISCONNECT:  # e.g. 0x8B server shutting down on SIGTERM
+                    self.ended_by_close = True
+                    return
+                assert ack.type == PUBACK and ack.pid in pid_to_seq, ack
+                assert ack.reason < 0x80, ack
+                self.acked.add(pid_to_seq.pop(ack.pid))  # type: ignore[arg-type]
+        except (ConnectionClosed, ConnectionResetError, BrokenPipeError):
+            self.ended_by_close = True
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+
+@pytest.mark.parametrize("kill", RESTARTS)
+def test_qos1_stream_crash_loses_no_acked_message(broker: BrokerProc, uniq: str, kill: bool) -> None:
+    rng = random.Random(SEED)
+    topics = [f"{uniq}/s/{i}" for i in range(8)]  # several shards
+    total = 4000
+    kill_after_acks = rng.randint(300, 1500)
+    sub = new_session(broker, f"{uniq}-sub", [(f"{uniq}/s/+", 1)])
+    sub.disconnect()  # offline: everything is queued for the session
+
+    pub_client = RawClient(HOST, broker.mqtt_port, 5)
+    assert pub_client.connect(f"{uniq}-pub").reason == 0
+    pub = StreamPublisher(pub_client, topics, total)
+    t = threading.Thread(target=pub.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 120
+    while len(pub.acked) < kill_after_acks and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert len(pub.acked) >= kill_after_acks, f"seed {SEED}: only {len(pub.acked)} acks in time ({pub.error})"
+    broker.restart(kill=kill)
+    t.join(30)
+    assert not t.is_alive()
+    assert pub.error is None, f"seed {SEED}: publisher failed: {pub.error!r}"
+    acked = set(pub.acked)
+    assert len(acked) < total, "the stream finished before the crash; the test proved nothing"
+
+    sub = reconnect(broker, f"{uniq}-sub")
+    got = drain_acking(sub, quiet=2.0)
+    seqs = [int(m.payload) for m in got]
+    counts = Counter(seqs)
+    missing = sorted(acked - set(seqs))
+    assert not missing, f"seed {SEED}: {len(missing)} of {len(acked)} acknowledged messages lost: {missing[:10]}"
+    assert len(acked & set(seqs)) == len(acked)
+    assert set(seqs) <= set(pub.sent), "delivered a message that was never published"
+    dups = [s for s, c in counts.items() if c > 1]
+    assert not dups, f"seed {SEED}: offline session got duplicates {dups[:10]}"
+    for i, topic in enumerate(topics):
+        per_topic = [int(m.payload) for m in got if m.topic == topic]
+        assert per_topic == sorted(per_topic), f"seed {SEED}: order broken on {topic}"
+        assert all(s % len(topics) == i for s in per_topic)
+    sub.disconnect()
+
+
+# --------------------------------------------------------------------------- QoS 2 Method B subscriber, crash
+
+
+@dataclass
+class MethodBSubscriber:
+    """QoS 2 receiver, MQTT 5 spec 4.3.3 "Method B": keeps the packet ids it has not yet released and
+    treats a PUBLISH with such an id as a resend (not delivered again). State survives reconnects."""
+
+    cid: str
+    delivered: list[bytes] = field(default_factory=list)
+    unreleased: dict[int, bytes] = field(default_factory=dict)  # pid -> payload
+    first_pid: dict[bytes, int] = field(default_factory=dict)
+    resends: int = 0
+    violations: list[str] = field(default_factory=list)
+
+    def on_packet(self, c: RawClient, p: Packet) -> None:
+        if p.type == PUBLISH:
+            assert p.qos == 2 and p.pid is not None, p
+            orig = self.first_pid.get(p.payload)
+            if orig is not None and orig != p.pid:
+                self.violations.append(f"{p.payload!r} resent with pid {p.pid}, first sent with {orig}")
+            if p.pid in self.unreleased:
+                self.resends += 1
+                if not p.dup:
+                    self.violations.append(f"resend of pid {p.pid} without DUP")
+                if self.unreleased[p.pid] != p.payload:
+                    self.violations.append(f"pid {p.pid} reused for {p.payload!r} before release")
+            else:
+                self.unreleased[p.pid] = p.payload
+                self.first_pid.setdefault(p.payload, p.pid)
+                self.delivered.append(p.payload)
+            c.send(encode_ack(PUBREC, p.pid, c.version))
+        elif p.type == PUBREL:
+            self.unreleased.pop(p.pid, None)  # type: ignore[arg-type]
+            c.send(encode_ack(PUBCOMP, p.pid, c.version))  # type: ignore[arg-type]
+        else:
+            self.violations.append(f"unexpected {p!r}")
+
+    def consume(self, c: RawClient, quiet: float = 2.0, delay: float = 0.0) -> None:
+        """Handle packets until the connection closes or `quiet` seconds pass idle; `delay` slows it down
+        (so that a crash finds messages in every state of the QoS 2 exchange)."""
+        try:
+            while True:
+                p = c.recv_or_none(quiet)
+                if p is None or p.type == DISCONNECT:
+                    return
+                if delay:
+                    time.sleep(delay)
+                self.on_packet(c, p)
+        except (ConnectionClosed, ConnectionResetError, BrokenPipeError, OSError):
+            return
+
+
+@pytest.mark.parametrize("kill", RESTARTS)
+def test_qos2_method_b_subscriber_exactly_once_across_crash(broker: BrokerProc, uniq: str, kill: bool) -> None:
+    rng = random.Random(SEED + 1)
+    n = 400
+    topics = [f"{uniq}/q2/{i}" for i in range(4)]
+    cid = f"{uniq}-sub"
+    sub_client = new_session(broker, cid, [(f"{uniq}/q2/+", 2)])
+    sub_client.disconnect()
+
+    pub = RawClient(HOST, broker.mqtt_port, 5)
+    assert pub.connect(f"{uniq}-pub").reason == 0
+    for i in range(n):
+        done = pub.publish_and_wait(topics[i % len(topics)], f"{i}".encode(), 2)
+        assert done.type == PUBCOMP, done
+    pub.disconnect()
+
+    subscriber = MethodBSubscriber(cid)
+    c = reconnect(broker, cid, receive_maximum=16)
+    kill_at = rng.randint(n // 4, 3 * n // 4)
+    t = threading.Thread(target=subscriber.consume, args=(c,), kwargs={"quiet": 30.0, "delay": 0.004},
+                         daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60
+    while len(subscriber.delivered) < kill_at and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert len(subscriber.delivered) >= kill_at, f"seed {SEED}: stalled at {len(subscriber.delivered)}"
+    broker.restart(kill=kill)
+    t.join(30)
+    assert not t.is_alive()
+    c.close()
+    before = len(subscriber.delivered)
+    assert before < n, "all delivered before the crash; the test proved nothing"
+
+    c = reconnect(broker, cid)
+    subscriber.consume(c, quiet=2.0)
+    c.disconnect()
+    assert subscriber.violations == [], f"seed {SEED}: {subscriber.violations[:5]}"
+    counts = Counter(subscriber.delivered)
+    assert [p for p, k in counts.items() if k > 1] == [], f"seed {SEED}: delivered more than once"
+    assert len(subscriber.delivered) == n, f"seed {SEED}: {len(subscriber.delivered)} of {n} delivered"
+    for i, topic in enumerate(topics):
+        per = [int(p) for p in subscriber.delivered if int(p) % len(topics) == i]
+        assert per == sorted(per), f"order broken on {topic}"
+
+
+# --------------------------------------------------------------------------- QoS 2 publisher resend, crash
+
+
+@pytest.mark.parametrize("kill", RESTARTS)
+def test_qos2_publisher_resend_after_crash_delivers_once(broker: BrokerProc, uniq: str, kill: bool) -> None:
+    topic, pub_id, sub_id = f"{uniq}/once", f"{uniq}-pub", f"{uniq}-sub"
+    sub = new_session(broker, sub_id, [(topic, 2)])
+    sub.disconnect()
+    pub = RawClient(HOST, broker.mqtt_port, 5)
+    assert pub.connect(pub_id, clean=False, props=[(P_SESSION_EXPIRY, 3600)]).reason == 0
+    pub.send(encode_publish(topic, b"only-once", 2, pid=9, version=5))
+    time.sleep(0.5)  # the broker has it; we never read its PUBREC
+    pub.abort()
+    broker.restart(kill=kill)
+
+    pub = reconnect(broker, pub_id)
+    pub.send(encode_publish(topic, b"only-once", 2, pid=9, dup=True, version=5))
+    rec = pub.expect(PUBREC, 10)
+    assert rec.pid == 9 and rec.reason < 0x80, rec
+    pub.send(encode_ack(PUBREL, 9, 5))
+    comp = pub.expect(PUBCOMP, 10)
+    assert comp.pid == 9 and comp.reason == 0, comp
+    pub.disconnect()
+
+    subscriber = MethodBSubscriber(sub_id)
+    c = reconnect(broker, sub_id)
+    subscriber.consume(c, quiet=1.5)
+    c.disconnect()
+    assert subscriber.violations == []
+    assert subscriber.delivered == [b"only-once"]
