@@ -78,7 +78,7 @@ def run(total: int, batch: int, window: int, max_entries: int) -> tuple[float, i
     start_commit = leader.log.committed
     t0 = time.perf_counter()
     while committed < total:
-        outstanding = (leader.log.last_index() - leader.log.committed)
+        outstanding = leader.log.last_index() - leader.log.committed
         k = min(batch, total - proposed, max(0, window - outstanding))
         for _ in range(k):
             leader.propose(payload)

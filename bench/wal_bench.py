@@ -148,7 +148,9 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="walbench-", dir=args.dir))
     try:
         print(f"payload 100 B, {args.seconds:.1f} s per scenario, dir {base}")
-        print(f"raw write(150 B)+fdatasync baseline:          {run_raw_fdatasync(base / 'raw', args.seconds):>9,.0f} fdatasync/s")
+        print(
+            f"raw write(150 B)+fdatasync baseline:          {run_raw_fdatasync(base / 'raw', args.seconds):>9,.0f} fdatasync/s"
+        )
         for per_sync, groups in ((1, 1), (10, 1), (100, 1), (100, 16), (1000, 16)):
             d = base / f"gc-{per_sync}-{groups}"
             n, syncs, el = run_group_commit(d, args.seconds, per_sync, groups)
@@ -157,19 +159,25 @@ def main() -> None:
                 f"{el / n * 1e6:7.2f} µs/entry  {syncs / el:8,.0f} fdatasync/s"
             )
         n, el = run_batched_append(base / "append", args.seconds, 100)
-        print(f"append_entries only (100/call, no IO):        {n / el:>9,.0f} entries/s {el / n * 1e6:7.2f} µs/entry")
+        print(
+            f"append_entries only (100/call, no IO):        {n / el:>9,.0f} entries/s {el / n * 1e6:7.2f} µs/entry"
+        )
         n, syncs, el = run_threaded(base / "thr", args.seconds, 16)
         print(
             f"append thread + sync thread, 16 groups:       {n / el:>9,.0f} entries/s "
             f"{el / n * 1e6:7.2f} µs/entry  {syncs / el:8,.0f} fdatasync/s ({n / max(syncs, 1):.0f} entries/sync)"
         )
         n, el = run_recovery(base / "gc-100-16")
-        print(f"recovery (open) of the 100x16 log:            {n / el:>9,.0f} entries/s ({n:,} entries, {el:.2f} s)")
+        print(
+            f"recovery (open) of the 100x16 log:            {n / el:>9,.0f} entries/s ({n:,} entries, {el:.2f} s)"
+        )
         n, ap_s, get_s = run_store(base / "store", args.seconds)
         print(
             f"message store append (buffered):              {n / ap_s:>9,.0f} records/s {ap_s / n * 1e6:7.2f} µs/record"
         )
-        print(f"message store get (cache + disk):             {n / get_s:>9,.0f} records/s {get_s / n * 1e6:7.2f} µs/record")
+        print(
+            f"message store get (cache + disk):             {n / get_s:>9,.0f} records/s {get_s / n * 1e6:7.2f} µs/record"
+        )
     finally:
         shutil.rmtree(base)
 

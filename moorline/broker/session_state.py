@@ -87,6 +87,7 @@ class SessionState:
     def __init__(self, max_expiry_s: int) -> None:
         self.sessions: dict[str, Session] = {}
         self.incarnations = 0
+        self.epochs = 0  # shard-wide, so an epoch never repeats for a client id, even across incarnations
         self.max_expiry_s = max_expiry_s
         self.last_ts_ms = 0
 
@@ -101,16 +102,19 @@ class SessionState:
         old = self.sessions.get(cmd.client_id)
         ended: Session | None = None
         expiry = min(cmd.expiry_s, self.max_expiry_s)
-        if old is not None and (cmd.clean_start or self._expired(old, cmd.ts_ms)):
+        # A session with expiry 0 ends with its network connection: a new CONNECT that finds it
+        # (its old connection's close not applied yet, or a takeover) starts a fresh one.
+        if old is not None and (cmd.clean_start or old.expiry_s == 0 or self._expired(old, cmd.ts_ms)):
             ended = old
             old = None
+        self.epochs += 1
         if old is None:
             self.incarnations += 1
-            sess = Session(cmd.client_id, self.incarnations, 1, expiry, cmd.principal, will=cmd.will)
+            sess = Session(cmd.client_id, self.incarnations, self.epochs, expiry, cmd.principal, will=cmd.will)
             self.sessions[cmd.client_id] = sess
             fx.sessions_touched.add(cmd.client_id)
             return OpenResult(False, sess.epoch, sess.incarnation, ended)
-        old.epoch += 1
+        old.epoch = self.epochs
         old.connected = True
         old.expiry_s = expiry
         old.will = cmd.will

@@ -111,6 +111,7 @@ class ShardState:
             max_released=t.max_released,
             sessions=list(s.sessions.values()),
             incarnations=s.incarnations,
+            epochs=s.epochs,
             session_ts_ms=s.last_ts_ms,
             sink_markers=dict(sorted(self.sink_markers.items())),
         )
@@ -145,6 +146,7 @@ class ShardState:
         t.rebuild_indexes()
         st.sessions.sessions = {x.client_id: x for x in snap.sessions}
         st.sessions.incarnations = snap.incarnations
+        st.sessions.epochs = snap.epochs
         st.sessions.last_ts_ms = snap.session_ts_ms
         st.sink_markers = dict(snap.sink_markers)
         return st
@@ -170,6 +172,7 @@ class _Snapshot:
     max_released: int
     sessions: list[Session]
     incarnations: int
+    epochs: int
     session_ts_ms: int
     sink_markers: dict[str, int]
 

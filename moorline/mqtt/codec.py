@@ -298,6 +298,8 @@ def _enc_pub_ack(first: int) -> Callable[[Any, int], bytes]:
             return _ACK4.pack(first, 2, p.packet_id)
         body = encode_properties(p.properties)
         if not body:
+            if p.reason_code == 0:
+                return _ACK4.pack(first, 2, p.packet_id)
             return _ACK5.pack(first, 3, p.packet_id, p.reason_code)
         return _fixed(first, _U16.pack(p.packet_id) + bytes((p.reason_code,)) + encode_varint(len(body)) + body)
     return enc
@@ -340,7 +342,7 @@ def _enc_reason_only(first: int) -> Callable[[Any, int], bytes]:
             return bytes((first, 0))
         body = encode_properties(p.properties)
         if not body:
-            return bytes((first, 1, p.reason_code))
+            return bytes((first, 1, p.reason_code)) if p.reason_code else bytes((first, 0))
         return _fixed(first, bytes((p.reason_code,)) + encode_varint(len(body)) + body)
     return enc
 
@@ -715,10 +717,7 @@ class Decoder:
         if ptype != P.PUBLISH and flags != _FIXED_FLAGS.get(ptype, 0):
             raise MalformedPacket(_MALFORMED, f"reserved flags 0x{flags:X} in packet type {ptype}")
         if ptype == P.CONNECT:
-            connect = _decode_connect(buf, start, end)
-            if self.version is None:
-                self.version = connect.protocol_level
-            return connect
+            return _decode_connect(buf, start, end, self)
         version = self.version
         if version is None:
             if self.role == "server":
@@ -730,13 +729,17 @@ class Decoder:
         return _DECODERS[ptype](buf, start, end, version)
 
 
-def _decode_connect(buf: bytes, pos: int, end: int) -> Connect:
+def _decode_connect(buf: bytes, pos: int, end: int, decoder: Decoder) -> Connect:
     name, pos = _read_str(buf, pos, end, "protocol name")
     if pos >= end:
         raise _truncated("protocol level")
     level = buf[pos]
     if name != PROTOCOL_NAME or level not in (MQTT_3_1_1, MQTT_5):
         raise UnsupportedProtocol(level, name)
+    if decoder.version is None:
+        # Known as soon as the level is read, so that a CONNECT malformed further on can still
+        # be answered with a CONNACK in the client's own format.
+        decoder.version = level
     if pos + 4 > end:
         raise _truncated("CONNECT variable header")
     flags = buf[pos + 1]

@@ -130,6 +130,22 @@ def connack_v5_to_v3(reason_code: int) -> int:
     return _V5_TO_V3_CONNACK.get(reason_code, V3_CONNACK_SERVER_UNAVAILABLE)
 
 
+# v5 CONNACK failures that 3.1.1's "server unavailable" describes honestly.
+_V3_SERVER_UNAVAILABLE_LIKE: frozenset[int] = frozenset({
+    RC.SERVER_UNAVAILABLE, RC.SERVER_BUSY, RC.SERVER_SHUTTING_DOWN, RC.USE_ANOTHER_SERVER, RC.SERVER_MOVED,
+    RC.CONNECTION_RATE_EXCEEDED, RC.QUOTA_EXCEEDED,
+})
+
+
+def v3_connack_applicable(reason_code: int) -> bool:
+    """Does a 3.1.1 CONNACK return code fit this v5 reason?
+
+    When none fits (malformed CONNECT, protocol error, ...) a 3.1.1 server closes the connection
+    without sending a CONNACK (MQTT-3.2.2-6).
+    """
+    return reason_code in _V5_TO_V3_CONNACK or reason_code in _V3_SERVER_UNAVAILABLE_LIKE
+
+
 def connack_v3_to_v5(return_code: int) -> int:
     """The v5 reason code a 3.1.1 CONNACK return code stands for (decoder side)."""
     return _V3_TO_V5_CONNACK[return_code]

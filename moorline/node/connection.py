@@ -23,7 +23,7 @@ from moorline.mqtt.codec import MQTT_5, encode, encode_properties
 from moorline.mqtt.errors import ProtocolError, UnsupportedProtocol
 from moorline.mqtt.protocol import ProtocolState
 from moorline.mqtt.reasons import ReasonCode as RC
-from moorline.mqtt.reasons import connack_v5_to_v3, suback_v5_to_v3
+from moorline.mqtt.reasons import suback_v5_to_v3, v3_connack_applicable
 from moorline.mqtt.topics import parse_shared, validate_topic_filter
 from moorline.node.auth import Principal
 from moorline.node.delivery import LiveSession, OutboundPublish
@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("moorline.conn")
 
 MAX_QUEUED_PACKETS = 1024  # decoded packets waiting for the handler before we stop reading
+
+
+def _log_task_error(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("closing a session failed", exc_info=task.exception())
 
 
 def _guid_from(props: p.Properties) -> tuple[bytes | None, bytes | None, int | None]:
@@ -96,6 +101,7 @@ class Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.server.connections.add(self)
+        transport.set_write_buffer_limits(high=self.cfg.write_buffer_high_bytes)  # type: ignore[attr-defined]
         self._task = asyncio.get_running_loop().create_task(self._handle_loop())
         self._timer = asyncio.get_running_loop().call_later(self.cfg.connect_timeout_s, self._check_timers)
 
@@ -121,6 +127,16 @@ class Connection(asyncio.Protocol):
                 self._paused = True
                 self.transport.pause_reading()  # type: ignore[union-attr]
 
+    def pause_writing(self) -> None:
+        """The client reads slower than we deliver: stop the pump (messages stay queued, owed)."""
+        if self.live is not None:
+            self.live.writable = False
+
+    def resume_writing(self) -> None:
+        if self.live is not None:
+            self.live.writable = True
+            self.live.wake()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self.server.connections.discard(self)
@@ -132,13 +148,17 @@ class Connection(asyncio.Protocol):
             self.live = None
             if self.node.connections.get(self.client_id) is self:
                 del self.node.connections[self.client_id]
-            asyncio.get_running_loop().create_task(self._end(live))
+            self._end_now(live)
 
     async def _end(self, live: LiveSession) -> None:
         try:
             await self.node.close_session(live, self.will_on_close, self.session_expiry_override)
         except Exception:
             log.exception("closing session %s failed", live.client_id)
+
+    def _end_now(self, live: LiveSession) -> None:
+        task = self.node.close_session(live, self.will_on_close, self.session_expiry_override)
+        task.add_done_callback(_log_task_error)
 
     # --- output ----------------------------------------------------------------------------------
     def _write(self, data: bytes) -> None:
@@ -170,9 +190,8 @@ class Connection(asyncio.Protocol):
         log.info("%s %s: protocol error: %s", self.peer, self.client_id, text)
         if self.state.awaiting_connect:
             version = self.state.version or 4
-            code = reason if version == MQTT_5 else connack_v5_to_v3(reason)
-            if version == MQTT_5 or code != 0:
-                self._write(encode(p.Connack(False, code), version))
+            if version == MQTT_5 or v3_connack_applicable(reason):
+                self._write(encode(p.Connack(False, reason), version))
         elif self.version == MQTT_5:
             self._write(encode(p.Disconnect(reason, p.Properties(reason_string=text[:200])), MQTT_5))
         self.abort(text)
@@ -211,7 +230,11 @@ class Connection(asyncio.Protocol):
                 # Outcome unknown: close so the client retransmits (DESIGN.md promise 6).
                 self.disconnect(RC.SERVER_BUSY, "publish outcome unknown within publish_timeout")
                 return
-        self._timer = asyncio.get_running_loop().call_later(1.0, self._check_timers)
+        self._timer = asyncio.get_running_loop().call_later(self._timer_interval(), self._check_timers)
+
+    def _timer_interval(self) -> float:
+        keep = self.state.keepalive
+        return min(1.0, keep / 4) if keep else 1.0
 
     # --- packet handling -------------------------------------------------------------------------
     async def _handle_loop(self) -> None:
@@ -304,12 +327,11 @@ class Connection(asyncio.Protocol):
                 return
         old = self.node.connections.get(client_id)
         if old is not None and old is not self:
-            old.will_on_close = old.will_on_close  # takeover: the old connection's will stays as it was
             old.disconnect(RC.SESSION_TAKEN_OVER, "session taken over")
             if old.live is not None:
                 live_old = old.live
                 old.live = None
-                await self.node.close_session(live_old, False, None)
+                await self.node.close_session(live_old, old.will_on_close, old.session_expiry_override)
         self.node.connections[client_id] = self
         present, epoch, inc = await self.node.open_session(client_id, pk.clean_start, expiry, will, pk.username or "")
         if self._closing:
@@ -341,10 +363,13 @@ class Connection(asyncio.Protocol):
             )
         self._write(encode(p.Connack(present, 0, ack_props), self.version))
         self.live.start()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_running_loop().call_later(self._timer_interval(), self._check_timers)
 
     def _connack_refuse(self, reason: int) -> None:
-        code = reason if self.version == MQTT_5 else connack_v5_to_v3(reason)
-        self._write(encode(p.Connack(False, code), self.version))
+        # The v5 reason code; the 3.1.1 encoder maps it to the return code.
+        self._write(encode(p.Connack(False, reason), self.version))
         self.abort(f"connect refused 0x{reason:02x}")
 
     @staticmethod
@@ -519,16 +544,18 @@ class Connection(asyncio.Protocol):
             if msg.expiry_s is not None:
                 left = (msg.ts_ms + msg.expiry_s * 1000 - self.node.now_ms()) // 1000
                 expiry = max(1, int(left))
-            if mp is not None or expiry is not None or out.sub_ids:
-                props = encode_properties(p.Properties(
-                    payload_format_indicator=mp.payload_format if mp else None,
-                    message_expiry_interval=expiry,
-                    content_type=mp.content_type if mp else None,
-                    response_topic=mp.response_topic if mp else None,
-                    correlation_data=mp.correlation_data if mp else None,
-                    subscription_identifiers=out.sub_ids,
-                    user_properties=mp.user_properties if mp else (),
-                ))
+            ups = mp.user_properties if mp else ()
+            if not any(k == "guid" for k, _ in ups):
+                ups = (*ups, ("guid", msg.guid.hex()))  # so histories can match deliveries to publishes
+            props = encode_properties(p.Properties(
+                payload_format_indicator=mp.payload_format if mp else None,
+                message_expiry_interval=expiry,
+                content_type=mp.content_type if mp else None,
+                response_topic=mp.response_topic if mp else None,
+                correlation_data=mp.correlation_data if mp else None,
+                subscription_identifiers=out.sub_ids,
+                user_properties=ups,
+            ))
         data = self.state.encode_publish(
             msg.topic, msg.topic.encode(), msg.payload, out.qos, out.retain, out.dup, out.packet_id, props
         )

@@ -62,6 +62,7 @@ class LiveSession:
         self.send_publish = send_publish
         self.send_pubrel = send_pubrel
         self.closed = False
+        self.writable = True  # false while the socket's write buffer is above its high-water mark
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         sess = self.session()
@@ -89,9 +90,16 @@ class LiveSession:
     def wake(self) -> None:
         self._wake.set()
 
-    async def close(self) -> None:
+    def stop(self) -> None:
+        """No more deliveries; acknowledgements received so far are proposed now."""
         self.closed = True
+        if self._ack_flush is not None:
+            self._ack_flush.cancel()
         self._flush_acks()
+        self._wake.set()
+
+    async def close(self) -> None:
+        self.stop()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -133,7 +141,7 @@ class LiveSession:
             await self._wake.wait()
             self._wake.clear()
             try:
-                while not self.closed and await self._deliver_once():
+                while not self.closed and self.writable and await self._deliver_once():
                     pass
             except asyncio.CancelledError:
                 raise

@@ -103,7 +103,7 @@ class Node:
                 state = ShardState(shard, meta["incarnations"][shard], limits, self.cfg.session.max_expiry_s)
             store = MessageStore(
                 self.data_dir / "store" / f"shard-{shard}", segment_bytes=self.cfg.storage.store_segment_bytes,
-                ledger=self.ledger, cache_bytes=self.cfg.storage.store_cache_bytes,
+                ledger=self.ledger, cache_bytes=self.cfg.storage.store_cache_bytes // self.shard_count,
             )
             store.open()
             store.truncate_from(state.topics.next_offset)
@@ -379,12 +379,18 @@ class Node:
             await self._end_session(res.ended, "session_expired" if not clean_start else "clean_start")
         return res.session_present, res.epoch, res.incarnation
 
-    async def close_session(self, live: LiveSession, send_will: bool, expiry_s: int | None) -> None:
-        await live.close()
+    def close_session(self, live: LiveSession, send_will: bool, expiry_s: int | None) -> asyncio.Task[None]:
+        """Proposes the close at once (before any later CONNECT of the same client can be proposed,
+        so the session shard sees them in the order they happened), then finishes asynchronously."""
+        live.stop()  # pending acks are proposed first, in the same entry
         if self.live.get(live.client_id) is live:
             del self.live[live.client_id]
         fut = self.propose(live.shard, c.SessionClose(self.now_ms(), live.client_id, live.epoch, send_will, expiry_s))
         assert fut is not None
+        return asyncio.get_running_loop().create_task(self._finish_close(live, fut, send_will))
+
+    async def _finish_close(self, live: LiveSession, fut: asyncio.Future[Any], send_will: bool) -> None:
+        await live.close()
         ended = await fut
         if isinstance(ended, Session):
             await self._end_session(ended, "session_expired")

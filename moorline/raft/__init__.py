@@ -65,6 +65,7 @@ __all__ = [
     "limit_size",
 ]
 
+from moorline.raft.coalesce import HeartbeatBatch, HeartbeatItem, coalesce, expand  # noqa: E402
 from moorline.raft.raft import RaftNode, Status  # noqa: E402
 
-__all__ += ["RaftNode", "Status"]
+__all__ += ["HeartbeatBatch", "HeartbeatItem", "RaftNode", "Status", "coalesce", "expand"]

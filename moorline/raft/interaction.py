@@ -175,7 +175,9 @@ class InteractionEnv:
                 storage.set_hard_state(HardState(term=1, vote=None, commit=index))
             cfg = self._config(i, f"s{i}", kw)
             self._install(i, f"s{i}", storage, cfg)
-            self.emit(f"INFO node {i} starts: term={storage.hard_state().term} {fmt_conf(storage.initial_state()[1])}")
+            self.emit(
+                f"INFO node {i} starts: term={storage.hard_state().term} {fmt_conf(storage.initial_state()[1])}"
+            )
 
     def _config(self, i: int, sid: str, kw: dict[str, str]) -> Config:
         bugs = RaftBugs(**{b: True for b in _parse_names(kw.get("bugs"))})
@@ -436,7 +438,9 @@ class InteractionEnv:
         index = int(args[1])
         snap = slot.storage.create_snapshot(index, slot.raft.conf_state, b"")
         slot.storage.compact(index)
-        self.emit(f"{slot.id}: snapshot {snap.meta.term}/{snap.meta.index}, log from {slot.storage.first_index()}")
+        self.emit(
+            f"{slot.id}: snapshot {snap.meta.term}/{snap.meta.index}, log from {slot.storage.first_index()}"
+        )
 
     def cmd_crash(self, args: list[str], kw: dict[str, str]) -> None:
         for i in self._ids(args):

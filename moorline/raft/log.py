@@ -137,7 +137,8 @@ class RaftLog:
         if entries:
             ci = self.find_conflict(entries)
             if ci:
-                invariant(ci > self.committed, f"conflict at {ci} would rewrite committed {self.committed}")
+                if not (ci > self.committed):
+                    invariant(False, f"conflict at {ci} would rewrite committed {self.committed}")
                 self.append(entries[ci - entries[0].index :])
         self.commit_to(min(committed, last_new))
         return last_new
@@ -147,7 +148,9 @@ class RaftLog:
         if not entries:
             return self.last_index()
         first = entries[0].index
-        invariant(first > self.committed, f"append at {first} would rewrite committed {self.committed}")
+        if not (first > self.committed):
+            invariant(False, f"append at {first} would rewrite committed {self.committed}")
+        invariant(entries[-1].index - first == len(entries) - 1, "appended entries are not contiguous")
         off = self.unstable_offset
         n = len(self.unstable)
         if first == off + n:
@@ -164,13 +167,15 @@ class RaftLog:
 
     def commit_to(self, index: int) -> bool:
         if index > self.committed:
-            invariant(index <= self.last_index(), f"commit {index} beyond last index {self.last_index()}")
+            if not (index <= self.last_index()):
+                invariant(False, f"commit {index} beyond last index {self.last_index()}")
             self.committed = index
             return True
         return False
 
     def applied_to(self, index: int) -> None:
-        invariant(index <= self.committed, f"applied {index} beyond committed {self.committed}")
+        if not (index <= self.committed):
+            invariant(False, f"applied {index} beyond committed {self.committed}")
         if index > self.applied:
             self.applied = index
 

@@ -31,6 +31,13 @@ Host obligations (the whole contract; the simulator and the node both follow it)
    it has applied its own removal; it must be re-added (as a learner) to count again.
 5. Report transport trouble with ``report_unreachable`` / ``report_snapshot`` (optional; they
    only speed up recovery).
+6. Time out what the core may drop without an answer: a proposal is lost if the entry at its
+   returned index commits with another term (leader change), and read-index requests vanish
+   when leadership changes. Both are refused up front (ProposalDropped) when the core knows.
+7. ``Storage`` (read-only for the core): ``initial_state()`` returns the durable hard state and
+   the configuration of the storage's snapshot; the core replays later configuration entries
+   from the log itself. ``Config.applied`` (default 0 = the snapshot index) says how far the
+   host's state machine already is; committed entries after it are handed out again.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from moorline.hashing import crc32c
 from moorline.invariant import invariant
@@ -69,6 +77,8 @@ from moorline.raft.types import (
 )
 
 MT = MessageType
+_DATA = attrgetter("data")
+_TYPE = attrgetter("type")
 _EARLY_TYPES = frozenset({MT.APP, MT.SNAP, MT.HEARTBEAT})
 
 
@@ -107,6 +117,8 @@ class RaftNode:
         self.id: MemberId = config.id
         self.cfg = config
         self.bugs = config.bugs
+        self._bug_self_ack = config.bugs.self_ack_before_sync
+        self._max_uncommitted = config.max_uncommitted_bytes or (1 << 62)
         self.rng = config.rng if config.rng is not None else random.Random(crc32c(repr(config.id).encode()))
         self.log = RaftLog(storage)
         hs, cs = storage.initial_state()
@@ -154,7 +166,7 @@ class RaftNode:
         self._step: Callable[[Message], None] = self._step_follower
         self._tick: Callable[[], None] = self._tick_election
         self._rebuild_progress()
-        self.become_follower(self.term, None)
+        self._become_follower(self.term, None)
 
     # ==========================================================================================
     # Public API
@@ -182,8 +194,26 @@ class RaftNode:
 
     def propose(self, data: bytes) -> int:
         """Append a normal entry; returns its index. Raises ProposalDropped when refused."""
-        self._check_can_propose(len(data))
-        return self._append_one(EntryType.NORMAL, data)
+        size = len(data)
+        used = self.uncommitted_bytes
+        if (
+            self.role != StateRole.LEADER
+            or self.lead_transferee is not None
+            or (used and used + size > self._max_uncommitted)
+            or self._bug_self_ack
+        ):
+            self._check_can_propose(size)
+            return self._append_one(EntryType.NORMAL, data)
+        # Hot path (one call per client command): no extra calls or lookups.
+        log = self.log
+        unstable = log.unstable
+        if not unstable:
+            return self._append_one(EntryType.NORMAL, data)
+        index = log.unstable_offset + len(unstable)
+        unstable.append(Entry(self.term, index, EntryType.NORMAL, data))
+        self.uncommitted_bytes = used + size
+        self._bcast_pending = True
+        return index
 
     def propose_conf_change(self, change: ConfChange) -> int:
         """Append a configuration change; returns its index. Raises ProposalDropped when refused.
@@ -238,7 +268,7 @@ class RaftNode:
         """Synced data of this group failed its checksum: never vote or campaign again here."""
         self.corrupted = True
         if self.role != StateRole.FOLLOWER:
-            self.become_follower(self.term, None)
+            self._become_follower(self.term, None)
 
     def report_unreachable(self, to: MemberId) -> None:
         pr = self.progress.get(to)
@@ -273,9 +303,9 @@ class RaftNode:
             if m.type == MT.PRE_VOTE or (m.type == MT.PRE_VOTE_RESP and not m.reject):
                 pass  # pre-votes never change our term; a granted pre-vote is for term+1
             elif m.type in (MT.APP, MT.HEARTBEAT, MT.SNAP):
-                self.become_follower(m.term, m.from_)
+                self._become_follower(m.term, m.from_)
             else:
-                self.become_follower(m.term, None)
+                self._become_follower(m.term, None)
         elif m.term < self.term:
             if (self.cfg.check_quorum or self.cfg.pre_vote) and m.type in (MT.APP, MT.HEARTBEAT):
                 # A stale leader (e.g. after a partition healed) learns our term and steps down;
@@ -314,12 +344,16 @@ class RaftNode:
             rd.hard_state = hs
         if log.unstable:
             rd.entries = list(log.unstable)
+            invariant(
+                rd.entries[-1].index - rd.entries[0].index == len(rd.entries) - 1,
+                "Ready entries not contiguous",
+            )
         rd.snapshot = log.unstable_snapshot
         committed = log.next_committed(self.cfg.max_committed_bytes_per_ready)
         if committed:
             invariant(committed[0].index == log.applied + 1, "committed entries must follow applied")
             if self.role == StateRole.LEADER and self.uncommitted_bytes:
-                freed = sum(len(e.data) for e in committed)
+                freed = sum(map(len, map(_DATA, committed)))
                 self.uncommitted_bytes = max(0, self.uncommitted_bytes - freed)
         rd.committed_entries = committed
         msgs = self.msgs
@@ -333,6 +367,11 @@ class RaftNode:
             rd.read_states = self.read_states
             self.read_states = []
         rd.must_sync = bool(rd.entries) or rd.snapshot is not None or term_or_vote_changed
+        if self._bug_self_ack and self.role == StateRole.LEADER and not term_or_vote_changed:
+            # RaftBugs.self_ack_before_sync: the leader's own entries are counted without being
+            # durable (it already counted them at propose); a host that honours must_sync skips
+            # the fsync, so a crash loses entries the quorum counted.
+            rd.must_sync = rd.snapshot is not None
         self._prev_hs = hs
         self._ready_out = rd
         return rd
@@ -379,13 +418,16 @@ class RaftNode:
             corrupted=self.corrupted,
         )
         if self.role == StateRole.LEADER:
+            me = self.progress.get(self.id)
+            if me is not None:
+                me.next = self.log.last_index() + 1  # our own next is not maintained per append
             st.progress = {mid: pr.describe() for mid, pr in sorted(self.progress.items())}
         return st
 
     # ==========================================================================================
     # Role transitions
     # ==========================================================================================
-    def become_follower(self, term: int, lead: MemberId | None) -> None:
+    def _become_follower(self, term: int, lead: MemberId | None) -> None:
         self._reset(term)
         self.role = StateRole.FOLLOWER
         self.lead = lead
@@ -432,7 +474,8 @@ class RaftNode:
 
     def _reset(self, term: int) -> None:
         if term != self.term:
-            invariant(term > self.term, f"term went back: {self.term} -> {term}")
+            if not (term > self.term):
+                invariant(False, f"term went back: {self.term} -> {term}")
             self.term = term
             self.vote = None
             self._vote_hidden = False
@@ -460,9 +503,7 @@ class RaftNode:
     # Ticks and elections
     # ==========================================================================================
     def _promotable(self) -> bool:
-        return (
-            self.id in self.conf.voters and not self.corrupted and self.log.unstable_snapshot is None
-        )
+        return self.id in self.conf.voters and not self.corrupted and self.log.unstable_snapshot is None
 
     def _tick_election(self) -> None:
         self.election_elapsed += 1
@@ -476,7 +517,7 @@ class RaftNode:
         if self.election_elapsed >= self.cfg.election_tick:
             self.election_elapsed = 0
             if self.cfg.check_quorum and not self._check_quorum_active():
-                self.become_follower(self.term, None)  # lost contact with a majority
+                self._become_follower(self.term, None)  # lost contact with a majority
                 return
             self.lead_transferee = None  # a transfer that took an election timeout is aborted
         if self.role != StateRole.LEADER:
@@ -530,7 +571,13 @@ class RaftNode:
             if v != self.id:
                 self.msgs.append(
                     Message(
-                        type=vote_type, from_=self.id, to=v, term=term, index=last, log_term=last_term, context=ctx
+                        type=vote_type,
+                        from_=self.id,
+                        to=v,
+                        term=term,
+                        index=last,
+                        log_term=last_term,
+                        context=ctx,
                     )
                 )
 
@@ -543,15 +590,13 @@ class RaftNode:
                 self._become_leader()
                 self._bcast_pending = True
         elif res == VoteResult.LOST:
-            self.become_follower(self.term, None)
+            self._become_follower(self.term, None)
         return res
 
     def _handle_vote_request(self, m: Message) -> None:
         pre = m.type == MT.PRE_VOTE
         can_vote = (
-            self.vote == m.from_
-            or (self.vote is None and self.lead is None)
-            or (pre and m.term > self.term)
+            self.vote == m.from_ or (self.vote is None and self.lead is None) or (pre and m.term > self.term)
         ) and not self.corrupted
         resp_type = MT.PRE_VOTE_RESP if pre else MT.VOTE_RESP
         if can_vote and self.log.is_up_to_date(m.index, m.log_term):
@@ -592,7 +637,7 @@ class RaftNode:
         t = m.type
         if t in (MT.APP, MT.HEARTBEAT, MT.SNAP):
             # Someone won this term: follow it.
-            self.become_follower(m.term, m.from_)
+            self._become_follower(m.term, m.from_)
             self._step_follower(m)
             return
         my_resp = MT.PRE_VOTE_RESP if self.role == StateRole.PRE_CANDIDATE else MT.VOTE_RESP
@@ -633,10 +678,12 @@ class RaftNode:
             if ents:
                 ci = log.find_conflict(ents)
                 if ci:
-                    invariant(ci > log.committed, f"conflict at {ci} would rewrite committed {log.committed}")
+                    if not (ci > log.committed):
+                        invariant(False, f"conflict at {ci} would rewrite committed {log.committed}")
                     new = ents[ci - ents[0].index :]
                     log.append(new)
-                    self._on_log_appended(new)
+                    if self._conf_history[-1][0] >= ci or EntryType.CONF_CHANGE in map(_TYPE, new):
+                        self._on_log_appended(new)
             if log.commit_to(min(m.commit, last_new)):
                 self._note_commit()
             self._send(MT.APP_RESP, m.from_, index=last_new)
@@ -702,12 +749,10 @@ class RaftNode:
             log.append([e])
         self.uncommitted_bytes += len(data)
         self._bcast_pending = True
-        me = self.progress.get(self.id)
-        if me is not None:
-            me.next = index + 1
         if kind == EntryType.CONF_CHANGE:
             self._on_log_appended([e])
-        if self.bugs.self_ack_before_sync and me is not None:
+        me = self.progress.get(self.id)
+        if self._bug_self_ack and me is not None:
             me.maybe_update(index)
             self._maybe_commit()
         return index
@@ -974,7 +1019,7 @@ class RaftNode:
         if self.id not in cs.voters:
             # Cannot happen through propose_conf_change (a leader never removes itself), but a
             # leader outside its own configuration must not go on counting itself.
-            self.become_follower(self.term, None)
+            self._become_follower(self.term, None)
             return
         if self.lead_transferee is not None and self.lead_transferee not in cs.voters:
             self.lead_transferee = None
@@ -1027,13 +1072,19 @@ class RaftNode:
         return HardState(term=self.term, vote=vote, commit=self.log.committed)
 
     def _check_hard_state(self, prev: HardState, hs: HardState) -> None:
-        invariant(hs.term >= prev.term, f"term decreased {prev.term} -> {hs.term}")
-        invariant(hs.commit >= prev.commit, f"commit decreased {prev.commit} -> {hs.commit}")
+        if hs is prev:
+            return  # nothing changed since the last Ready
+        if not (hs.term >= prev.term):
+            invariant(False, f"term decreased {prev.term} -> {hs.term}")
+        if not (hs.commit >= prev.commit):
+            invariant(False, f"commit decreased {prev.commit} -> {hs.commit}")
         invariant(hs.commit <= self.log.last_index(), "commit beyond last index")
         if hs.term == prev.term and prev.vote is not None:
-            invariant(hs.vote == prev.vote, f"second vote in term {hs.term}: {prev.vote} then {hs.vote}")
+            if not (hs.vote == prev.vote):
+                invariant(False, f"second vote in term {hs.term}: {prev.vote} then {hs.vote}")
         invariant(
-            self._committed_term == 0 or self.log.term_or_zero(self.log.committed) in (0, self._committed_term),
+            self._committed_term == 0
+            or self.log.term_or_zero(self.log.committed) in (0, self._committed_term),
             "a committed entry changed term",
         )
         if self.role == StateRole.LEADER:

@@ -291,7 +291,9 @@ class RaftBugs:
     vote_without_persist: bool = False  # grant a vote but leave it out of the Ready's hard state
     commit_prev_term_by_count: bool = False  # commit an older-term entry by counting replicas
     no_election_reset_on_append: bool = False  # forget to reset the election timer on a valid append
-    self_ack_before_sync: bool = False  # leader counts itself toward quorum before its own sync
+    # Leader counts itself toward quorum before its own sync: it counts an entry at propose and
+    # hands its entries out with must_sync=False (observable through a host that honours it).
+    self_ack_before_sync: bool = False
 
     def any(self) -> bool:
         return (

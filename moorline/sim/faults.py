@@ -27,6 +27,8 @@ class FaultParams:
     keep_entries: int = 20
     clock_skews_ms: list[int] = field(default_factory=list)
     report_snapshot: bool = True
+    max_entries_per_append: int = 4096
+    crash_leader_p: float = 0.3  # chance a crash picks the current leader
 
     def describe(self) -> str:
         n = self.net
@@ -36,23 +38,26 @@ class FaultParams:
             f"pause_every={self.pause_every_ms} wipe_p={self.wipe_p:.2f} corrupt_p={self.corrupt_p:.2f} "
             f"transfer_every={self.transfer_every_ms} replace_every={self.replace_every_ms} "
             f"snapshot_every={self.snapshot_every} keep={self.keep_entries} report_snap={int(self.report_snapshot)} "
+            f"max_append={self.max_entries_per_append} crash_leader_p={self.crash_leader_p} "
             f"sync_ms={[(d.sync_latency_ms_min, d.sync_latency_ms_max) for d in self.disks]}"
         )
 
 
-def _on(rng: random.Random, p: float = 0.6) -> bool:
-    return rng.random() < p
-
-
-def draw_faults(rng: random.Random, nodes: int, bug: str | None = None) -> FaultParams:
+def draw_faults(rng: random.Random, nodes: int, bug: str | None = None, all_faults: bool = False) -> FaultParams:
     """Draw one seed's fault mix. A bug switch biases the mix toward the faults that expose it
-    (the point of a bug run is to prove the checkers notice)."""
+    (the point of a bug run is to prove the checkers notice). ``all_faults`` turns every fault
+    kind on (the benchmark's worst case); otherwise each kind is on with some chance (swarm)."""
+
+    def _on(rng: random.Random, p: float = 0.6) -> bool:
+        draw = rng.random()  # always drawn, so the stream stays aligned either way
+        return all_faults or draw < p
+
     f = FaultParams()
     f.net = NetParams(
         delay_min_ms=rng.randint(1, 3),
         delay_jitter_ms=rng.choice([0, 3, 10, 30]),
-        drop_p=rng.choice([0.0, 0.01, 0.05, 0.15]) if _on(rng) else 0.0,
-        dup_p=rng.choice([0.0, 0.02, 0.1]) if _on(rng, 0.5) else 0.0,
+        drop_p=rng.choice([0.01, 0.05, 0.15]) if _on(rng) else 0.0,
+        dup_p=rng.choice([0.02, 0.1]) if _on(rng, 0.5) else 0.0,
     )
     for _ in range(nodes):
         kind = rng.random()
@@ -76,6 +81,8 @@ def draw_faults(rng: random.Random, nodes: int, bug: str | None = None) -> Fault
     f.keep_entries = rng.choice([0, 5, 50])
     f.clock_skews_ms = [rng.randint(-50, 50) for _ in range(nodes)]
     f.report_snapshot = rng.random() < 0.5
+    f.max_entries_per_append = rng.choices([1, 4, 64, 4096], weights=[1, 2, 3, 4])[0]
+    f.crash_leader_p = rng.choice([0.0, 0.3, 0.7])
     _bias_for_bug(f, rng, bug)
     return f
 
@@ -104,7 +111,12 @@ def _bias_for_bug(f: FaultParams, rng: random.Random, bug: str | None) -> None:
         f.partition_every_ms = rng.randint(300, 1_500)
         f.crash_every_ms = rng.randint(500, 2_000)
         f.transfer_every_ms = rng.randint(300, 1_500)
-    elif bug in ("commit_prev_term_by_count", "no_election_reset_on_append"):
+    elif bug == "commit_prev_term_by_count":
+        # Figure 8: a new leader re-replicates an older term's entry alone in an append (small
+        # appends), counts a majority, and dies before its own term's entry commits
+        f.max_entries_per_append = 1
+        f.crash_every_ms = rng.randint(150, 600)
+        f.crash_leader_p = 0.8
+        f.down_ms_max = rng.randint(50, 600)
         f.partition_every_ms = rng.randint(200, 1_000)
-        f.crash_every_ms = rng.randint(300, 1_500)
-        f.net.drop_p = max(f.net.drop_p, 0.05)
+        f.wipe_p = f.corrupt_p = 0.0

@@ -78,6 +78,7 @@ class HostParams:
     clock_skew_ms: int = 0  # this node's clock offset, used in the leader's stamps
     max_pending_requests: int = 10_000
     batch_ms: int = 2  # inputs arriving within this window share one Ready (group commit)
+    max_entries_per_append: int = 4096
     report_snapshot: bool = True  # tell the core when a snapshot transfer ended (swarm: on/off)
 
 
@@ -132,6 +133,7 @@ class Replica:
     process_scheduled: bool = False
     last_stamp_ms: int = 0
     was_leader_term: int = 0
+    last_commit: int = 0
     since_snapshot: int = 0
 
 
@@ -181,6 +183,7 @@ class SimNode:
             id=member,
             election_tick=p.election_tick,
             heartbeat_tick=p.heartbeat_tick,
+            max_entries_per_append=p.max_entries_per_append,
             applied=applied,
             rng=random.Random(self.sh.rng.random()),
             bugs=self.sh.raft_bugs,
@@ -188,6 +191,7 @@ class SimNode:
         raft = raft_node_class()(cfg, st)
         _hs, cs = st.initial_state()
         self.replica = Replica(member=member, raft=raft, storage=st, sm=sm, conf=cs, applied=applied)
+        self.replica.last_commit = st.hard_state().commit
         self.alive = True
         self.sh.net.attach(self.node_id, self._on_net)
         self._schedule_tick()
@@ -396,6 +400,9 @@ class SimNode:
                 self.sh.trace(f"n{self.node_id}/{r.member[1]} leader term {term}")
                 self.sh.observer.on_leader(term, r.member, _term_at(r.storage), r.storage.first_index() - 1)
         elif r.was_leader_term:
+            if raft.term == r.was_leader_term:
+                # no higher term seen: check-quorum (lost contact with a majority) or own removal
+                self.sh.marks.hit("leader_stepped_down_check_quorum")
             r.was_leader_term = 0
             self.sh.marks.hit("leader_stepped_down")
             # requests proposed here may never commit: their clients time out and retry
@@ -413,11 +420,9 @@ class SimNode:
         me = self.node_id
         for m in rd.early_messages:
             self._send(me, m)
-        wrote = False
         if rd.snapshot is not None and not rd.snapshot.is_empty():
             self.disk.write(snapshot_record(rd.snapshot))
             r.storage.apply_snapshot(rd.snapshot)
-            wrote = True
         if rd.entries or rd.hard_state is not None:
             self.disk.write(batch_record(rd.entries, rd.hard_state))
             if rd.entries:
@@ -427,17 +432,29 @@ class SimNode:
                 self.sh.observer.on_persist(r.member, [(e.index, e.term, e.data) for e in rd.entries], prev)
             if rd.hard_state is not None:
                 r.storage.set_hard_state(rd.hard_state)
-            wrote = True
+                self._check_commit_rule(r, rd.hard_state)
         if self.sh.host_bugs.ack_before_sync:
             for m in rd.messages:  # BUG (test-only): messages leave before the data is durable
                 self._send(me, m)
-        if wrote or rd.must_sync:
+        if rd.must_sync:  # otherwise the writes stay pending (lost on a crash), as the contract allows
             r.syncing = True
             delay = self.disk.sync_latency_ms(self.sh.rng)
             self.sh.loop.call_later(delay, self._synced, self.epoch, rd)
         else:
             self._finish(r, rd)
         del net
+
+    def _check_commit_rule(self, r: Replica, hs: HardState) -> None:
+        """Raft's commit rule (paper section 5.4.2, Figure 8): a leader advances its commit
+        index only to an entry of its own term; older entries commit only beneath one."""
+        if hs.commit > r.last_commit and r.raft.role == StateRole.LEADER and hs.term == r.raft.term:
+            t = _term_at(r.storage)(hs.commit)
+            if t is not None and t != hs.term:
+                self.sh.observer._fail(
+                    f"commit rule: leader {r.member} of term {hs.term} advanced commit to "
+                    f"{hs.commit}, an entry of term {t}"
+                )
+        r.last_commit = max(r.last_commit, hs.commit)
 
     def _synced(self, epoch: int, rd: Ready) -> None:
         r = self.replica
@@ -510,6 +527,8 @@ class SimNode:
         client, req, result = r.sm.apply(e.data)
         if result == ("dup",):
             self.sh.marks.hit("queue_dedup_at_apply")
+        elif result[0] == "msg" and result[3] > 1:
+            self.sh.marks.hit("queue_redelivery_after_expiry")
         if r.pending.pop((client, req), None) is not None:
             self._reply(client, req, result)
 

@@ -44,6 +44,8 @@ class SimNetwork:
         self._blocked: set[tuple[int, int]] = set()  # directed (src, dst) links that lose everything
         self._in_flight: dict[int, int] = {}
         self.faults_enabled = True
+        # drop messages this predicate selects (e.g. one stream of one link); None: off
+        self.drop_filter: Callable[[int, int, Any], bool] | None = None
         self.sent = 0
         self.dropped = 0
         self.duplicated = 0
@@ -82,6 +84,7 @@ class SimNetwork:
             (src, dst) in self._blocked
             or (self.faults_enabled and not reliable and p.drop_p and rng.random() < p.drop_p)
             or self._in_flight.get(dst, 0) >= p.max_in_flight_per_dst
+            or (self.drop_filter is not None and self.drop_filter(src, dst, payload))
         ):
             self.dropped += 1
             if on_done is not None:

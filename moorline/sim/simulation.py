@@ -15,7 +15,17 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from moorline.hashing import crc32c
-from moorline.raft import ConfChange, ConfChangeType, MemberId, ProposalDropped, RaftBugs, RaftError, StateRole
+from moorline.raft import (
+    ConfChange,
+    ConfChangeType,
+    MemberId,
+    Message,
+    MessageType,
+    ProposalDropped,
+    RaftBugs,
+    RaftError,
+    StateRole,
+)
 from moorline.sim.checkers.linearizable import check_registers
 from moorline.sim.checkers.raft_safety import RaftObserver
 from moorline.sim.checkers.total_queue import check_total_queue
@@ -43,6 +53,7 @@ HOST_BUGS: tuple[str, ...] = (
 ALL_BUGS: tuple[str, ...] = CORE_BUGS + HOST_BUGS
 
 CLIENT_BASE = 1000
+STABILITY_CLIENT = 999
 
 
 @dataclass(slots=True)
@@ -51,10 +62,14 @@ class SimConfig:
     nodes: int = 3
     ops: int = 1000
     bug: str | None = None
+    all_faults: bool = False  # every fault kind on (benchmark); default: swarm draws
     trace_lines: int = 60
     liveness_ms: int = 40_000  # bound on convergence after the heal
     safety_ms_per_op: int = 60  # the safety phase ends at ops * this even if ops are stuck
     reconcile_every_ms: int = 100
+    stability_ms: int = 2_000
+    linearizability_steps: int = 300_000  # search budget per key ("unknown" beyond, counted)
+    stability_write_every_ms: int = 40
 
 
 @dataclass(slots=True)
@@ -92,7 +107,7 @@ class Simulation:
             raise ValueError("nodes must be 1, 3 or 5")
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self.fp: FaultParams = draw_faults(self.rng, cfg.nodes, cfg.bug)
+        self.fp: FaultParams = draw_faults(self.rng, cfg.nodes, cfg.bug, cfg.all_faults)
         self.loop = EventLoop(random.Random(self.rng.random()))
         self.marks = Marks()
         self.net = SimNetwork(self.loop, random.Random(self.rng.random()), self.fp.net, self.marks)
@@ -124,6 +139,7 @@ class Simulation:
                 keep_entries=self.fp.keep_entries,
                 clock_skew_ms=self.fp.clock_skews_ms[i],
                 report_snapshot=self.fp.report_snapshot,
+                max_entries_per_append=self.fp.max_entries_per_append,
             )
             self.nodes.append(SimNode(i + 1, self.shared, SimDisk(self.fp.disks[i]), hp))
             self.state[i + 1] = _NodeState()
@@ -205,7 +221,7 @@ class Simulation:
     def _on_client_idle(self) -> None:
         if self.phase == "safety" and all(c.idle for c in self.clients):
             self.loop.call_later(0, self._end_safety)
-        elif self.phase == "liveness":
+        elif self.phase in ("liveness", "settle"):
             self.loop.call_later(0, self._check_converged)
 
     def _end_safety(self) -> None:
@@ -234,8 +250,47 @@ class Simulation:
 
     def _check_converged(self) -> None:
         if self.phase == "liveness" and not self.done and self._convergence_gap() is None:
-            self.done = True
             self.trace("converged")
+            self.phase = "stability"
+            self._start_stability()
+        elif self.phase == "settle" and not self.done and self._convergence_gap() is None:
+            self.done = True
+            self.trace("settled")
+
+    # -- steady state: heartbeats lost while appends flow must not cause an election ---------------
+    def _start_stability(self) -> None:
+        leader = self._leader()
+        assert leader is not None and leader.replica is not None
+        self.stable_leader = leader.replica.member
+        self.stable_term = leader.replica.raft.term
+        lid = leader.node_id
+        self.net.drop_filter = lambda src, dst, m: (
+            src == lid and isinstance(m, Message) and m.type == MessageType.HEARTBEAT
+        )
+        self.trace(f"stability: heartbeats from n{lid} dropped, appends flowing")
+        self.stability_end = self.loop.now_ms + self.cfg.stability_ms
+        self.net.attach(STABILITY_CLIENT, lambda src, payload: None)
+        self._stability_write(lid, 0)
+
+    def _stability_write(self, lid: int, n: int) -> None:
+        if self.loop.now_ms >= self.stability_end:
+            self._end_stability()
+            return
+        self.net.send(STABILITY_CLIENT, lid, ("cmd", n, "put", "_stability", n), reliable=True)
+        self.loop.call_later(self.cfg.stability_write_every_ms, self._stability_write, lid, n + 1)
+
+    def _end_stability(self) -> None:
+        self.net.drop_filter = None
+        terms = {n.node_id: n.replica.raft.term for n in self.nodes if n.replica is not None}
+        leader = self._leader()
+        lm = leader.replica.member if leader is not None and leader.replica is not None else None
+        if max(terms.values(), default=0) != self.stable_term or lm != self.stable_leader:
+            self._violation(
+                f"liveness: election in steady state (heartbeats lost, appends flowing): leader "
+                f"{self.stable_leader} term {self.stable_term} -> {lm}, terms {terms}"
+            )
+        self.phase = "settle"
+        self.trace("stability window over")
 
     def _convergence_gap(self) -> str | None:
         busy = [c.cid for c in self.clients if not c.idle]
@@ -272,7 +327,7 @@ class Simulation:
         self.queue_summary = (
             f"enq acked={v.acknowledged} delivered={v.delivered} recovered={v.recovered}"
         )
-        verdicts = check_registers(h.reg_ops)
+        verdicts = check_registers(h.reg_ops, max_steps=self.cfg.linearizability_steps)
         for key, verdict in verdicts.items():
             if verdict == "violation":
                 self._violation(f"linearizability: register {key} history is not linearizable")
@@ -289,6 +344,9 @@ class Simulation:
                 if r.raft.term > best_term:
                     best, best_term = n, r.raft.term
         return best
+
+    def _node(self, node_id: int) -> SimNode:
+        return self.nodes[node_id - 1]
 
     def _damaged(self, voters: tuple[MemberId, ...]) -> int:
         count = 0
@@ -387,6 +445,9 @@ class Simulation:
         if not alive:
             return
         n = rng.choice(alive)
+        leader = self._leader()
+        if leader is not None and rng.random() < self.fp.crash_leader_p:
+            n = leader
         n.crash()
         self.faults["crash"] += 1
         self.marks.hit("node_crashed")
@@ -481,6 +542,18 @@ class Simulation:
 
     def _propose(self, leader: SimNode, cc: ConfChange) -> None:
         assert leader.replica is not None
+        if cc.type == ConfChangeType.REMOVE and cc.member == leader.replica.member:
+            # a leader does not remove itself: hand leadership to another voter first
+            raft = leader.replica.raft
+            others = [m for m in raft.conf_state.voters if m != cc.member and self._node(m[0]).replica is not None]
+            if others:
+                try:
+                    raft.transfer_leader(self.fault_rng.choice(others))
+                except RaftError:
+                    return
+                self.trace(f"transfer leadership away from {cc.member} before removing it")
+                leader._kick()
+            return
         try:
             leader.replica.raft.propose_conf_change(cc)
         except ProposalDropped:

@@ -68,6 +68,7 @@ class _Op:
     attempts: int = 0
     maybe: bool = False  # some attempt may have entered the log
     record: Any = None
+    counted: bool = True  # part of the op budget (drain and ack follow-ups are not)
 
 
 class Client:
@@ -125,7 +126,7 @@ class Client:
         if self.pending_ack is not None:
             queue, msg_id, delivery = self.pending_ack
             self.pending_ack = None
-            self._begin("ack", (queue, msg_id, delivery))
+            self._begin("ack", (queue, msg_id, delivery), counted=False)
             return
         if self.draining:
             if self.role != "queue" or self.drain_done:
@@ -163,7 +164,7 @@ class Client:
         self.on_idle()
 
     def _begin(self, kind: str, args: tuple[Any, ...], record: Any = None, counted: bool = True) -> None:
-        self.op = _Op(kind, args, self.loop.now_ms, record=record)
+        self.op = _Op(kind, args, self.loop.now_ms, record=record, counted=counted)
         self._attempt()
 
     def _attempt(self) -> None:
@@ -240,7 +241,7 @@ class Client:
         elif op.kind == "put":
             self._record_reg(op, now, None)
         elif op.kind == "cas":
-            self._record_reg(op, now, status == "ok")
+            self._record_reg(op, now, True if status == "ok" else ("fail", result[1]))
         self._end(True)
 
     def _retry_if(self, req: int) -> None:
@@ -258,8 +259,10 @@ class Client:
                 self.last_value[key] = op.args[1]
         else:
             self.h.reg_ops.append(RegOp(key, "cas", (op.args[1], op.args[2]), out, op.invoke_ms, ret_ms, self.cid))
-            if ret_ms is not None and out:
+            if ret_ms is not None and out is True:
                 self.last_value[key] = op.args[2]
+            elif isinstance(out, tuple):
+                self.last_value[key] = out[1]
 
     def _drain_empty(self) -> None:
         """Every queue must answer empty for longer than the visibility timeout (so unacked
@@ -275,10 +278,10 @@ class Client:
     def _end(self, ok: bool) -> None:
         op = self.op
         self.op = None
+        assert op is not None
         self.h.ops_done += 1
-        if ok:
+        if ok and op.counted:
             self.h.ops_ok += 1
-        del op
         delay = self.rng.randint(0, self.p.think_ms_max)
         if self.draining:
             delay = max(delay, 20)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
-from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
 
 from moorline.invariant import invariant
 from moorline.spark import failpoints
@@ -156,13 +156,19 @@ class MoorlineBatchReader(DataSourceReader):
         yield from read_range(self.opts, partition)
 
 
-class MoorlineStreamReader(DataSourceStreamReader):
+class MoorlineStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, opts: ReadOptions) -> None:
         self.opts = opts
         # A stable readerId lets a restarted query replace its own pin; without one each run pins
         # under a fresh id, and a dead run's pin lapses after pinTtlMs.
         self.reader_id = opts.reader_id or f"spark-stream-{uuid.uuid4().hex}"
         self.pins_supported = True
+        self.target: dict[str, int] | None = None  # availableNow: next offsets when the run started
+
+    def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802 (Spark's name)
+        with _client(self.opts) as client:
+            shards = client.shards()
+        self.target = {str(s): shards[s].next_offset for s in _wanted(self.opts, shards)}
 
     def _pin(self, client: NodeClient, offsets: Offsets) -> None:
         if not offsets or not self.pins_supported:
@@ -194,6 +200,11 @@ class MoorlineStreamReader(DataSourceStreamReader):
             clamped = clamp_to_complete(start, shards, self.opts.fail_on_data_loss)
             self._pin(client, clamped)
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        if self.target is not None:  # availableNow: behave as if nothing arrived after the start
+            shards = {
+                s: ShardInfo(s, i.incarnation, i.low_water, min(i.next_offset, self.target.get(str(s), i.next_offset)))
+                for s, i in shards.items()
+            }
         end = latest_end(clamped, shards, max_rows)
         return start if end == start else end
 

@@ -37,7 +37,9 @@ class SnapshotCorruption(Exception):
 
 
 class SnapshotStore:
-    def __init__(self, directory: Path, ledger: SyncLedger | Path | str | None = None, keep: int = KEEP) -> None:
+    def __init__(
+        self, directory: Path, ledger: SyncLedger | Path | str | None = None, keep: int = KEEP
+    ) -> None:
         invariant(keep >= 1, "keep at least one snapshot")
         self.directory = Path(directory)
         self._ledger = SyncLedger(Path(ledger)) if isinstance(ledger, Path | str) else ledger

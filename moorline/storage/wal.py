@@ -29,6 +29,13 @@ later one) is a torn tail and is truncated; an invalid record followed by a vali
 If the invalid record's header is intact its group is reported corrupted and recovery goes on for
 the other groups; otherwise ``WalCorruption`` names the file and offset and the node must not start.
 
+A bit flip in the very last synced record cannot be told from a torn tail and is cut. Two checks
+narrow that gap: hard states are written once per sync *after* that sync's entries (so a surviving
+commit index never names a lost entry), and recovery flags a group whose commit index is beyond its
+last recovered entry.
+
+Every ``open`` starts a new segment (with checkpoints) rather than appending to the last one.
+
 Threads: ``append_*``/``set_hard_state``/``mark_snapshot``/``truncate`` may run on one thread (the
 event loop) while ``sync``/``reclaim`` run on another. Appends only encode into an in-memory buffer
 under a short lock; ``sync`` swaps the buffer out and does the IO without holding that lock.
@@ -45,14 +52,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+import crc32c as _crc32c_module
+
 from moorline.hashing import crc32c
 from moorline.invariant import invariant
 from moorline.storage.fsutil import ensure_dir, fsync_dir, truncate_durably, write_all
 from moorline.storage.ledger import SyncLedger
 
-# moorline.hashing.crc32c is typed for bytes; the C function takes any buffer (no copy).
-_crc: Callable[[bytes | bytearray | memoryview], int] = crc32c  # type: ignore[assignment]
-
+# The same C function moorline.hashing.crc32c wraps, bound directly: it takes any buffer (no
+# copy) and skips one Python call per record on the hot path. Checked equal at import.
+_crc: Callable[[bytes | bytearray | memoryview], int] = _crc32c_module.crc32c
+invariant(_crc(b"123456789") == crc32c(b"123456789") == 0xE3069283, "CRC32C implementations disagree")
 
 
 class Entry(NamedTuple):
@@ -69,9 +79,11 @@ class HardState(NamedTuple):
     vote: bytes
     commit: int
 
+
 MAGIC = 0x4C57
 _MAGIC_BYTES = struct.pack("<H", MAGIC)
 _HDR_PRE = struct.Struct("<HBBIqIII")  # everything the header CRC covers
+_HDR = struct.Struct("<HBBIqIIII")  # the whole header, header CRC last
 _U32 = struct.Struct("<I")
 HEADER_BYTES = _HDR_PRE.size + 4
 invariant(HEADER_BYTES == 32, "WAL header layout changed")
@@ -137,8 +149,8 @@ class WalRecovery:
 
 
 def _frame(rtype: int, group: int, seg: int, pos: int, body: bytes) -> bytes:
-    pre = _HDR_PRE.pack(MAGIC, rtype, 0, len(body), group, seg, pos, crc32c(body))
-    return pre + _U32.pack(crc32c(pre)) + body
+    pre = _HDR_PRE.pack(MAGIC, rtype, 0, len(body), group, seg, pos, _crc(body))
+    return pre + _U32.pack(_crc(pre)) + body
 
 
 _OK, _BAD_HEADER, _BAD_BODY = 0, 1, 2
@@ -149,10 +161,16 @@ def _parse(mv: memoryview, p: int, seq: int) -> tuple[int, int, int, int, int]:
     n = len(mv)
     if p + HEADER_BYTES > n:
         return (_BAD_HEADER, 0, 0, 0, 0)
-    magic, rtype, flags, blen, group, seg, pos, bcrc = _HDR_PRE.unpack_from(mv, p)
-    if magic != MAGIC or seg != seq or pos != p or flags != 0 or rtype not in _TYPES:
-        return (_BAD_HEADER, 0, 0, 0, 0)
-    if blen > MAX_BODY_BYTES or _U32.unpack_from(mv, p + 28)[0] != _crc(mv[p : p + 28]):
+    magic, rtype, flags, blen, group, seg, pos, bcrc, hcrc = _HDR.unpack_from(mv, p)
+    if (
+        magic != MAGIC
+        or seg != seq
+        or pos != p
+        or flags != 0
+        or rtype not in _TYPES
+        or blen > MAX_BODY_BYTES
+        or hcrc != _crc(mv[p : p + 28])
+    ):
         return (_BAD_HEADER, 0, 0, 0, 0)
     start = p + HEADER_BYTES
     end = start + blen
@@ -185,10 +203,7 @@ class _GroupState:
     def checkpoint_body(self) -> bytes:
         term, vote, commit = self.hard_state if self.hard_state is not None else (0, b"", 0)
         has = 1 if self.hard_state is not None else 0
-        return (
-            _CKPT.pack(has, term, commit, self.snapshot_index, self.snapshot_term, self.last_index)
-            + vote
-        )
+        return _CKPT.pack(has, term, commit, self.snapshot_index, self.snapshot_term, self.last_index) + vote
 
 
 @dataclass
@@ -249,12 +264,13 @@ class WriteAheadLog:
         # segment seq -> group -> highest entry index still live in that segment.
         self._seg_max: dict[int, dict[int, int]] = {}
 
-        # Syncer side, guarded by _sync_lock.
+        # Syncer side, guarded by _sync_lock (held during IO).
         self._sync_lock = threading.Lock()
         self._fd: int | None = None
         self._fd_seq = 0
         self._fd_length = 0
         self._synced_seq = 0
+        # Read by the event loop, changed by the syncer: mutated under both locks, read under _lock.
         self._disk_segments: list[int] = []
         self._durable_snapshot: dict[int, int] = {}
 
@@ -286,36 +302,11 @@ class WriteAheadLog:
                 fsync_dir(self.directory)
                 break
 
+        first_path = files[0][1] if files else self.directory
+        last_path = files[-1][1] if files else self.directory
         result: dict[int, GroupRecovery] = {}
         for g in sorted(groups):
-            rg = groups[g]
-            st = rg.state
-            if not rg.corrupted and rg.first_index() > st.snapshot_index + 1:
-                rg.corrupted = True
-                corrupted.append(
-                    CorruptionReport(
-                        files[0][1] if files else self.directory,
-                        0,
-                        g,
-                        f"entries {st.snapshot_index + 1}..{rg.first_index() - 1} of group {g} are missing",
-                    )
-                )
-            top = rg.entries[-1][1] if rg.entries else st.snapshot_index
-            if not rg.corrupted and st.hard_state is not None and st.hard_state[2] > top:
-                # Raft never commits past its own last entry, so entries that were synced (they
-                # are older than the hard state naming them) have been lost.
-                rg.corrupted = True
-                corrupted.append(
-                    CorruptionReport(
-                        files[-1][1] if files else self.directory,
-                        0,
-                        g,
-                        f"group {g} commit index {st.hard_state[2]} is beyond its last entry {top}",
-                    )
-                )
-            result[g] = GroupRecovery(st.hard_state, st.snapshot_index, st.snapshot_term, rg.entries, rg.corrupted)
-            self._groups[g] = _GroupState(st.last_index, st.snapshot_index, st.snapshot_term, st.hard_state)
-            self._durable_snapshot[g] = st.snapshot_index
+            result[g] = self._finish_group(g, groups[g], first_path, last_path, corrupted)
 
         # A trailing segment torn at 0 carries no checkpoint; drop it.
         while kept and (self.directory / segment_name(kept[-1])).stat().st_size == 0:
@@ -325,6 +316,19 @@ class WriteAheadLog:
                 self._ledger.forget(self.directory / segment_name(seq))
             self._seg_max.pop(seq, None)
         fsync_dir(self.directory)
+        # What recovery accepted may still sit only in the page cache (the process died, the
+        # machine did not). New records will build on it, so make it durable first: otherwise a
+        # later power loss could lose this tail while keeping newer segments (corruption).
+        for seq in kept:
+            path = self.directory / segment_name(seq)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            if self._ledger is not None:
+                self._ledger.record(path, size)
         self._disk_segments = kept
         # Always write into a fresh segment that starts with checkpoints of every group: resuming a
         # segment whose checkpoint block was torn would leave old segments holding the only copy.
@@ -332,6 +336,33 @@ class WriteAheadLog:
         with self._lock:
             self._start_segment_locked()
         return WalRecovery(result, corrupted, torn)
+
+    def _finish_group(
+        self,
+        g: int,
+        rg: _RecoveringGroup,
+        first_path: Path,
+        last_path: Path,
+        corrupted: list[CorruptionReport],
+    ) -> GroupRecovery:
+        """Final consistency checks of one recovered group; adopt its state for writing."""
+        st = rg.state
+        if not rg.corrupted and rg.first_index() > st.snapshot_index + 1:
+            rg.corrupted = True
+            missing = f"{st.snapshot_index + 1}..{rg.first_index() - 1}"
+            corrupted.append(
+                CorruptionReport(first_path, 0, g, f"entries {missing} of group {g} are missing")
+            )
+        top = rg.entries[-1][1] if rg.entries else st.snapshot_index
+        if not rg.corrupted and st.hard_state is not None and st.hard_state.commit > top:
+            # Raft never commits past its own last entry, and the hard state is written after the
+            # entries of its sync: entries that were synced have been lost.
+            rg.corrupted = True
+            msg = f"group {g} commit index {st.hard_state.commit} is beyond its last entry {top}"
+            corrupted.append(CorruptionReport(last_path, 0, g, msg))
+        self._groups[g] = _GroupState(st.last_index, st.snapshot_index, st.snapshot_term, st.hard_state)
+        self._durable_snapshot[g] = st.snapshot_index
+        return GroupRecovery(st.hard_state, st.snapshot_index, st.snapshot_term, rg.entries, rg.corrupted)
 
     def _list_segments(self) -> list[tuple[int, Path]]:
         found: list[tuple[int, Path]] = []
@@ -452,7 +483,9 @@ class WriteAheadLog:
                 st = self._groups[group] = _GroupState()
             first = entries[0][1]
             invariant(first > st.snapshot_index, f"group {group}: entry {first} is compacted")
-            invariant(first <= st.last_index + 1, f"group {group}: entry {first} leaves a gap after {st.last_index}")
+            invariant(
+                first <= st.last_index + 1, f"group {group}: entry {first} leaves a gap after {st.last_index}"
+            )
             if first <= st.last_index:
                 self._emit(T_TRUNCATE, group, _TRUNC.pack(first))
                 self._note_truncate(group, first)
@@ -619,11 +652,10 @@ class WriteAheadLog:
                 invariant(not snapshots, "snapshot marks pending without bytes")
                 self._synced_seq = max(self._synced_seq, seq)
                 return self._synced_seq
-            changed: list[tuple[Path, int]] = []
             try:
                 for seg_seq, chunk in chunks:
                     if seg_seq != self._fd_seq:
-                        self._switch_segment(seg_seq, changed)
+                        self._switch_segment(seg_seq)
                     assert self._fd is not None
                     write_all(self._fd, chunk)
                     self._fd_length += len(chunk)
@@ -632,69 +664,79 @@ class WriteAheadLog:
             except BaseException as exc:
                 self._failed = exc
                 raise
-            changed.append((self.directory / segment_name(self._fd_seq), self._fd_length))
-            for group, index in snapshots:
-                self._durable_snapshot[group] = max(self._durable_snapshot.get(group, 0), index)
-            invariant(seq >= self._synced_seq, "sync sequence went back")
-            self._synced_seq = seq
+            with self._lock:
+                for group, index in snapshots:
+                    self._durable_snapshot[group] = max(self._durable_snapshot.get(group, 0), index)
+                invariant(seq >= self._synced_seq, "sync sequence went back")
+                self._synced_seq = seq
             if self._ledger is not None:
-                self._ledger.record_many(changed)
+                self._ledger.record(self.directory / segment_name(self._fd_seq), self._fd_length)
             return seq
 
-    def _switch_segment(self, seg_seq: int, changed: list[tuple[Path, int]]) -> None:
+    def _switch_segment(self, seg_seq: int) -> None:
         invariant(seg_seq > self._fd_seq, "segments are written in order")
         if self._fd is not None:
             # The old segment must be complete on disk before the new one holds anything: a
             # valid record in a later segment then proves the earlier ones whole (recovery).
             os.fdatasync(self._fd)
             os.close(self._fd)
-            changed.append((self.directory / segment_name(self._fd_seq), self._fd_length))
+            # Ledger lines are written as soon as each fact is durable: a harness that cuts files
+            # after a SIGKILL in the middle of this sync must not cut what was already synced.
+            if self._ledger is not None:
+                self._ledger.record(self.directory / segment_name(self._fd_seq), self._fd_length)
         path = self.directory / segment_name(seg_seq)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         fsync_dir(self.directory)
         self._fd_seq = seg_seq
         self._fd_length = 0
-        self._disk_segments.append(seg_seq)
-        changed.append((path, 0))
+        with self._lock:
+            self._disk_segments.append(seg_seq)
+        if self._ledger is not None:
+            self._ledger.record(path, 0)
 
     # ------------------------------------------------------------------ reclaiming
 
     def reclaim(self) -> list[Path]:
-        """Delete the oldest segments whose entries are all covered by durable snapshot marks."""
+        """Delete the oldest segments whose entries are all covered by durable snapshot marks.
+
+        Does file IO and waits for a running sync: call it off the event loop (e.g. on the sync
+        thread right after a sync)."""
         removed: list[Path] = []
         with self._sync_lock:
-            while len(self._disk_segments) > 1:
-                seq = self._disk_segments[0]
-                if seq >= self._fd_seq:
-                    break  # the segment being written, or one whose successor is not yet durable
+            while True:
                 with self._lock:
-                    tops = dict(self._seg_max.get(seq, {}))
-                if any(top > self._durable_snapshot.get(g, 0) for g, top in tops.items()):
-                    break
+                    if len(self._disk_segments) < 2 or self._disk_segments[0] >= self._fd_seq:
+                        break  # keep the segment being written and any whose successor is not durable
+                    seq = self._disk_segments[0]
+                    if self._pinning_locked(seq):
+                        break
                 path = self.directory / segment_name(seq)
                 path.unlink()
                 if self._ledger is not None:
                     self._ledger.forget(path)
                 removed.append(path)
-                self._disk_segments.pop(0)
                 with self._lock:
+                    self._disk_segments.pop(0)
                     self._seg_max.pop(seq, None)
             if removed:
                 fsync_dir(self.directory)
         return removed
 
+    def _pinning_locked(self, seq: int) -> list[int]:
+        tops = self._seg_max.get(seq, {})
+        return sorted(g for g, top in tops.items() if top > self._durable_snapshot.get(g, 0))
+
     def groups_pinning_oldest_segment(self) -> list[int]:
-        """Groups whose entries above their durable snapshot keep the oldest segment alive."""
-        with self._sync_lock:
+        """Groups whose entries above their durable snapshot keep the oldest segment alive.
+
+        Cheap and non-blocking (no IO): fine to call from the event loop."""
+        with self._lock:
             if not self._disk_segments:
                 return []
-            seq = self._disk_segments[0]
-            with self._lock:
-                tops = dict(self._seg_max.get(seq, {}))
-            return sorted(g for g, top in tops.items() if top > self._durable_snapshot.get(g, 0))
+            return self._pinning_locked(self._disk_segments[0])
 
     def segment_paths(self) -> list[Path]:
-        with self._sync_lock:
+        with self._lock:
             return [self.directory / segment_name(s) for s in self._disk_segments]
 
     def close(self) -> None:

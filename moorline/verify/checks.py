@@ -329,7 +329,7 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
     # --- resends after a reconnect: in original order, before anything new, from the oldest unacked.
     checked_app = (
         app.join(checked_subs, ["run", "sub"]).where(match)
-        .select("run", "sub", "session", "guid", "topic", "conn", "k", "orig_ns", "mono_ns", "index")
+        .select("run", "sub", "session", "guid", "topic", "conn", "prev_conn", "k", "orig_ns", "mono_ns", "index")
         .dropDuplicates(["run", "sub", "mono_ns", "index"])
         .localCheckpoint()
     )
@@ -337,7 +337,8 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         W.partitionBy("run", "sub", "topic", "conn").orderBy("mono_ns", "index")
         .rowsBetween(W.unboundedPreceding, -1)
     )
-    checked_reps = checked_app.where(F.col("k") > 1)
+    # Resends after a reconnect (a repeat in the same connection is already a duplicate).
+    checked_reps = checked_app.where((F.col("k") > 1) & (F.col("conn") > F.col("prev_conn")))
     resend_misordered = checked_reps.withColumn("prev_orig", F.max("orig_ns").over(w_conn)).where(
         F.col("orig_ns") < F.col("prev_orig")
     )

@@ -200,6 +200,9 @@ def test_sessions_epochs_and_stale_commands() -> None:
     assert s.apply(c.SessionSubscribe("c1", 2, "t", 1, False, False, 0, None), fx) == (False, 1)
     r3 = s.apply(c.SessionOpen(2, "c1", True, 100, None), fx)  # clean start ends the old session
     assert r3.session_present is False and r3.ended is not None and "t" in r3.ended.subs
+    assert r3.epoch == 3  # never reused, even by a new incarnation: the old owner stays stale
+    assert s.apply(c.SessionClose(3, "c1", 1, False), fx) is None
+    assert "c1" in s.sessions.sessions
 
 
 def test_delivery_log_and_acks() -> None:

@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -174,10 +175,10 @@ class BrokerProc:
         proc.send_signal(sig)
         try:
             rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
             proc.kill()
             proc.wait()
-            raise AssertionError(f"broker did not stop within {timeout}s after signal {sig}:\n{self.log_tail()}")
+            raise AssertionError(f"broker did not stop within {timeout}s after signal {sig}:\n{self.log_tail()}") from e
         self.exit_codes.append(rc)
         return rc
 
@@ -258,15 +259,26 @@ def broker(broker_factory: BrokerFactory) -> BrokerProc:
     return broker_factory()
 
 
+@contextmanager
+def running_broker(base: Path, env: dict[str, str] | None = None, config_text: str | None = None,
+                   kind: str | None = None) -> Iterator[BrokerProc]:
+    """A broker for a block (e.g. a module fixture); at the end it must stop cleanly (SIGTERM -> exit 0)."""
+    b = BrokerProc(kind or BROKER_KIND, base / "broker", env, config_text)
+    b.start()
+    try:
+        yield b
+    finally:
+        if b.proc is not None:
+            rc = b.stop(signal.SIGTERM)
+            assert rc == 0, f"{b}: exit code {rc} after SIGTERM\n{b.log_tail()}"
+
+
 @pytest.fixture(scope="module")
 def shared_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProc]:
-    """One broker for a whole module of non-destructive tests; tests isolate themselves by topic prefix."""
-    b = BrokerProc(BROKER_KIND, tmp_path_factory.mktemp("shared") / "broker")
-    b.start()
-    yield b
-    if b.proc is not None:
-        rc = b.stop(signal.SIGTERM)
-        assert rc == 0, f"{b}: exit code {rc} after SIGTERM\n{b.log_tail()}"
+    """One broker for a whole module of tests; tests isolate themselves by topic prefix and client id.
+    Tests may restart it (the ports stay the same)."""
+    with running_broker(tmp_path_factory.mktemp("shared")) as b:
+        yield b
 
 
 @pytest.fixture

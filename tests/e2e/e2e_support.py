@@ -86,7 +86,7 @@ class Paho:
         self.client.on_unsubscribe = self._on_unsubscribe
         self.client.on_publish = self._on_publish
         self.client.on_disconnect = self._on_disconnect
-        self.client.reconnect_delay_set(0.2, 1)
+        self.client.reconnect_delay_set(1, 1)
 
     # ---- callbacks (paho network thread)
 
@@ -148,12 +148,12 @@ class Paho:
             rc, mid = self.client.subscribe(topic, options=opts, properties=properties)
         else:
             rc, mid = self.client.subscribe(topic, qos)
-        assert rc == mqtt.MQTT_ERR_SUCCESS, rc
+        assert rc == mqtt.MQTT_ERR_SUCCESS and mid is not None, rc
         return self._wait(self._subacks, mid, timeout)  # type: ignore[no-any-return]
 
     def unsubscribe(self, topic: str, timeout: float = TIMEOUT_S) -> Any:
         rc, mid = self.client.unsubscribe(topic)
-        assert rc == mqtt.MQTT_ERR_SUCCESS, rc
+        assert rc == mqtt.MQTT_ERR_SUCCESS and mid is not None, rc
         return self._wait(self._unsubacks, mid, timeout)
 
     def publish(self, topic: str, payload: bytes | str, qos: int = 0, retain: bool = False,
@@ -195,26 +195,6 @@ class Paho:
         self.client.disconnect(properties=properties) if self.version == 5 else self.client.disconnect()
         self.disconnected.wait(5)
         self.client.loop_stop()
-
-    def kill_socket(self) -> None:
-        """Abnormal disconnect: close the TCP socket without DISCONNECT and stop paho from reconnecting."""
-        sock = self.client.socket()
-        self.client.loop_stop()
-        if sock is not None:
-            import socket as _s
-            import struct as _st
-            try:
-                sock.setsockopt(_s.SOL_SOCKET, _s.SO_LINGER, _st.pack("ii", 1, 0))
-            except OSError:
-                pass
-            sock.close()
-
-
-def user_props(msg: mqtt.MQTTMessage) -> list[tuple[str, str]]:
-    p = getattr(msg, "properties", None)
-    if p is None or not hasattr(p, "UserProperty"):
-        return []
-    return [tuple(x) for x in p.UserProperty]  # type: ignore[misc]
 
 
 def mosquitto_sub(port: int, topic: str, count: int, *, qos: int = 1, version: str = "311",

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import BROKER_KIND, BrokerFactory, BrokerProc
+from conftest import BROKER_KIND, BrokerProc, running_broker
 from rawclient import P_SESSION_EXPIRY, PUBACK, PUBLISH, RawClient, encode_ack, encode_publish
 
 pytestmark = pytest.mark.e2e
@@ -38,13 +38,14 @@ def _topics_over_all_shards(prefix: str, count: int) -> list[str]:
     return topics
 
 
-@pytest.fixture(params=[None, SEED], ids=["plain", "chaos"])
-def xbroker(request: pytest.FixtureRequest, broker_factory: BrokerFactory) -> Iterator[BrokerProc]:
+@pytest.fixture(scope="module", params=[None, SEED], ids=["plain", "chaos"])
+def xbroker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProc]:
     seed = request.param
     if seed is not None and BROKER_KIND != "moorline":
         pytest.skip("cross-shard chaos is a moorline test switch")
     env = {"MOORLINE_TEST_CROSS_SHARD_CHAOS": seed} if seed is not None else None
-    yield broker_factory(env=env)
+    with running_broker(tmp_path_factory.mktemp("xshard"), env=env) as b:
+        yield b
 
 
 def test_wildcard_over_all_shards(xbroker: BrokerProc, uniq: str) -> None:

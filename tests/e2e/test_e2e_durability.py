@@ -92,19 +92,19 @@ def drain_acking(c: RawClient, quiet: float = 1.5, limit: int = 100_000) -> list
 
 
 @pytest.mark.parametrize("kill", RESTARTS)
-def test_persistent_mosquitto_sub_gets_everything_after_crash(broker: BrokerProc, uniq: str, kill: bool) -> None:
-    port, topic, cid, n = broker.mqtt_port, f"{uniq}/d", f"{uniq}-sub", 300
+def test_persistent_mosquitto_sub_gets_everything_after_crash(shared_broker: BrokerProc, uniq: str, kill: bool) -> None:
+    port, topic, cid, n = shared_broker.mqtt_port, f"{uniq}/d", f"{uniq}-sub", 300
     mosquitto_presubscribe(port, topic, cid, qos=1)
     r = mosquitto_pub(port, topic, None, qos=1, stdin_lines=[f"msg-{i:04d}" for i in range(n)])
     assert r.returncode == 0, r.stderr  # every line was PUBACKed
-    broker.restart(kill=kill)
+    shared_broker.restart(kill=kill)
     # -C n+1 with a short -W: one extra message would show up as a duplicate
-    lines = sub_lines(mosquitto_sub(port, topic, n + 1, qos=1, client_id=cid, persistent=True, timeout_s=8))
+    lines = sub_lines(mosquitto_sub(port, topic, n + 1, qos=1, client_id=cid, persistent=True, timeout_s=5))
     expected = [f"{topic} msg-{i:04d}" for i in range(n)]
     assert len(lines) == n, f"got {len(lines)} of {n} (missing {sorted(set(expected) - set(lines))[:5]})"
     assert lines == expected, "order or content differs"
     # acknowledged deliveries are not delivered again after a clean restart (in-flight acks finish first)
-    broker.restart(kill=False)
+    shared_broker.restart(kill=False)
     assert sub_lines(mosquitto_sub(port, topic, 1, qos=1, client_id=cid, persistent=True, timeout_s=2)) == []
 
 
@@ -163,15 +163,15 @@ class StreamPublisher:
 
 
 @pytest.mark.parametrize("kill", RESTARTS)
-def test_qos1_stream_crash_loses_no_acked_message(broker: BrokerProc, uniq: str, kill: bool) -> None:
+def test_qos1_stream_crash_loses_no_acked_message(shared_broker: BrokerProc, uniq: str, kill: bool) -> None:
     rng = random.Random(SEED)
     topics = [f"{uniq}/s/{i}" for i in range(8)]  # several shards
     total = 4000
     kill_after_acks = rng.randint(300, 1500)
-    sub = new_session(broker, f"{uniq}-sub", [(f"{uniq}/s/+", 1)])
+    sub = new_session(shared_broker, f"{uniq}-sub", [(f"{uniq}/s/+", 1)])
     sub.disconnect()  # offline: everything is queued for the session
 
-    pub_client = RawClient(HOST, broker.mqtt_port, 5)
+    pub_client = RawClient(HOST, shared_broker.mqtt_port, 5)
     assert pub_client.connect(f"{uniq}-pub").reason == 0
     pub = StreamPublisher(pub_client, topics, total)
     t = threading.Thread(target=pub.run, daemon=True)
@@ -180,14 +180,14 @@ def test_qos1_stream_crash_loses_no_acked_message(broker: BrokerProc, uniq: str,
     while len(pub.acked) < kill_after_acks and t.is_alive() and time.monotonic() < deadline:
         time.sleep(0.002)
     assert len(pub.acked) >= kill_after_acks, f"seed {SEED}: only {len(pub.acked)} acks in time ({pub.error})"
-    broker.restart(kill=kill)
+    shared_broker.restart(kill=kill)
     t.join(30)
     assert not t.is_alive()
     assert pub.error is None, f"seed {SEED}: publisher failed: {pub.error!r}"
     acked = set(pub.acked)
     assert len(acked) < total, "the stream finished before the crash; the test proved nothing"
 
-    sub = reconnect(broker, f"{uniq}-sub")
+    sub = reconnect(shared_broker, f"{uniq}-sub")
     got = drain_acking(sub, quiet=2.0)
     seqs = [int(m.payload) for m in got]
     counts = Counter(seqs)
@@ -258,15 +258,15 @@ class MethodBSubscriber:
 
 
 @pytest.mark.parametrize("kill", RESTARTS)
-def test_qos2_method_b_subscriber_exactly_once_across_crash(broker: BrokerProc, uniq: str, kill: bool) -> None:
+def test_qos2_method_b_subscriber_exactly_once_across_crash(shared_broker: BrokerProc, uniq: str, kill: bool) -> None:
     rng = random.Random(SEED + 1)
     n = 400
     topics = [f"{uniq}/q2/{i}" for i in range(4)]
     cid = f"{uniq}-sub"
-    sub_client = new_session(broker, cid, [(f"{uniq}/q2/+", 2)])
+    sub_client = new_session(shared_broker, cid, [(f"{uniq}/q2/+", 2)])
     sub_client.disconnect()
 
-    pub = RawClient(HOST, broker.mqtt_port, 5)
+    pub = RawClient(HOST, shared_broker.mqtt_port, 5)
     assert pub.connect(f"{uniq}-pub").reason == 0
     for i in range(n):
         done = pub.publish_and_wait(topics[i % len(topics)], f"{i}".encode(), 2)
@@ -274,7 +274,7 @@ def test_qos2_method_b_subscriber_exactly_once_across_crash(broker: BrokerProc, 
     pub.disconnect()
 
     subscriber = MethodBSubscriber(cid)
-    c = reconnect(broker, cid, receive_maximum=16)
+    c = reconnect(shared_broker, cid, receive_maximum=16)
     kill_at = rng.randint(n // 4, 3 * n // 4)
     t = threading.Thread(target=subscriber.consume, args=(c,), kwargs={"quiet": 30.0, "delay": 0.004},
                          daemon=True)
@@ -283,14 +283,14 @@ def test_qos2_method_b_subscriber_exactly_once_across_crash(broker: BrokerProc, 
     while len(subscriber.delivered) < kill_at and t.is_alive() and time.monotonic() < deadline:
         time.sleep(0.001)
     assert len(subscriber.delivered) >= kill_at, f"seed {SEED}: stalled at {len(subscriber.delivered)}"
-    broker.restart(kill=kill)
+    shared_broker.restart(kill=kill)
     t.join(30)
     assert not t.is_alive()
     c.close()
     before = len(subscriber.delivered)
     assert before < n, "all delivered before the crash; the test proved nothing"
 
-    c = reconnect(broker, cid)
+    c = reconnect(shared_broker, cid)
     subscriber.consume(c, quiet=2.0)
     c.disconnect()
     assert subscriber.violations == [], f"seed {SEED}: {subscriber.violations[:5]}"
@@ -306,18 +306,18 @@ def test_qos2_method_b_subscriber_exactly_once_across_crash(broker: BrokerProc, 
 
 
 @pytest.mark.parametrize("kill", RESTARTS)
-def test_qos2_publisher_resend_after_crash_delivers_once(broker: BrokerProc, uniq: str, kill: bool) -> None:
+def test_qos2_publisher_resend_after_crash_delivers_once(shared_broker: BrokerProc, uniq: str, kill: bool) -> None:
     topic, pub_id, sub_id = f"{uniq}/once", f"{uniq}-pub", f"{uniq}-sub"
-    sub = new_session(broker, sub_id, [(topic, 2)])
+    sub = new_session(shared_broker, sub_id, [(topic, 2)])
     sub.disconnect()
-    pub = RawClient(HOST, broker.mqtt_port, 5)
+    pub = RawClient(HOST, shared_broker.mqtt_port, 5)
     assert pub.connect(pub_id, clean=False, props=[(P_SESSION_EXPIRY, 3600)]).reason == 0
     pub.send(encode_publish(topic, b"only-once", 2, pid=9, version=5))
     time.sleep(0.5)  # the broker has it; we never read its PUBREC
     pub.abort()
-    broker.restart(kill=kill)
+    shared_broker.restart(kill=kill)
 
-    pub = reconnect(broker, pub_id)
+    pub = reconnect(shared_broker, pub_id)
     pub.send(encode_publish(topic, b"only-once", 2, pid=9, dup=True, version=5))
     rec = pub.expect(PUBREC, 10)
     assert rec.pid == 9 and rec.reason < 0x80, rec
@@ -327,7 +327,7 @@ def test_qos2_publisher_resend_after_crash_delivers_once(broker: BrokerProc, uni
     pub.disconnect()
 
     subscriber = MethodBSubscriber(sub_id)
-    c = reconnect(broker, sub_id)
+    c = reconnect(shared_broker, sub_id)
     subscriber.consume(c, quiet=1.5)
     c.disconnect()
     assert subscriber.violations == []

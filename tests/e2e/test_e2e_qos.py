@@ -8,7 +8,14 @@ import asyncio
 import aiomqtt
 import pytest
 from conftest import BrokerProc
-from e2e_support import LiveMosquittoSub, Paho, mosquitto_presubscribe, mosquitto_pub, mosquitto_sub, sub_lines
+from e2e_support import (
+    LiveMosquittoSub,
+    Paho,
+    mosquitto_presubscribe,
+    mosquitto_pub,
+    mosquitto_sub,
+    sub_lines,
+)
 from rawclient import PUBCOMP, PUBREC, PUBREL, RawClient, encode_ack, encode_publish
 
 pytestmark = pytest.mark.e2e
@@ -142,3 +149,12 @@ def test_mosquitto_clients_round_trip(shared_broker: BrokerProc, uniq: str, vers
                         session_expiry=3600 if version == "5" else None, timeout_s=20)
     lines = sub_lines(sub)
     assert lines == [f"{topic} line{i}" for i in range(n)]
+
+
+@pytest.mark.moorline_only
+def test_anonymous_allowed_on_loopback_by_default(shared_broker: BrokerProc) -> None:
+    for v in (4, 5):
+        c = RawClient("127.0.0.1", shared_broker.mqtt_port, v)
+        assert c.connect(f"anon-{v}").reason == 0  # no username, no password, default configuration
+        c.ping()
+        c.disconnect()

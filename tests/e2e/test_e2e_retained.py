@@ -128,14 +128,14 @@ def test_retained_with_mosquitto_clients(shared_broker: BrokerProc, uniq: str) -
     assert sub_lines(proc) == []
 
 
-def test_retained_survives_clean_restart(broker: BrokerProc, uniq: str) -> None:
+def test_retained_survives_clean_restart(shared_broker: BrokerProc, uniq: str) -> None:
     topic = f"{uniq}/keep"
-    pub = Paho(broker.mqtt_port, f"{uniq}-p", version=5)
+    pub = Paho(shared_broker.mqtt_port, f"{uniq}-p", version=5)
     pub.connect()
     pub.publish(topic, b"durable-retained", 1, retain=True)
     pub.disconnect()
-    broker.restart(kill=False)
-    sub = Paho(broker.mqtt_port, f"{uniq}-s", version=5)
+    shared_broker.restart(kill=False)
+    sub = Paho(shared_broker.mqtt_port, f"{uniq}-s", version=5)
     sub.connect()
     sub.subscribe(topic, 1)
     m = sub.get()

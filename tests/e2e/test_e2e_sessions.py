@@ -99,11 +99,11 @@ def test_qos2_pubrel_resent_after_reconnect(shared_broker: BrokerProc, uniq: str
 
 
 @pytest.mark.parametrize("version", [4, 5], ids=["v311", "v5"])
-def test_session_and_queue_survive_clean_restart(broker: BrokerProc, uniq: str, version: int) -> None:
+def test_session_and_queue_survive_clean_restart(shared_broker: BrokerProc, uniq: str, version: int) -> None:
     cid = f"{uniq}-sub"
-    c, _ = persistent(broker, cid, version)
+    c, _ = persistent(shared_broker, cid, version)
     c.subscribe([(f"{uniq}/q", 1)])
-    pub = Paho(broker.mqtt_port, f"{uniq}-p", version=5)
+    pub = Paho(shared_broker.mqtt_port, f"{uniq}-p", version=5)
     pub.connect()
     for i in range(3):
         pub.publish(f"{uniq}/q", f"{i}".encode(), 1)
@@ -114,8 +114,8 @@ def test_session_and_queue_survive_clean_restart(broker: BrokerProc, uniq: str, 
     for i in range(3, 10):
         pub.publish(f"{uniq}/q", f"{i}".encode(), 1)
     pub.disconnect()
-    broker.restart(kill=False)
-    c, present = persistent(broker, cid, version)
+    shared_broker.restart(kill=False)
+    c, present = persistent(shared_broker, cid, version)
     assert present
     got = []
     for _ in range(9):
@@ -126,3 +126,25 @@ def test_session_and_queue_survive_clean_restart(broker: BrokerProc, uniq: str, 
     assert [(m.pid, m.dup) for m in got[:2]] == [(first[1].pid, True), (first[2].pid, True)]
     assert c.recv_or_none(0.5) is None
     c.disconnect()
+
+
+@pytest.mark.parametrize("how", ["disconnect", "abort"])
+def test_immediate_reconnect_with_same_client_id(shared_broker: BrokerProc, uniq: str, how: str) -> None:
+    """Clients reconnect at once after a DISCONNECT or a dropped connection; the new connection with the
+    same client id must be fully usable (SUBSCRIBE, PUBLISH), each time."""
+    cid = f"{uniq}-c"
+    for i in range(6):
+        c = RawClient(HOST, shared_broker.mqtt_port, 5)
+        props = [(P_SESSION_EXPIRY, 60)] if i % 2 else None
+        ack = c.connect(cid, clean=i % 3 == 0, props=props)
+        assert ack.reason == 0, (i, ack)
+        suback = c.subscribe([(f"{uniq}/same/{i}", 1)])
+        assert suback.reasons == [1], (i, suback)
+        assert c.publish_and_wait(f"{uniq}/same/{i}", b"x", 1).reason < 0x80
+        m = c.next_message()
+        assert m.payload == b"x"
+        c.ack(m)
+        if how == "disconnect":
+            c.disconnect()
+        else:
+            c.abort()

@@ -219,6 +219,13 @@ def test_unsupported_protocol_carries_level(name: str, level: int) -> None:
     assert e.level == level
 
 
+def test_version_known_even_when_the_rest_of_connect_is_malformed() -> None:
+    dec = Decoder()
+    with pytest.raises(MalformedPacket):
+        dec.feed(connect_body(level=5, flags=0x03, rest=b"\x00" + s("c")))
+    assert dec.version == 5  # so the broker can answer with a v5 CONNACK 0x81
+
+
 def test_connect_reserved_flag() -> None:
     raises(connect_body(flags=0x03), version=None)
 
@@ -329,3 +336,18 @@ def test_many_packets_in_one_feed() -> None:
     stream = b"".join(encode(p, 5) for p in pubs) + encode(Subscribe(9, (("a/#", SubscriptionOptions(1)),)), 5)
     out = Decoder(version=5).feed(stream)
     assert out[:-1] == pubs and isinstance(out[-1], Subscribe)
+
+
+def test_wrong_direction_rejected_from_the_first_byte() -> None:
+    # A CONNACK header from a client is refused before its (large) body arrives.
+    raises(b"\x20\xff\x7f", reason=RC.PROTOCOL_ERROR)
+
+
+def test_decode_one() -> None:
+    from moorline.mqtt.codec import decode_one
+
+    assert decode_one(encode(Publish("t", b"x"), 5), 5) == Publish("t", b"x")
+    with pytest.raises(MalformedPacket):
+        decode_one(encode(Pingreq(), 5) * 2, 5)
+    with pytest.raises(MalformedPacket):
+        decode_one(encode(Publish("t", b"x"), 5)[:-1], 5)

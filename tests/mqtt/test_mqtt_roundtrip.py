@@ -44,7 +44,7 @@ from moorline.mqtt.packets import (
     Suback,
     Unsuback,
 )
-from moorline.mqtt.reasons import ReasonCode, connack_v5_to_v3, suback_v5_to_v3
+from moorline.mqtt.reasons import ReasonCode, connack_v5_to_v3, suback_v5_to_v3, v3_connack_applicable
 
 VERSIONS = [4, 5]
 
@@ -170,6 +170,9 @@ def test_v3_connack_and_suback_mapping() -> None:
     assert suback_v5_to_v3(ReasonCode.GRANTED_QOS_2) == 2
     assert suback_v5_to_v3(ReasonCode.TOPIC_FILTER_INVALID) == 0x80
     assert len(ReasonCode) == 43
+    assert v3_connack_applicable(ReasonCode.NOT_AUTHORIZED) and v3_connack_applicable(ReasonCode.SERVER_BUSY)
+    assert not v3_connack_applicable(ReasonCode.MALFORMED_PACKET)
+    assert not v3_connack_applicable(ReasonCode.PROTOCOL_ERROR)
 
 
 def test_properties_with_every_field_roundtrip_in_its_packets() -> None:
@@ -180,3 +183,12 @@ def test_properties_with_every_field_roundtrip_in_its_packets() -> None:
     c = Connect("MQTT", 5, "id", False, 10, None, b"pw", None, props)
     assert Decoder().feed(encode(c, 5)) == [c]
     assert NO_PROPERTIES == Properties()
+
+
+def test_ack_wrappers() -> None:
+    from moorline.mqtt.codec import encode_pubcomp, encode_pubrec, encode_pubrel
+
+    assert encode_pubrec(5, 0x10) == encode(Pubrec(5, 0x10), 5)
+    assert encode_pubrel(5, 0x92) == encode(Pubrel(5, 0x92), 5)
+    assert encode_pubcomp(5, 0, 4) == encode(Pubcomp(5), 4)
+    assert encode(Puback(1, 0, Properties()), 5) == b"\x40\x02\x00\x01"  # empty but not NO_PROPERTIES

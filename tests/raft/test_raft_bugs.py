@@ -95,10 +95,11 @@ def test_self_ack_before_sync() -> None:
             assert node.log.committed == index  # counted before the host synced it
             rd = node.ready()
             assert rd.committed_entries and rd.entries and rd.committed_entries[-1].index == index
+            assert not rd.must_sync  # and the host is told it need not sync them
         else:
             assert node.log.committed < index
             rd = node.ready()
-            assert [e.index for e in rd.entries] == [index]
+            assert [e.index for e in rd.entries] == [index] and rd.must_sync
             assert not rd.committed_entries or rd.committed_entries[-1].index < index
 
 

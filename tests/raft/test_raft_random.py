@@ -12,9 +12,9 @@ import random
 import pytest
 
 from moorline.raft import (
-    Config,
     ConfChange,
     ConfChangeType,
+    Config,
     ConfState,
     Entry,
     EntryType,
@@ -257,19 +257,27 @@ def test_random_schedule_is_safe_and_live(seed: int) -> None:
     assert c.committed[index][1] == b"final"
 
 
-def test_committed_entries_include_conf_changes_somewhere() -> None:
-    """Coverage guard: the random schedules really exercise membership changes."""
-    seen = False
+def test_random_schedules_reach_the_rare_paths() -> None:
+    """Coverage marks: the schedules above really exercise membership changes, snapshots sent to
+    lagging followers, and leader changes, so they cannot silently stop testing them."""
+    conf_seen = snaps = elections = 0
     for seed in range(6):
-        c = Cluster(seed, n_voters=3, n_total=5)
-        for _ in range(3000):
+        c = Cluster(seed, n_voters=3 if seed % 2 else 5, n_total=5)
+        for _ in range(10_000):
+            before = len(c.net)
             c.step()
-        if any(h.node.conf_state.learners or len(h.node.conf_state.voters) > 3 for h in c.hosts.values()):
-            seen = True
-            break
-    assert seen
+            snaps += sum(1 for m in c.net[before:] if m.snapshot is not None)
+        elections += len(c.leaders)
+        if any(
+            h.node.active_conf_state.learners or len(h.node.active_conf_state.voters) not in (3, 5)
+            for h in c.hosts.values()
+        ):
+            conf_seen += 1
+    assert conf_seen > 0 and snaps > 0 and elections > 6
 
 
 def test_entry_type_roundtrip() -> None:
-    e = Entry(term=1, index=2, type=EntryType.CONF_CHANGE, data=ConfChange(ConfChangeType.REMOVE, mid(2)).encode())
+    e = Entry(
+        term=1, index=2, type=EntryType.CONF_CHANGE, data=ConfChange(ConfChangeType.REMOVE, mid(2)).encode()
+    )
     assert ConfChange.decode(e.data).member == mid(2)

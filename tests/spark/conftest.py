@@ -197,3 +197,44 @@ def wait_query(q: Any, cond: Any, timeout_s: float, what: str) -> None:
         return bool(cond())
 
     wait_for(check, timeout_s, what)
+
+
+class MqttCollector:
+    """An MQTT 5 subscriber (paho) that records every delivery: (topic, payload, guid property)."""
+
+    def __init__(self, address: str, topic_filter: str) -> None:
+        import threading
+
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        self.got: list[tuple[str, bytes, str | None]] = []
+        self._subscribed = threading.Event()
+        host, _, port = address.rpartition(":")
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"spark-test-{os.getpid()}-{time.time_ns()}", protocol=mqtt.MQTTv5)
+
+        def on_connect(client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
+            client.subscribe(topic_filter, qos=1)
+
+        def on_subscribe(client: Any, userdata: Any, mid: Any, rcs: Any, props: Any = None) -> None:
+            self._subscribed.set()
+
+        def on_message(client: Any, userdata: Any, msg: Any) -> None:
+            guid = None
+            for k, v in getattr(msg.properties, "UserProperty", None) or []:
+                if k == "guid":
+                    guid = v
+            self.got.append((msg.topic, bytes(msg.payload), guid))
+
+        self.client.on_connect = on_connect
+        self.client.on_subscribe = on_subscribe
+        self.client.on_message = on_message
+        self.client.connect(host, int(port))
+        self.client.loop_start()
+        if not self._subscribed.wait(20):
+            self.close()
+            raise AssertionError("MQTT subscription was not acknowledged")
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()

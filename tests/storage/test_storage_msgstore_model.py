@@ -128,7 +128,9 @@ def test_store_seeded_random_walks(monkeypatch: object) -> None:
         r = random.Random(seed)
         ops: list[tuple] = []
         for _ in range(50):
-            k = r.choice(["append", "append", "release_most", "release", "reclaim", "restart", "check", "truncate"])
+            k = r.choice(
+                ["append", "append", "release_most", "release", "reclaim", "restart", "check", "truncate"]
+            )
             if k == "append":
                 ops.append(("append", r.randint(1, 12), r.randint(0, 80)))
             elif k == "release_most":

@@ -34,7 +34,9 @@ def test_node_shaped_power_loss(tmp_path: Path, seed: int) -> None:
     ledger = SyncLedger(ledger_path)
     wal = WriteAheadLog(tmp_path / "wal", segment_bytes=2048, ledger=ledger)
     wal.open()
-    store = MessageStore(tmp_path / "store" / "shard-0", segment_bytes=700, ledger=ledger, write_buffer_bytes=64)
+    store = MessageStore(
+        tmp_path / "store" / "shard-0", segment_bytes=700, ledger=ledger, write_buffer_bytes=64
+    )
     store.open()
     snaps = SnapshotStore(tmp_path / "snap", ledger=ledger)
 

@@ -83,26 +83,6 @@ class Hist:
         return self.ev("fault", "fault", reason=reason, detail=detail, process="harness")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def hist() -> type[Hist]:
     return Hist
-
-
-@pytest.fixture
-def check(spark: Any) -> Any:
-    """check(*hists) -> (counts per anomaly kind over all runs, per-run rows by run, anomaly rows)."""
-    from moorline.verify.checks import ALL_KINDS, analyze
-    from moorline.verify.history import spark_schema
-
-    def run(*hists: Hist) -> tuple[dict[str, int], dict[str, Any], list[Any]]:
-        rows = [tuple(r.get(name) for name, _ in FIELDS) for h in hists for r in h.rows]
-        df = spark.createDataFrame(rows, spark_schema())
-        a = analyze(df)
-        anomalies = a.anomalies.collect()
-        counts = {k: 0 for k in ALL_KINDS}
-        for r in anomalies:
-            counts[r["kind"]] += 1
-        per_run = {r["run"]: r for r in a.per_run.collect()}
-        return counts, per_run, anomalies
-
-    return run

@@ -19,10 +19,13 @@ class RegOp:
     key: str
     kind: str  # "read" | "write" | "cas"
     arg: Any  # write: value; cas: (expect, new); read: None
-    out: Any  # read: value; write: None; cas: True/False; None when indeterminate
+    out: Any  # read: value; write: None; cas: True, or ("fail", current value); None when indeterminate
     invoke_ms: int
     return_ms: int | None  # None: indeterminate (may or may not have happened)
     client: int = 0
+
+
+FAILED_CAS = "__failed_cas__"  # a cas that failed without telling the current value
 
 
 def _step(state: Any, op: RegOp) -> tuple[bool, Any]:
@@ -33,9 +36,44 @@ def _step(state: Any, op: RegOp) -> tuple[bool, Any]:
     expect, new = op.arg
     if op.return_ms is None:  # outcome unknown: either branch is acceptable
         return True, (new if state == expect else state)
-    if op.out:
+    if op.out is True:
         return state == expect, new
+    if isinstance(op.out, tuple):  # failed, and the register held op.out[1]
+        return state != expect and state == op.out[1], state
     return state != expect, state
+
+
+def _observed_values(ops: list[RegOp]) -> set[Any]:
+    seen: set[Any] = set()
+    for o in ops:
+        if o.return_ms is None:
+            continue
+        if o.kind == "read":
+            seen.add(o.out)
+        elif o.kind == "cas":
+            if o.out is True:
+                seen.add(o.arg[0])
+            elif isinstance(o.out, tuple):
+                seen.add(o.out[1])
+    return seen
+
+
+def _prune_unobserved(ops: list[RegOp]) -> list[RegOp]:
+    """Drop indeterminate writes/cas whose value no completed op ever observed. Sound because
+    every observation names the value it saw (reads, the expected value of a successful cas,
+    the current value reported by a failed cas): if such a write took effect, nothing ever
+    looked at the register while it held that value, so a linearization without it exists
+    (an indeterminate cas linearized in that window can be left out as well). Values written
+    are unique per operation, which the simulator's clients guarantee."""
+    seen = _observed_values(ops)
+    out = []
+    for o in ops:
+        if o.return_ms is None and o.kind in ("write", "cas"):
+            value = o.arg if o.kind == "write" else o.arg[1]
+            if value not in seen:
+                continue
+        out.append(o)
+    return out
 
 
 class _Node:
@@ -76,9 +114,11 @@ def _unlift(call: _Node) -> None:
         call.next.prev = call
 
 
-def check_register(ops: list[RegOp], initial: Any = None, max_steps: int = 2_000_000) -> str:
+def check_register(ops: list[RegOp], initial: Any = None, max_steps: int = 2_000_000, prune: bool = True) -> str:
     """'ok', 'violation' or 'unknown' (search budget exhausted) for one key's history."""
     ops = [o for o in ops if not (o.kind == "read" and o.return_ms is None)]  # lost reads say nothing
+    if prune:
+        ops = _prune_unobserved(ops)
     if not ops:
         return "ok"
     events: list[tuple[int, int, int]] = []  # (time, 0 call / 1 return, op number)
