@@ -328,9 +328,16 @@ class Subscriber:
             self._send(_packet(PINGREQ, 0, b""))
             self._last_send = time.monotonic()
 
-    def run(self, stop: Callable[[], bool], *, retry_s: float = 0.2) -> None:
-        """Stay connected and receive until ``stop()``; then disconnect cleanly if connected."""
+    def run(self, stop: Callable[[], bool], *, retry_s: float = 0.2,
+            offline: Callable[[], bool] | None = None) -> None:
+        """Stay connected and receive until ``stop()``; then disconnect cleanly if connected.
+        While ``offline()`` is true the session stays disconnected (cleanly: it persists on the broker)."""
         while not stop():
+            if offline is not None and offline():
+                if self.connected:
+                    self.close(clean=True)
+                time.sleep(0.05)
+                continue
             if not self.connected:
                 if not self.connect():
                     time.sleep(retry_s)

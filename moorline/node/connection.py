@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from moorline.broker import commands as c
 from moorline.broker.messages import MessageProps, StoredMessage
 from moorline.mqtt import packets as p
-from moorline.mqtt.codec import MQTT_5, encode, encode_properties
+from moorline.mqtt.codec import MQTT_5, encode, encode_properties, encode_puback
 from moorline.mqtt.errors import ProtocolError, UnsupportedProtocol
 from moorline.mqtt.protocol import ProtocolState
 from moorline.mqtt.reasons import ReasonCode as RC
@@ -87,7 +87,7 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._out: list[bytes] = []
         self._flush_scheduled = False
-        self._acks: deque[tuple[asyncio.Future[Any], Any, float]] = deque()
+        self._acks: deque[list[Any]] = deque()
         self._q2_inprogress: set[int] = set()
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -226,7 +226,7 @@ class Connection(asyncio.Protocol):
             if deadline is not None and now >= deadline:
                 self.disconnect(RC.KEEP_ALIVE_TIMEOUT, "keep alive timeout")
                 return
-            if self._acks and now - self._acks[0][2] > self.cfg.publish_timeout_s:
+            if self._acks and now - self._acks[0][4] > self.cfg.publish_timeout_s:
                 # Outcome unknown: close so the client retransmits (DESIGN.md promise 6).
                 self.disconnect(RC.SERVER_BUSY, "publish outcome unknown within publish_timeout")
                 return
@@ -419,49 +419,66 @@ class Connection(asyncio.Protocol):
             self.client_id,
         )
         shard = self.node.topic_shard(pk.topic)
-        fut2 = self.node.propose(shard, c.Publish(msg, self.principal.username or "", producer, seq), want=pk.qos > 0)
+        cmd = c.Publish(msg, self.principal.username or "", producer, seq)
         self.node.stats["published"] += 1
-        if pk.qos == 1:
-            assert fut2 is not None
-            self._queue_ack(fut2, ("puback", pk.packet_id, 0))
-        elif pk.qos == 2:
-            assert fut2 is not None
-            self._queue_ack(fut2, ("pubrec", pk.packet_id, 0))
+        if pk.qos == 0:
+            self.node.propose(shard, cmd, want=False)
+            return
+        slot = self._queue_ack(None, ("puback" if pk.qos == 1 else "pubrec", pk.packet_id, 0))
+        self.node.propose_cb(shard, cmd, lambda result, exc, s=slot: self._complete(s, result, exc))
 
     def _done(self) -> asyncio.Future[Any]:
         f: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         f.set_result(None)
         return f
 
-    def _queue_ack(self, fut: asyncio.Future[Any], what: Any) -> None:
-        self._acks.append((fut, what, time.monotonic()))
-        fut.add_done_callback(self._drain_acks)
+    def _queue_ack(self, fut: asyncio.Future[Any] | None, what: Any) -> list[Any]:
+        """Queue an acknowledgement; it leaves when ``fut`` (or the returned slot's callback) is done."""
+        slot = [False, None, None, what, time.monotonic()]  # done, result, error, (kind, pid, reason), since
+        self._acks.append(slot)
+        if fut is not None:
+            fut.add_done_callback(lambda f, s=slot: self._slot_done(s, f))
+        return slot
 
-    def _drain_acks(self, _f: asyncio.Future[Any] | None = None) -> None:
+    def _slot_done(self, slot: list[Any], fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled():
+            self._complete(slot, None, asyncio.CancelledError())
+        else:
+            self._complete(slot, None if fut.exception() else fut.result(), fut.exception())
+
+    def _complete(self, slot: list[Any], result: Any, exc: BaseException | None) -> None:
+        slot[0], slot[1], slot[2] = True, result, exc
+        if self._acks and self._acks[0] is slot:
+            self._drain_acks()
+
+    def _drain_acks(self) -> None:
         """Acks leave in arrival order of their PUBLISHes (MQTT-4.6.0-2), each after its sync."""
-        while self._acks and self._acks[0][0].done():
-            fut, (kind, pid, forced), _ = self._acks.popleft()
+        acks = self._acks
+        while acks and acks[0][0]:
+            _, result, exc, (kind, pid, forced), _ = acks.popleft()
             if self._closing:
                 continue
             reason = forced
-            if fut.cancelled() or fut.exception() is not None:
-                exc = fut.exception() if not fut.cancelled() else None
+            if exc is not None:
                 # Outcome unknown: never acknowledge; close so the client resends (DUP).
                 self.disconnect(RC.SERVER_UNAVAILABLE if isinstance(exc, ShardUnavailable) else RC.SERVER_BUSY,
                                 "publish outcome unknown")
                 return
-            result = fut.result()
             if kind == "pubcomp":
                 reason = 0 if result else RC.PACKET_ID_NOT_FOUND
                 self.send_packet(p.Pubcomp(pid, reason if self.version == MQTT_5 else 0))
                 continue
-            if result is not None and getattr(result, "status", "ok") == "refused":
+            if result is not None and result.status == "refused":
                 if self.version != MQTT_5:
                     self.abort(f"publish refused: {result.reason}")  # 3.1.1 cannot say no: close
                     return
                 reason = result.reason_code
             if kind == "puback":
-                self.send_packet(p.Puback(pid, reason))
+                if reason == 0:
+                    self.state.note_inbound_acked(pid)
+                    self._write(encode_puback(pid))
+                else:
+                    self.send_packet(p.Puback(pid, reason))
             else:
                 self.send_packet(p.Pubrec(pid, reason))
                 if reason >= 0x80:

@@ -201,6 +201,10 @@ class Node:
         self.commit.kick(shard)
         return fut
 
+    def propose_cb(self, shard: int, cmd: c.Command, callback: Any) -> None:
+        self.hosts[shard].propose_cb(cmd, callback)
+        self.commit.kick(shard)
+
     def propose_cross(self, shard: int, cmd: c.Command) -> asyncio.Future[Any]:
         """A command caused by another shard. The test-only chaos switch delays and reorders them."""
         if self._chaos is None:

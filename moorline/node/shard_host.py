@@ -30,11 +30,33 @@ class ShardUnavailable(Exception):
     """The shard refuses service (e.g. corruption detected in synced data)."""
 
 
+# Who waits for a command's result: a future, a plain callback (the publish hot path: no
+# future, no extra loop hop), or nobody.
+Callback = Callable[[Any, BaseException | None], None]
+Waiter = asyncio.Future[Any] | Callback | None
+
+
+def _resolve(waiter: Waiter, result: Any, exc: BaseException | None) -> None:
+    if waiter is None:
+        return
+    if isinstance(waiter, asyncio.Future):
+        if not waiter.done():
+            if exc is not None:
+                waiter.set_exception(exc)
+            else:
+                waiter.set_result(result)
+        return
+    try:
+        waiter(result, exc)
+    except Exception:
+        log.exception("a command callback failed")
+
+
 @dataclass(slots=True)
 class _Pending:
     index: int
     commands: list[c.Command]
-    futures: list[asyncio.Future[Any] | None]
+    futures: list[Waiter]
 
 
 @dataclass(slots=True)
@@ -67,7 +89,7 @@ class ShardHost:
         self.snapshot_every_entries = snapshot_every_entries
         self.failed: str | None = None  # reason the shard refuses service
         self._batch_cmds: list[c.Command] = []
-        self._batch_futs: list[asyncio.Future[Any] | None] = []
+        self._batch_futs: list[Waiter] = []
         self._inflight: dict[int, _Pending] = {}
         self._fx = Effects()
         self._entries_since_snapshot = 0
@@ -80,6 +102,13 @@ class ShardHost:
         self._batch_cmds.append(cmd)
         self._batch_futs.append(fut)
         return fut
+
+    def propose_cb(self, cmd: c.Command, callback: Callback) -> None:
+        """Like ``propose``, but ``callback(result, error)`` runs right at apply (or failure)."""
+        if self.failed is not None:
+            raise ShardUnavailable(f"shard {self.shard} unavailable: {self.failed}")
+        self._batch_cmds.append(cmd)
+        self._batch_futs.append(callback)
 
     def has_batch(self) -> bool:
         return bool(self._batch_cmds)
@@ -109,10 +138,11 @@ class ShardHost:
                 continue
             invariant(index == self.state.applied_index + 1, f"shard {self.shard}: log has a gap at {index}")
             cmds = c.decode_entry(data)
-            self._apply_commands(index, cmds, [None] * len(cmds))
+            none: list[Waiter] = [None] * len(cmds)
+            self._apply_commands(index, cmds, none)
             self.raft.term = max(self.raft.term, term)
 
-    def _apply_commands(self, index: int, cmds: list[c.Command], futs: list[asyncio.Future[Any] | None]) -> None:
+    def _apply_commands(self, index: int, cmds: list[c.Command], futs: list[Waiter]) -> None:
         fx = self._fx
         fx.clear()
         results: list[Any] = []
@@ -122,12 +152,11 @@ class ShardHost:
             except Exception as exc:  # an apply bug must not take the node down silently
                 log.exception("shard %d: apply of %s failed", self.shard, type(cmd).__name__)
                 self.failed = f"apply failed at index {index}: {exc}"
-                if fut is not None and not fut.done():
-                    fut.set_exception(ShardUnavailable(self.failed))
+                _resolve(fut, None, ShardUnavailable(self.failed))
                 raise
             results.append(result)
-            if fut is not None and not fut.done():
-                fut.set_result(result)
+            if fut is not None:
+                _resolve(fut, result, None)
         self.state.applied_index = index
         for offset, record in fx.appends:
             self.store.append(offset, record)
@@ -153,8 +182,7 @@ class ShardHost:
         self.failed = reason
         for pending in self._inflight.values():
             for fut in pending.futures:
-                if fut is not None and not fut.done():
-                    fut.set_exception(ShardUnavailable(reason))
+                _resolve(fut, None, ShardUnavailable(reason))
         self._inflight.clear()
 
 

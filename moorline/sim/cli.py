@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -12,6 +12,7 @@ from moorline.sim.marks import Marks
 from moorline.sim.simulation import ALL_BUGS, SeedResult, SimConfig, Simulation
 
 TRACE_LINES = 40
+PROGRESS_EVERY = 250
 
 
 def _print_failure(r: SeedResult) -> None:
@@ -28,10 +29,10 @@ def sim(
     seeds: Annotated[int, typer.Option(help="number of seeds to run")] = 100,
     start: Annotated[int, typer.Option(help="first seed")] = 0,
     nodes: Annotated[int, typer.Option(help="cluster size: 3 or 5 (1 also works)")] = 3,
-    replay: Annotated[Optional[int], typer.Option(help="run only this seed and print its trace")] = None,  # noqa: UP007
+    replay: Annotated[int | None, typer.Option(help="run only this seed and print its trace")] = None,
     ops: Annotated[int, typer.Option(help="client operations per seed")] = 1000,
     bug: Annotated[
-        Optional[str],  # noqa: UP007
+        str | None,
         typer.Option(help=f"test-only broken variant: {', '.join(ALL_BUGS)}"),
     ] = None,
 ) -> None:
@@ -62,6 +63,12 @@ def sim(
         if not r.ok:
             failed = r
             break
+        if ran % PROGRESS_EVERY == 0 and ran < len(todo):
+            typer.echo(
+                f"progress: {ran} seeds (last {seed}), {ops_started} ops, 0 violations, "
+                f"{time.monotonic() - t0:.0f}s",
+                err=True,
+            )
     elapsed = time.monotonic() - t0
     typer.echo(
         f"seeds run: {ran}  operations: {ops_started} (ok {ops_ok})  faults injected: {sum(faults.values())} "

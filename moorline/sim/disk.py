@@ -79,6 +79,7 @@ class Recovery:
     torn_tail_truncated: bool
     corrupt_at: int | None  # record number of the first corrupt record (replica must quarantine)
     synced_corruption_truncated: bool  # only with the bug switch: a synced bad record was cut
+    readable: list[Record] = field(default_factory=list)  # on corruption: every valid record, in order
 
 
 class SimDisk:
@@ -89,6 +90,9 @@ class SimDisk:
         self.durable: list[Record] = []
         self.pending: list[Record] = []
         self.synced_count = 0  # records known durable (the file's synced length)
+        # durable "this replica's data was corrupt" marker (a marker file): a later rewrite of
+        # the image (compaction) must not make the replica forget it may not vote
+        self.corrupt_marker = False
         self.writes = 0
         self.syncs = 0
 
@@ -114,6 +118,7 @@ class SimDisk:
         self.synced_count = len(self.durable)
 
     def wipe(self) -> None:
+        self.corrupt_marker = False
         self.durable = []
         self.pending = []
         self.synced_count = 0
@@ -130,7 +135,9 @@ class SimDisk:
         if kept and rng.random() < self.params.torn_write_p:
             last = kept[-1]
             cut = rng.randint(0, max(0, len(last.body) - 1))
-            kept[-1] = Record(last.kind, last.body[:cut], last.crc, last.entries, last.hard_state, last.snapshot)
+            kept[-1] = Record(
+                last.kind, last.body[:cut], last.crc, last.entries, last.hard_state, last.snapshot
+            )
             torn = True
         # kept writes reached the platter but are not known durable: they stay "pending"
         # until the restarted host syncs them.
@@ -166,7 +173,9 @@ class SimDisk:
             # BUG (test-only): treat corruption of synced data as if it were a torn tail.
             self._truncate(first)
             return Recovery(image[:first], True, None, True)
-        return Recovery(image[:first], False, first, False)
+        bad_set = set(bad)
+        readable = [r for i, r in enumerate(image) if i not in bad_set]
+        return Recovery(image[:first], False, first, False, readable)
 
     def _truncate(self, at: int) -> None:
         image = self.durable + self.pending

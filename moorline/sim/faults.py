@@ -29,6 +29,7 @@ class FaultParams:
     report_snapshot: bool = True
     max_entries_per_append: int = 4096
     crash_leader_p: float = 0.3  # chance a crash picks the current leader
+    corrupt_mode: str = "quarantine"  # how a host handles synced corruption (see host.py)
 
     def describe(self) -> str:
         n = self.net
@@ -39,11 +40,14 @@ class FaultParams:
             f"transfer_every={self.transfer_every_ms} replace_every={self.replace_every_ms} "
             f"snapshot_every={self.snapshot_every} keep={self.keep_entries} report_snap={int(self.report_snapshot)} "
             f"max_append={self.max_entries_per_append} crash_leader_p={self.crash_leader_p} "
+            f"corrupt_mode={self.corrupt_mode} "
             f"sync_ms={[(d.sync_latency_ms_min, d.sync_latency_ms_max) for d in self.disks]}"
         )
 
 
-def draw_faults(rng: random.Random, nodes: int, bug: str | None = None, all_faults: bool = False) -> FaultParams:
+def draw_faults(
+    rng: random.Random, nodes: int, bug: str | None = None, all_faults: bool = False
+) -> FaultParams:
     """Draw one seed's fault mix. A bug switch biases the mix toward the faults that expose it
     (the point of a bug run is to prove the checkers notice). ``all_faults`` turns every fault
     kind on (the benchmark's worst case); otherwise each kind is on with some chance (swarm)."""
@@ -83,6 +87,9 @@ def draw_faults(rng: random.Random, nodes: int, bug: str | None = None, all_faul
     f.report_snapshot = rng.random() < 0.5
     f.max_entries_per_append = rng.choices([1, 4, 64, 4096], weights=[1, 2, 3, 4])[0]
     f.crash_leader_p = rng.choice([0.0, 0.3, 0.7])
+    # "core_mark" (run the replica on its consistent prefix + mark_corrupted()) is not drawn:
+    # it is unsafe with the current core (see README); SimConfig.corrupt_mode forces it
+    f.corrupt_mode = "quarantine"
     _bias_for_bug(f, rng, bug)
     return f
 

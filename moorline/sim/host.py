@@ -36,7 +36,7 @@ from moorline.raft import (
     SnapshotMeta,
     StateRole,
 )
-from moorline.sim.disk import RecordKind, SimDisk, batch_record, snapshot_record
+from moorline.sim.disk import Record, RecordKind, SimDisk, batch_record, snapshot_record
 from moorline.sim.loop import EventLoop, Timer
 from moorline.sim.marks import Marks
 from moorline.sim.network import SimNetwork
@@ -79,6 +79,7 @@ class HostParams:
     max_pending_requests: int = 10_000
     batch_ms: int = 2  # inputs arriving within this window share one Ready (group commit)
     max_entries_per_append: int = 4096
+    corrupt_mode: str = "quarantine"  # or "core_mark": run on the readable records + mark_corrupted()
     report_snapshot: bool = True  # tell the core when a snapshot transfer ended (swarm: on/off)
 
 
@@ -222,9 +223,25 @@ class SimNode:
             self.sh.marks.hit("torn_tail_truncated")
         if rec.synced_corruption_truncated:
             self.sh.marks.hit("bug_synced_corruption_truncated")
-        if rec.corrupt_at is not None:
-            self.sh.marks.hit("corruption_detected")
+        if rec.corrupt_at is not None or self.disk.corrupt_marker:
+            if not self.disk.corrupt_marker:
+                self.sh.marks.hit("corruption_detected")
+            self.disk.corrupt_marker = True
             self.quarantined = self.member_id()
+            if self.params.corrupt_mode == "core_mark":
+                # run the replica on what is readable and let the core refuse to vote/campaign
+                # (the consistent prefix before the bad record: skipping it would resurrect
+                # entries it had overwritten, and a later hard state would vouch for them)
+                st = _rebuild(rec.records)
+                self.disk.sync()
+                self.sh.trace(
+                    f"restart n{self.node_id}: corruption at record {rec.corrupt_at}, marked corrupted, "
+                    f"last={st.last_index()} hs={st.hard_state()}"
+                )
+                self._boot(st, self.sh.sm_factory(), 0)
+                assert self.replica is not None
+                self.replica.raft.mark_corrupted()
+                return
             self.sh.trace(f"restart n{self.node_id}: corruption at record {rec.corrupt_at}, quarantined")
             self.alive = True  # up, but the group is stopped: no replica runs
             self.sh.net.attach(self.node_id, self._on_net)
@@ -233,16 +250,7 @@ class SimNode:
             self.sh.trace(f"restart n{self.node_id}: empty disk")
             self.start_empty()
             return
-        st = MemoryStorage()
-        for r in rec.records:
-            if r.kind == RecordKind.SNAPSHOT:
-                assert r.snapshot is not None
-                st.apply_snapshot(r.snapshot)
-            else:
-                if r.entries:
-                    st.append(r.entries)
-                if r.hard_state is not None:
-                    st.set_hard_state(r.hard_state)
+        st = _rebuild(rec.records)
         self.disk.sync()  # what recovery read becomes known-durable before we act on it
         self.sh.trace(f"restart n{self.node_id} last={st.last_index()} hs={st.hard_state()}")
         self._boot(st, self.sh.sm_factory(), 0)
@@ -460,6 +468,9 @@ class SimNode:
         r = self.replica
         if epoch != self.epoch or r is None:
             return  # crashed during the sync: the pending writes met their fate in crash()
+        if self.paused():  # a paused process finishes its fsync only when it runs again
+            self.sh.loop.call_at(self.paused_until_ms, self._synced, epoch, rd)
+            return
         self.disk.sync()
         r.syncing = False
         self._finish(r, rd)
@@ -559,9 +570,37 @@ class SimNode:
             st.compact(compact_to)
             self.sh.marks.hit("log_compacted")
         # rewrite the image: the snapshot, then what the log still holds, then the hard state
-        tail = st.entries(st.first_index(), st.last_index() + 1, 1 << 62) if st.last_index() >= st.first_index() else []
+        tail = (
+            st.entries(st.first_index(), st.last_index() + 1, 1 << 62)
+            if st.last_index() >= st.first_index()
+            else []
+        )
         self.disk.rewrite([snapshot_record(snap), batch_record(tail, st.hard_state())])
         r.since_snapshot = 0
+
+
+def _rebuild(records: list[Record]) -> MemoryStorage:
+    """Replay WAL records into a MemoryStorage. Entries that would leave a gap (after a skipped
+    corrupt record) are dropped, and the commit index is clamped to what the log holds."""
+    st = MemoryStorage()
+    for r in records:
+        if r.kind == RecordKind.SNAPSHOT:
+            assert r.snapshot is not None
+            if r.snapshot.meta.index >= st.snapshot().meta.index:
+                st.apply_snapshot(r.snapshot)
+            continue
+        if r.entries and r.entries[0].index <= st.last_index() + 1:
+            st.append(r.entries)
+        if r.hard_state is not None:
+            st.set_hard_state(r.hard_state)
+    hs = st.hard_state()
+    if hs.commit > st.last_index() or hs.commit < st.first_index() - 1:
+        st.set_hard_state(
+            HardState(
+                term=hs.term, vote=hs.vote, commit=min(max(hs.commit, st.first_index() - 1), st.last_index())
+            )
+        )
+    return st
 
 
 def _term_at(st: MemoryStorage) -> Callable[[int], int | None]:

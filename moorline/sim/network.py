@@ -72,7 +72,12 @@ class SimNetwork:
 
     # -- traffic ------------------------------------------------------------------------------
     def send(
-        self, src: int, dst: int, payload: Any, reliable: bool = False, on_done: Callable[[bool], None] | None = None
+        self,
+        src: int,
+        dst: int,
+        payload: Any,
+        reliable: bool = False,
+        on_done: Callable[[bool], None] | None = None,
     ) -> None:
         """Send one message. ``reliable`` skips drop/duplicate (client links), not partitions.
         ``on_done(delivered)`` is called once the fate of the (first copy of the) message is known,

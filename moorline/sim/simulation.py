@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from moorline.hashing import crc32c
 from moorline.raft import (
@@ -63,6 +63,7 @@ class SimConfig:
     ops: int = 1000
     bug: str | None = None
     all_faults: bool = False  # every fault kind on (benchmark); default: swarm draws
+    corrupt_mode: str | None = None  # force "quarantine" or "core_mark" (experiments)
     trace_lines: int = 60
     liveness_ms: int = 40_000  # bound on convergence after the heal
     safety_ms_per_op: int = 60  # the safety phase ends at ops * this even if ops are stuck
@@ -108,6 +109,8 @@ class Simulation:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.fp: FaultParams = draw_faults(self.rng, cfg.nodes, cfg.bug, cfg.all_faults)
+        if cfg.corrupt_mode is not None:
+            self.fp.corrupt_mode = cfg.corrupt_mode
         self.loop = EventLoop(random.Random(self.rng.random()))
         self.marks = Marks()
         self.net = SimNetwork(self.loop, random.Random(self.rng.random()), self.fp.net, self.marks)
@@ -140,6 +143,7 @@ class Simulation:
                 clock_skew_ms=self.fp.clock_skews_ms[i],
                 report_snapshot=self.fp.report_snapshot,
                 max_entries_per_append=self.fp.max_entries_per_append,
+                corrupt_mode=self.fp.corrupt_mode,
             )
             self.nodes.append(SimNode(i + 1, self.shared, SimDisk(self.fp.disks[i]), hp))
             self.state[i + 1] = _NodeState()
@@ -156,7 +160,7 @@ class Simulation:
     def trace(self, line: str) -> None:
         text = f"{self.loop.now_ms:>8}ms {line}"
         self._trace.append(text)
-        self._digest = crc32c(text.encode(), ) ^ ((self._digest * 31) & 0xFFFFFFFF)
+        self._digest = crc32c(text.encode()) ^ ((self._digest * 31) & 0xFFFFFFFF)
 
     def _violation(self, msg: str) -> None:
         self.observer._fail(msg)
@@ -186,7 +190,9 @@ class Simulation:
             )
             self.clients.append(c)
             c.start()
-        self.trace(f"start seed={cfg.seed} nodes={cfg.nodes} ops={cfg.ops} bug={cfg.bug} {self.fp.describe()}")
+        self.trace(
+            f"start seed={cfg.seed} nodes={cfg.nodes} ops={cfg.ops} bug={cfg.bug} {self.fp.describe()}"
+        )
         self._start_faults()
         self.loop.call_later(cfg.reconcile_every_ms, self._reconcile_tick)
         safety_end = cfg.ops * cfg.safety_ms_per_op + 5_000
@@ -194,7 +200,9 @@ class Simulation:
         stop = self._should_stop
         self.loop.run_until(safety_end + cfg.liveness_ms + 1, stop)
         if not self.done and not self.observer.violations:
-            self._violation(f"liveness: not converged {cfg.liveness_ms}ms after heal: {self._convergence_gap()}")
+            self._violation(
+                f"liveness: not converged {cfg.liveness_ms}ms after heal: {self._convergence_gap()}"
+            )
         if not self.observer.violations:
             self._final_checks()
         return self._result()
@@ -324,9 +332,7 @@ class Simulation:
         v = check_total_queue(h.enqueues, h.deliveries, h.acked)
         for p in v.problems():
             self._violation(p)
-        self.queue_summary = (
-            f"enq acked={v.acknowledged} delivered={v.delivered} recovered={v.recovered}"
-        )
+        self.queue_summary = f"enq acked={v.acknowledged} delivered={v.delivered} recovered={v.recovered}"
         verdicts = check_registers(h.reg_ops, max_steps=self.cfg.linearizability_steps)
         for key, verdict in verdicts.items():
             if verdict == "violation":
@@ -536,7 +542,11 @@ class Simulation:
         if self.transfer_target is None:
             return
         leader = self._leader()
-        if leader is not None and leader.replica is not None and leader.replica.member == self.transfer_target:
+        if (
+            leader is not None
+            and leader.replica is not None
+            and leader.replica.member == self.transfer_target
+        ):
             self.marks.hit("leadership_transferred")
             self.transfer_target = None
 
@@ -545,7 +555,9 @@ class Simulation:
         if cc.type == ConfChangeType.REMOVE and cc.member == leader.replica.member:
             # a leader does not remove itself: hand leadership to another voter first
             raft = leader.replica.raft
-            others = [m for m in raft.conf_state.voters if m != cc.member and self._node(m[0]).replica is not None]
+            others = [
+                m for m in raft.conf_state.voters if m != cc.member and self._node(m[0]).replica is not None
+            ]
             if others:
                 try:
                     raft.transfer_leader(self.fault_rng.choice(others))

@@ -55,7 +55,9 @@ class SimStateMachine:
         self.time_ms = 0
         self.seq = 0
         self.queues: dict[str, deque[tuple[int, str, str]]] = {}  # queue -> (seq, msg_id, value)
-        self.inflight: dict[str, tuple[str, int, int, str, int]] = {}  # id -> (queue, deadline, seq, value, delivery)
+        self.inflight: dict[
+            str, tuple[str, int, int, str, int]
+        ] = {}  # id -> (queue, deadline, seq, value, delivery)
         self.deliveries: dict[str, int] = {}
         self.dedup: dict[str, int] = {}  # msg_id -> entry time (insertion = apply order)
         self.kv: dict[str, Any] = {}

@@ -258,7 +258,9 @@ class Client:
             if ret_ms is not None:
                 self.last_value[key] = op.args[1]
         else:
-            self.h.reg_ops.append(RegOp(key, "cas", (op.args[1], op.args[2]), out, op.invoke_ms, ret_ms, self.cid))
+            self.h.reg_ops.append(
+                RegOp(key, "cas", (op.args[1], op.args[2]), out, op.invoke_ms, ret_ms, self.cid)
+            )
             if ret_ms is not None and out is True:
                 self.last_value[key] = op.args[2]
             elif isinstance(out, tuple):

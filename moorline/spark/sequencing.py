@@ -2,9 +2,11 @@
 
 Idempotency scheme (see docs/spark.md):
 
-* producer id = ``producer_id64(query_id, partition_id)`` (8 bytes): one sequenced producer per
-  (streaming query, output partition). ``query_id`` is the query's persistent id (it survives
-  restarts from the checkpoint), never the run id.
+* producer id = ``producer_id64(query_id, partition_id, shard)`` (8 bytes): one sequenced producer
+  per (streaming query, output partition, target shard). ``query_id`` is the query's persistent id
+  (it survives restarts from the checkpoint), never the run id. The shard is part of the producer
+  so that GUIDs (producer ‖ seq) are unique across shards, while each shard still sees one
+  producer whose sequences it can check.
 * sequence = ``batch_id << 32 | n`` where ``n`` numbers the task's rows *per shard*, from 0,
   in canonical order: the rows sorted by their encoded bytes. A retried task, or the same batch
   re-run after a restart, sees the same multiset of rows (after a shuffle their order may differ;
@@ -98,8 +100,8 @@ def _key_text(key: Any) -> str:
     return "s:" + str(key)
 
 
-def producer_hex(query_id: str, partition_id: int) -> str:
-    return producer_id64("moorline.spark.sink", query_id, partition_id).hex()
+def producer_hex(query_id: str, partition_id: int, shard: int) -> str:
+    return producer_id64("moorline.spark.sink", query_id, partition_id, shard).hex()
 
 
 def key_guid_hex(key: str) -> str:
@@ -112,7 +114,9 @@ def sequence(batch_id: int, n: int) -> int:
     return (batch_id << ROW_BITS) | n
 
 
-def sequenced_messages(rows: list[OutRow], shard_count: int, producer: str, batch_id: int) -> list[dict[str, Any]]:
+def sequenced_messages(
+    rows: list[OutRow], shard_count: int, identity: str, partition_id: int, batch_id: int
+) -> list[dict[str, Any]]:
     """Messages in canonical order with (producer, seq); each shard's seqs are 0,1,2.. of the batch."""
     keyed = sorted(((r.canonical(), r) for r in rows), key=lambda kr: kr[0])
     next_n: dict[int, int] = {}
@@ -122,7 +126,7 @@ def sequenced_messages(rows: list[OutRow], shard_count: int, producer: str, batc
         n = next_n.get(s, 0)
         next_n[s] = n + 1
         m = r.to_message()
-        m["producer"] = producer
+        m["producer"] = producer_hex(identity, partition_id, s)
         m["seq"] = sequence(batch_id, n)
         out.append(m)
     return out

@@ -29,7 +29,7 @@ from moorline.invariant import invariant
 from moorline.spark import failpoints
 from moorline.spark.node_client import MoorlineHTTPError, MoorlineUnavailable, NodeClient
 from moorline.spark.options import MoorlineOptionError, WriteOptions
-from moorline.spark.sequencing import OutRow, keyed_message, make_row, producer_hex, sequenced_messages
+from moorline.spark.sequencing import OutRow, keyed_message, make_row, sequenced_messages
 
 log = logging.getLogger("moorline.spark")
 
@@ -204,7 +204,7 @@ def write_task(
         if not rows:
             return 0, 0
         shard_count = len(client.shards())
-        messages = sequenced_messages(rows, shard_count, producer_hex(identity, partition_id), batch_id)
+        messages = sequenced_messages(rows, shard_count, identity, partition_id, batch_id)
         return publish_all(client, messages, opts, sequenced=True)
 
 

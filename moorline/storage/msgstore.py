@@ -1,9 +1,9 @@
 """Per-shard message store: accepted publishes by dense message offset, written at apply.
 
 Files (``directory`` is the shard's own directory, e.g. ``<data>/shard-<n>``):
-``seg-<first_offset:020d>.dat`` segments, and ``lowwater`` (the low-water mark, CRC-protected,
-rewritten atomically by ``sync``). A segment covers offsets from its name up to the next segment's
-name; after copy-forward a segment holds only the sparse survivors of its range.
+``seg-<first_offset:020d>.dat`` segments, and ``store.meta`` (low-water mark and sync point,
+CRC-protected, rewritten atomically by ``sync``). A segment covers offsets from its name up to the
+next segment's name; after copy-forward a segment holds only the sparse survivors of its range.
 
 Record layout (little endian, 20-byte header)::
 
@@ -12,16 +12,19 @@ Record layout (little endian, 20-byte header)::
 ``crc`` is CRC32C of everything after it (length, offset, payload).
 
 Durability: appends are buffered and written without fsync; ``sync`` (called when the node takes a
-snapshot) makes them durable. After a crash the WAL re-applies entries after the snapshot, so
-``open(expected_next_offset=<snapshot's next offset>)`` treats damage at or after that offset as a
-lost unsynced tail (cut) and damage before it as corruption (``StoreCorruption``). Without
-``expected_next_offset`` the strict rule applies: an invalid record followed by any valid one is
-corruption.
+snapshot) makes them durable and records the *sync point* (next offset at that sync) in
+``store.meta``. After a crash the WAL re-applies entries after the snapshot, so recovery treats
+damage at or after the sync point (or ``expected_next_offset``, the snapshot's next offset, if that
+is higher) as a lost unsynced tail and cuts it with everything after it; damage before it is
+corruption (``StoreCorruption``), as is a store that ends before it. Only data after the last sync
+point is ever truncated (DESIGN.md).
 
 What is durable across restart: the records themselves, reclaimed segments (gone), the low-water
 mark as of the last ``sync`` (and as implied by missing offsets). What is *not*: the set of
 released offsets. The shard state machine is the authority on what is kept; after recovery it calls
-``release``/``release_below`` again for everything it no longer keeps.
+``release``/``release_below`` again for everything it no longer keeps. The low-water mark only rises,
+except that ``truncate_from`` during recovery may lower it (with no snapshot yet, the WAL re-applies
+from offset 0).
 
 Not thread-safe: one thread (the node's event loop) calls everything, ``sync`` included (or the
 node serialises calls itself).
@@ -57,10 +60,10 @@ _HDR = struct.Struct("<HHIIq")
 _AFTER_CRC = struct.Struct("<Iq")  # the part of the header the CRC covers
 HEADER_BYTES = _HDR.size
 invariant(HEADER_BYTES == 20, "store header layout changed")
-_LOWWATER = struct.Struct("<qI")
+_META = struct.Struct("<qqI")  # low_water, sync point, crc of the 16 bytes before
 MAX_RECORD_BYTES = 256 << 20
 _SEGMENT_RE = re.compile(r"^seg-(\d+)\.dat$")
-LOWWATER_FILE = "lowwater"
+META_FILE = "store.meta"
 
 
 def segment_name(first_offset: int) -> str:
@@ -141,7 +144,8 @@ class MessageStore:
         self._buffer = bytearray()
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self._cache_used = 0
-        self._synced_low_water = 0
+        self._synced_low_water = 0  # as written in store.meta
+        self._synced_next = 0  # sync point as written in store.meta: offsets below are durable
         self._unsynced: list[_Segment] = []  # earlier segments written since the last sync
         self._synced_sizes: dict[Path, int] = {}  # known durable length per segment file
         self._opened = False
@@ -149,28 +153,32 @@ class MessageStore:
     # ------------------------------------------------------------------ recovery
 
     def open(self, expected_next_offset: int | None = None) -> None:
+        """Recover: index every segment, verify every CRC, cut an unsynced damaged tail.
+
+        ``expected_next_offset`` (the snapshot's next offset) is optional: the store's own sync
+        point already says which records were durable. Raises ``StoreCorruption``."""
         invariant(not self._opened, "store opened twice")
         self._opened = True
         ensure_dir(self.directory)
         for entry in os.scandir(self.directory):
             if entry.name.endswith(".tmp"):
-                os.unlink(entry.path)  # unfinished copy-forward or low-water write
+                os.unlink(entry.path)  # unfinished copy-forward or meta write
         files = []
         for entry in os.scandir(self.directory):
             m = _SEGMENT_RE.match(entry.name)
             if m:
                 files.append((int(m.group(1)), Path(entry.path)))
         files.sort()
-        persisted_low = self._read_low_water()
+        persisted_low, persisted_next = self._read_meta()
+        self._synced_low_water, self._synced_next = persisted_low, persisted_next
+        sync_point = max(expected_next_offset or 0, persisted_next)
 
         if not files:
-            if expected_next_offset:
+            if sync_point:
                 raise StoreCorruption(
-                    self.directory,
-                    0,
-                    f"no segments, but the snapshot expects offsets up to {expected_next_offset}",
+                    self.directory, 0, f"no segments, but offsets below {sync_point} were synced"
                 )
-            self.next_offset = self.low_water = self._synced_low_water = persisted_low
+            self.next_offset = self.low_water = persisted_low
             return
 
         prev = -1  # last valid offset seen
@@ -178,7 +186,7 @@ class MessageStore:
         for i, (first, path) in enumerate(files):
             limit = files[i + 1][0] if i + 1 < len(files) else None
             seg = _Segment(first, path)
-            cut = self._recover_segment(seg, limit, prev, expected_next_offset, files[i + 1 :])
+            cut = self._recover_segment(seg, limit, prev, sync_point)
             self._segments.append(seg)
             self._firsts.append(first)
             if seg.offsets:
@@ -201,14 +209,13 @@ class MessageStore:
         self.next_offset = max(prev + 1, last.first_offset)
         if prev + 1 < last.first_offset:
             gap_top = last.first_offset
-        if expected_next_offset is not None and self.next_offset < expected_next_offset:
+        if self.next_offset < sync_point:
             raise StoreCorruption(
                 last.path,
                 last.size,
-                f"store ends at offset {self.next_offset}, the snapshot expects {expected_next_offset}",
+                f"store ends at offset {self.next_offset}, offsets below {sync_point} were synced",
             )
         self.low_water = min(max(gap_top, persisted_low), self.next_offset)
-        self._synced_low_water = persisted_low
         self._flushed = last.size
         # Records recovered from the page cache of a killed process may not be durable yet; make
         # them so before anything builds on them (see WriteAheadLog.open).
@@ -222,14 +229,7 @@ class MessageStore:
             if self._ledger is not None:
                 self._ledger.record(seg.path, seg.size)
 
-    def _recover_segment(
-        self,
-        seg: _Segment,
-        limit: int | None,
-        prev: int,
-        expected: int | None,
-        later: list[tuple[int, Path]],
-    ) -> bool:
+    def _recover_segment(self, seg: _Segment, limit: int | None, prev: int, sync_point: int) -> bool:
         """Index one segment; return True if its tail was cut (later segments are then dropped)."""
         data = seg.path.read_bytes()
         mv = memoryview(data)
@@ -244,12 +244,11 @@ class MessageStore:
                 last_valid = offset
                 p = end
                 continue
-            if expected is not None:
-                # Everything below `expected` was synced before the snapshot was saved.
-                if last_valid + 1 < expected:
-                    raise StoreCorruption(seg.path, p, f"invalid record before synced offset {expected}")
-            elif self._valid_after(mv, p + 1, seg, limit, last_valid, later):
-                raise StoreCorruption(seg.path, p, "invalid record followed by valid records")
+            if last_valid + 1 < sync_point:
+                # The damaged record may hold an offset below the sync point: synced data.
+                raise StoreCorruption(seg.path, p, f"invalid record before the sync point {sync_point}")
+            # Unsynced tail: pages may have reached the disk out of order, so valid-looking
+            # records after the damage are cut too; the WAL re-applies all of them.
             truncate_durably(seg.path, p)
             if self._ledger is not None:
                 self._ledger.record(seg.path, p)
@@ -273,45 +272,19 @@ class MessageStore:
             return 0
         return end
 
-    def _valid_after(
-        self,
-        mv: memoryview,
-        start: int,
-        seg: _Segment,
-        limit: int | None,
-        after: int,
-        later: list[tuple[int, Path]],
-    ) -> bool:
-        data = mv.obj
-        assert isinstance(data, bytes)
-        q = data.find(_MAGIC_BYTES, start)
-        while q != -1:
-            if self._valid_end(mv, q, after, limit):
-                return True
-            q = data.find(_MAGIC_BYTES, q + 1)
-        for i, (first, path) in enumerate(later):
-            lim = later[i + 1][0] if i + 1 < len(later) else None
-            d = path.read_bytes()
-            dm = memoryview(d)
-            q = d.find(_MAGIC_BYTES, 0)
-            while q != -1:
-                if self._valid_end(dm, q, first - 1, lim):
-                    return True
-                q = d.find(_MAGIC_BYTES, q + 1)
-        return False
-
-    def _read_low_water(self) -> int:
-        path = self.directory / LOWWATER_FILE
+    def _read_meta(self) -> tuple[int, int]:
+        """(low_water, sync point) as of the last ``sync``; (0, 0) if never synced."""
+        path = self.directory / META_FILE
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
-            return 0
-        if len(raw) != _LOWWATER.size:
-            raise StoreCorruption(path, 0, "low-water file has the wrong size")
-        value, crc = _LOWWATER.unpack(raw)
-        if _crc(raw[:8]) != crc:
-            raise StoreCorruption(path, 0, "low-water file fails its checksum")
-        return int(value)
+            return (0, 0)
+        if len(raw) != _META.size:
+            raise StoreCorruption(path, 0, "store meta file has the wrong size")
+        low, synced_next, crc = _META.unpack(raw)
+        if _crc(raw[:16]) != crc:
+            raise StoreCorruption(path, 0, "store meta file fails its checksum")
+        return (int(low), int(synced_next))
 
     # ------------------------------------------------------------------ writing
 
@@ -400,16 +373,17 @@ class MessageStore:
             self._synced_sizes[seg.path] = seg.size
             if self._ledger is not None:
                 self._ledger.record(seg.path, seg.size)
-        if self.low_water != self._synced_low_water:
-            self._write_low_water(self.low_water)
+        if self.low_water != self._synced_low_water or self.next_offset != self._synced_next:
+            self._write_meta(self.next_offset)
 
-    def _write_low_water(self, value: int) -> None:
-        head = struct.pack("<q", value)
-        path = self.directory / LOWWATER_FILE
+    def _write_meta(self, sync_point: int) -> None:
+        """Persist the low-water mark and ``sync_point`` (every offset below it is durable)."""
+        head = struct.pack("<qq", self.low_water, sync_point)
+        path = self.directory / META_FILE
         write_file_atomically(path, head + struct.pack("<I", _crc(head)))
-        self._synced_low_water = value
+        self._synced_low_water, self._synced_next = self.low_water, sync_point
         if self._ledger is not None:
-            self._ledger.record(path, _LOWWATER.size)
+            self._ledger.record(path, _META.size)
 
     # ------------------------------------------------------------------ reading
 
@@ -601,6 +575,10 @@ class MessageStore:
         # Recovery only (before anything is served): with no snapshot yet the WAL re-applies from
         # offset 0, possibly below a low-water mark that was never persisted by a snapshot.
         self.low_water = min(self.low_water, offset)
+        if offset < self._synced_next:
+            # Lower the sync point first: records re-written from here on are not synced yet, and
+            # a crash must not find them "below the sync point" (false corruption).
+            self._write_meta(offset)
         self._close_writer()
         while self._segments and self._segments[-1].first_offset >= offset and len(self._segments) > 1:
             self._drop_segment(self._segments.pop())
@@ -643,6 +621,9 @@ class MessageStore:
     def reset(self, next_offset: int) -> None:
         """Drop everything and continue at ``next_offset`` (a replica that installed a snapshot)."""
         invariant(self._opened, "store not open")
+        if next_offset < self._synced_next:
+            self.low_water = min(self.low_water, next_offset)
+            self._write_meta(next_offset)  # see truncate_from
         self._close_writer()
         for seg in self._segments:
             self._drop_segment(seg)
@@ -654,7 +635,7 @@ class MessageStore:
         self.next_offset = next_offset
         self.low_water = next_offset
         self._new_segment(next_offset)
-        self._write_low_water(next_offset)
+        self._write_meta(next_offset)
 
     # ------------------------------------------------------------------ misc
 

@@ -107,19 +107,22 @@ class SnapshotStore:
         return self.load(group, path, index, term)
 
     def load(self, group: int, path: Path, index: int, term: int) -> tuple[int, int, bytes]:
-        raw = path.read_bytes()
-        if len(raw) < HEADER_BYTES:
-            raise SnapshotCorruption(path, f"file is {len(raw)} bytes, shorter than the header")
-        magic, g, i, t, length, data_crc = _HDR_PRE.unpack_from(raw, 0)
-        if magic != MAGIC:
-            raise SnapshotCorruption(path, "bad magic")
-        if _U32.unpack_from(raw, _HDR_PRE.size)[0] != crc32c(raw[: _HDR_PRE.size]):
-            raise SnapshotCorruption(path, "header fails its checksum")
-        if (g, i, t) != (group, index, term):
-            raise SnapshotCorruption(path, f"header says group {g} index {i} term {t}, name disagrees")
-        if len(raw) != HEADER_BYTES + length:
-            raise SnapshotCorruption(path, f"length {len(raw) - HEADER_BYTES}, header says {length}")
-        data = raw[HEADER_BYTES:]
+        """Read and verify one snapshot file (header and data read separately: no double copy)."""
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+            if len(head) < HEADER_BYTES:
+                raise SnapshotCorruption(path, f"file is {len(head)} bytes, shorter than the header")
+            magic, g, i, t, length, data_crc = _HDR_PRE.unpack_from(head, 0)
+            if magic != MAGIC:
+                raise SnapshotCorruption(path, "bad magic")
+            if _U32.unpack_from(head, _HDR_PRE.size)[0] != crc32c(head[: _HDR_PRE.size]):
+                raise SnapshotCorruption(path, "header fails its checksum")
+            if (g, i, t) != (group, index, term):
+                raise SnapshotCorruption(path, f"header says group {g} index {i} term {t}, name disagrees")
+            data = f.read(length)
+            extra = len(f.read(1))
+        if len(data) != length or extra:
+            raise SnapshotCorruption(path, f"data length differs from the header's {length}")
         if crc32c(data) != data_crc:
             raise SnapshotCorruption(path, "data fails its checksum")
         return (index, term, data)

@@ -234,6 +234,15 @@ class _RecoveringGroup:
 
 
 class WriteAheadLog:
+    """One node's log. Usage: ``open()`` (recovery) once; then ``append_entries`` /
+    ``set_hard_state`` / ``mark_snapshot`` / ``truncate`` buffer records; ``sync()`` (one
+    fdatasync, usually on a worker thread) makes everything appended before it durable and
+    returns its sequence number; nothing may be acknowledged or sent that depends on a record
+    before ``synced_seq()`` covers it. ``append_entries`` raises ``WalBackpressure`` once
+    ``pending_bytes()`` reaches ``max_pending_bytes``: stop taking work until a sync drains it.
+    ``reclaim()`` deletes segments all of whose entries are below durable snapshot marks;
+    ``groups_pinning_oldest_segment()`` names the groups to snapshot so the oldest can go."""
+
     def __init__(
         self,
         directory: Path,
@@ -257,6 +266,7 @@ class WriteAheadLog:
         self._pending_bytes = 0
         self._pending_snapshots: list[tuple[int, int]] = []  # (group, index) awaiting sync
         self._pending_hard: dict[int, HardState] = {}  # latest unwritten hard state per group
+        self._pending_hard_bytes = 0
         self._seg_seq = 0  # segment the next record goes to
         self._seg_size = 0  # its size once everything pending is written
         self._appended_seq = 0
@@ -318,9 +328,10 @@ class WriteAheadLog:
         fsync_dir(self.directory)
         # What recovery accepted may still sit only in the page cache (the process died, the
         # machine did not). New records will build on it, so make it durable first: otherwise a
-        # later power loss could lose this tail while keeping newer segments (corruption).
-        for seq in kept:
-            path = self.directory / segment_name(seq)
+        # later power loss could lose this tail while keeping newer segments (corruption). Only
+        # the last segment can hold unsynced bytes: a rotation syncs the old segment first.
+        if kept:
+            path = self.directory / segment_name(kept[-1])
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fdatasync(fd)
@@ -476,7 +487,7 @@ class WriteAheadLog:
             return
         with self._lock:
             self._check_open()
-            if self._pending_bytes >= self.max_pending_bytes:
+            if self._pending_bytes + self._pending_hard_bytes >= self.max_pending_bytes:
                 raise WalBackpressure(f"{self._pending_bytes} bytes wait for sync")
             st = self._groups.get(group)
             if st is None:
@@ -548,7 +559,11 @@ class WriteAheadLog:
         with self._lock:
             self._check_open()
             self._groups.setdefault(group, _GroupState())
+            old = self._pending_hard.get(group)
+            if old is not None:
+                self._pending_hard_bytes -= HEADER_BYTES + _HARD.size + len(old.vote)
             self._pending_hard[group] = HardState(term, bytes(vote), commit)
+            self._pending_hard_bytes += HEADER_BYTES + _HARD.size + len(vote)
             self._appended_seq += 1
 
     def mark_snapshot(self, group: int, index: int, term: int) -> None:
@@ -567,7 +582,8 @@ class WriteAheadLog:
             self._appended_seq += 1
 
     def pending_bytes(self) -> int:
-        return self._pending_bytes
+        """Bytes the next ``sync`` will write (0 means nothing to sync, hard states included)."""
+        return self._pending_bytes + self._pending_hard_bytes
 
     def appended_seq(self) -> int:
         return self._appended_seq
@@ -642,6 +658,7 @@ class WriteAheadLog:
                     self._groups[group].hard_state = hs
                     self._emit(T_HARD_STATE, group, _HARD.pack(hs.term, hs.commit) + hs.vote)
                 self._pending_hard.clear()
+                self._pending_hard_bytes = 0
                 chunks = self._pending
                 self._pending = []
                 self._pending_bytes = 0
@@ -696,30 +713,37 @@ class WriteAheadLog:
 
     # ------------------------------------------------------------------ reclaiming
 
-    def reclaim(self) -> list[Path]:
+    def reclaim(self, wait: bool = False) -> list[Path]:
         """Delete the oldest segments whose entries are all covered by durable snapshot marks.
 
-        Does file IO and waits for a running sync: call it off the event loop (e.g. on the sync
-        thread right after a sync)."""
+        Does a little file IO (unlink, one directory fsync). If a sync is running it returns ``[]``
+        at once unless ``wait`` is set, so the event loop may call it without stalling."""
+        if not self._sync_lock.acquire(blocking=wait):
+            return []
+        try:
+            return self._reclaim_locked()
+        finally:
+            self._sync_lock.release()
+
+    def _reclaim_locked(self) -> list[Path]:
         removed: list[Path] = []
-        with self._sync_lock:
-            while True:
-                with self._lock:
-                    if len(self._disk_segments) < 2 or self._disk_segments[0] >= self._fd_seq:
-                        break  # keep the segment being written and any whose successor is not durable
-                    seq = self._disk_segments[0]
-                    if self._pinning_locked(seq):
-                        break
-                path = self.directory / segment_name(seq)
-                path.unlink()
-                if self._ledger is not None:
-                    self._ledger.forget(path)
-                removed.append(path)
-                with self._lock:
-                    self._disk_segments.pop(0)
-                    self._seg_max.pop(seq, None)
-            if removed:
-                fsync_dir(self.directory)
+        while True:
+            with self._lock:
+                if len(self._disk_segments) < 2 or self._disk_segments[0] >= self._fd_seq:
+                    break  # keep the segment being written and any whose successor is not durable
+                seq = self._disk_segments[0]
+                if self._pinning_locked(seq):
+                    break
+            path = self.directory / segment_name(seq)
+            path.unlink()
+            if self._ledger is not None:
+                self._ledger.forget(path)
+            removed.append(path)
+            with self._lock:
+                self._disk_segments.pop(0)
+                self._seg_max.pop(seq, None)
+        if removed:
+            fsync_dir(self.directory)
         return removed
 
     def _pinning_locked(self, seq: int) -> list[int]:

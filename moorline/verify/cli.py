@@ -44,6 +44,7 @@ def verify(
         "verify-report"
     ),
     shuffle_partitions: Annotated[int, typer.Option(help="spark.sql.shuffle.partitions.")] = 16,
+    driver_memory: Annotated[str, typer.Option(help="spark.driver.memory (local mode).")] = "2g",
 ) -> None:
     """Check histories for lost, duplicated, unexpected and out-of-order messages and packet-id misuse."""
     missing = [str(p) for p in histories if not p.exists()]
@@ -51,7 +52,7 @@ def verify(
         raise typer.BadParameter(f"no such history: {', '.join(missing)}")
     from moorline.verify.job import make_spark, run_verify
 
-    spark = make_spark(master, shuffle_partitions=shuffle_partitions)
+    spark = make_spark(master, shuffle_partitions=shuffle_partitions, driver_memory=driver_memory)
     spark.sparkContext.setLogLevel("ERROR")
     try:
         verdict = run_verify(spark, histories, report)

@@ -19,11 +19,15 @@ SAMPLE_PER_KIND = 20  # anomalies listed in summary.json / report.html per kind
 PLOTTED_RUNS_MAX = 12  # runs whose timelines are drawn (anomalous runs first)
 
 
-def make_spark(master: str, *, shuffle_partitions: int = 8, app_name: str = "moorline-verify") -> Any:
+def make_spark(master: str, *, shuffle_partitions: int = 8, app_name: str = "moorline-verify",
+               driver_memory: str | None = None) -> Any:
     from pyspark.sql import SparkSession
 
+    builder = SparkSession.builder
+    if driver_memory:  # only effective when this call starts the JVM (local mode)
+        builder = builder.config("spark.driver.memory", driver_memory)
     return (
-        SparkSession.builder.master(master)
+        builder.master(master)
         .appName(app_name)
         .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
         .config("spark.sql.adaptive.enabled", "true")

@@ -7,8 +7,10 @@ Tests marked `moorline_only` (kill -9, durability, exact reason codes, HTTP API,
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
+import random
 import re
 import shutil
 import signal
@@ -194,9 +196,42 @@ class BrokerProc:
         """SIGKILL (kill=True) or SIGTERM (asserting exit 0), then start on the same data dir and ports."""
         if kill:
             self.kill9()
-        else:
-            self.stop_clean()
+            self.start()
+            return
+        rc = self.stop(signal.SIGTERM)
+        log = self.log_tail()
+        self.start()  # start again even after a bad exit, so one failure does not cascade
+        assert rc == 0, f"broker exit code {rc} after SIGTERM:\n{log}"
+
+    def power_loss(self, seed: int) -> dict[str, tuple[int, int]]:
+        """SIGKILL, then cut every data file back to its last fsynced length plus a few random bytes, as a
+        power loss would (moorline started with MOORLINE_TEST_SYNC_LEDGER), then start again.
+
+        Returns {file: (size at kill, size after the cut)} for the files that were cut.
+        """
+        ledger = self.env.get("MOORLINE_TEST_SYNC_LEDGER")
+        assert self.is_moorline and ledger, "power_loss needs moorline with MOORLINE_TEST_SYNC_LEDGER"
+        self.kill9()
+        rng = random.Random(seed)
+        synced: dict[str, int] = {}
+        with open(ledger, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    rec = json.loads(line)
+                    synced[rec["file"]] = int(rec["synced_length"])
+        cut: dict[str, tuple[int, int]] = {}
+        for path, length in sorted(synced.items()):
+            try:
+                size = os.path.getsize(path)
+            except FileNotFoundError:
+                continue
+            if size > length:
+                keep = length + rng.randint(0, min(16, size - length))
+                os.truncate(path, keep)
+                cut[path] = (size, keep)
         self.start()
+        return cut
 
     @property
     def running(self) -> bool:

@@ -284,10 +284,10 @@ def test_slow_reader_does_not_stall_others_and_is_bounded(shared_broker: BrokerP
     assert healthy_rounds[0] >= 1
     growth = shared_broker.rss_bytes() - rss_before
     owed = 2 * n * len(payload)
-    # mosquitto keeps everything owed to a connected slow reader in memory (max_queued_messages 100000
-    # here), so the memory bound is moorline's promise only.
+    # Buffering what the slow reader is owed would grow RSS by about `owed`. mosquitto does keep it all in
+    # memory (max_queued_messages 100000 here), so the memory bound is moorline's promise only.
     if shared_broker.is_moorline:
-        assert growth < owed // 2, f"shared_broker RSS grew {growth >> 20} MiB while the slow reader was owed {owed >> 20} MiB"
+        assert growth < owed * 3 // 4, f"shared_broker RSS grew {growth >> 20} MiB while the slow reader was owed {owed >> 20} MiB"
     pub.disconnect()
     slow.close()
     assert_healthy(shared_broker, "after-slow")

@@ -12,10 +12,11 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
-from conftest import BrokerFactory, BrokerProc
+from conftest import BROKER_KIND, BrokerFactory, BrokerProc, running_broker
 from e2e_support import mosquitto_presubscribe, mosquitto_pub, mosquitto_sub, sub_lines
 from rawclient import (
     DISCONNECT,
@@ -38,9 +39,27 @@ HOST = "127.0.0.1"
 SEED = int(os.environ.get("MOORLINE_E2E_SEED", "20261123"))
 
 RESTARTS = [
-    pytest.param(True, marks=pytest.mark.moorline_only, id="sigkill"),
-    pytest.param(False, id="sigterm"),
+    pytest.param("sigkill", marks=pytest.mark.moorline_only, id="sigkill"),
+    pytest.param("powerloss", marks=pytest.mark.moorline_only, id="powerloss"),
+    pytest.param("sigterm", id="sigterm"),
 ]
+
+
+@pytest.fixture(scope="module")
+def shared_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProc]:
+    """This module's broker; on moorline it records fsynced lengths so a power loss can be simulated."""
+    base = tmp_path_factory.mktemp("durable")
+    env = {"MOORLINE_TEST_SYNC_LEDGER": str(base / "sync-ledger.jsonl")} if BROKER_KIND == "moorline" else None
+    with running_broker(base, env=env) as b:
+        yield b
+
+
+def crash(b: BrokerProc, mode: str, seed: int = SEED) -> None:
+    """Restart the broker: SIGKILL, SIGKILL + loss of unsynced writes, or a clean SIGTERM."""
+    if mode == "powerloss":
+        b.power_loss(seed)
+    else:
+        b.restart(kill=mode == "sigkill")
 
 
 def reconnect(b: BrokerProc, cid: str, version: int = 5, timeout: float = 30.0,
@@ -91,13 +110,13 @@ def drain_acking(c: RawClient, quiet: float = 1.5, limit: int = 100_000) -> list
 # --------------------------------------------------------------------------- offline subscriber, crash
 
 
-@pytest.mark.parametrize("kill", RESTARTS)
-def test_persistent_mosquitto_sub_gets_everything_after_crash(shared_broker: BrokerProc, uniq: str, kill: bool) -> None:
+@pytest.mark.parametrize("mode", RESTARTS)
+def test_persistent_mosquitto_sub_gets_everything_after_crash(shared_broker: BrokerProc, uniq: str, mode: str) -> None:
     port, topic, cid, n = shared_broker.mqtt_port, f"{uniq}/d", f"{uniq}-sub", 300
     mosquitto_presubscribe(port, topic, cid, qos=1)
     r = mosquitto_pub(port, topic, None, qos=1, stdin_lines=[f"msg-{i:04d}" for i in range(n)])
     assert r.returncode == 0, r.stderr  # every line was PUBACKed
-    shared_broker.restart(kill=kill)
+    crash(shared_broker, mode)
     # -C n+1 with a short -W: one extra message would show up as a duplicate
     lines = sub_lines(mosquitto_sub(port, topic, n + 1, qos=1, client_id=cid, persistent=True, timeout_s=5))
     expected = [f"{topic} msg-{i:04d}" for i in range(n)]
@@ -162,8 +181,8 @@ class StreamPublisher:
             self.error = e
 
 
-@pytest.mark.parametrize("kill", RESTARTS)
-def test_qos1_stream_crash_loses_no_acked_message(shared_broker: BrokerProc, uniq: str, kill: bool) -> None:
+@pytest.mark.parametrize("mode", RESTARTS)
+def test_qos1_stream_crash_loses_no_acked_message(shared_broker: BrokerProc, uniq: str, mode: str) -> None:
     rng = random.Random(SEED)
     topics = [f"{uniq}/s/{i}" for i in range(8)]  # several shards
     total = 4000
@@ -180,7 +199,7 @@ def test_qos1_stream_crash_loses_no_acked_message(shared_broker: BrokerProc, uni
     while len(pub.acked) < kill_after_acks and t.is_alive() and time.monotonic() < deadline:
         time.sleep(0.002)
     assert len(pub.acked) >= kill_after_acks, f"seed {SEED}: only {len(pub.acked)} acks in time ({pub.error})"
-    shared_broker.restart(kill=kill)
+    crash(shared_broker, mode)
     t.join(30)
     assert not t.is_alive()
     assert pub.error is None, f"seed {SEED}: publisher failed: {pub.error!r}"
@@ -257,8 +276,8 @@ class MethodBSubscriber:
             return
 
 
-@pytest.mark.parametrize("kill", RESTARTS)
-def test_qos2_method_b_subscriber_exactly_once_across_crash(shared_broker: BrokerProc, uniq: str, kill: bool) -> None:
+@pytest.mark.parametrize("mode", RESTARTS)
+def test_qos2_method_b_subscriber_exactly_once_across_crash(shared_broker: BrokerProc, uniq: str, mode: str) -> None:
     rng = random.Random(SEED + 1)
     n = 400
     topics = [f"{uniq}/q2/{i}" for i in range(4)]
@@ -283,7 +302,7 @@ def test_qos2_method_b_subscriber_exactly_once_across_crash(shared_broker: Broke
     while len(subscriber.delivered) < kill_at and t.is_alive() and time.monotonic() < deadline:
         time.sleep(0.001)
     assert len(subscriber.delivered) >= kill_at, f"seed {SEED}: stalled at {len(subscriber.delivered)}"
-    shared_broker.restart(kill=kill)
+    crash(shared_broker, mode)
     t.join(30)
     assert not t.is_alive()
     c.close()
@@ -305,8 +324,8 @@ def test_qos2_method_b_subscriber_exactly_once_across_crash(shared_broker: Broke
 # --------------------------------------------------------------------------- QoS 2 publisher resend, crash
 
 
-@pytest.mark.parametrize("kill", RESTARTS)
-def test_qos2_publisher_resend_after_crash_delivers_once(shared_broker: BrokerProc, uniq: str, kill: bool) -> None:
+@pytest.mark.parametrize("mode", RESTARTS)
+def test_qos2_publisher_resend_after_crash_delivers_once(shared_broker: BrokerProc, uniq: str, mode: str) -> None:
     topic, pub_id, sub_id = f"{uniq}/once", f"{uniq}-pub", f"{uniq}-sub"
     sub = new_session(shared_broker, sub_id, [(topic, 2)])
     sub.disconnect()
@@ -315,7 +334,7 @@ def test_qos2_publisher_resend_after_crash_delivers_once(shared_broker: BrokerPr
     pub.send(encode_publish(topic, b"only-once", 2, pid=9, version=5))
     time.sleep(0.5)  # the broker has it; we never read its PUBREC
     pub.abort()
-    shared_broker.restart(kill=kill)
+    crash(shared_broker, mode)
 
     pub = reconnect(shared_broker, pub_id)
     pub.send(encode_publish(topic, b"only-once", 2, pid=9, dup=True, version=5))

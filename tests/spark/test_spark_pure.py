@@ -98,8 +98,8 @@ def test_canonical_sequencing_ignores_row_order_and_numbers_per_shard() -> None:
     rows = [make_row(f"t/{i % 9}", f"p{i % 13}".encode(), None, None, {"k": str(i % 3)}, None, 1) for i in range(300)]
     shuffled = rows[:]
     random.Random(7).shuffle(shuffled)
-    a = sequenced_messages(rows, 16, "ab" * 8, 5)
-    b = sequenced_messages(shuffled, 16, "ab" * 8, 5)
+    a = sequenced_messages(rows, 16, "query-1", 3, 5)
+    b = sequenced_messages(shuffled, 16, "query-1", 3, 5)
     assert a == b
     per_shard: dict[int, list[int]] = {}
     for m in a:
@@ -107,8 +107,11 @@ def test_canonical_sequencing_ignores_row_order_and_numbers_per_shard() -> None:
     for seqs in per_shard.values():
         assert seqs == [(5 << 32) | n for n in range(len(seqs))]
     # the next batch starts above every sequence of this one
-    c = sequenced_messages(rows, 16, "ab" * 8, 6)
+    c = sequenced_messages(rows, 16, "query-1", 3, 6)
     assert min(m["seq"] for m in c) > max(m["seq"] for m in a)
+    # GUIDs (producer ‖ seq) are unique across shards
+    assert len({(m["producer"], m["seq"]) for m in a}) == len(a)
+    assert len({m["producer"] for m in a}) == len(per_shard)
 
 
 def test_reserved_user_properties_are_refused() -> None:

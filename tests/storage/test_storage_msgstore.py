@@ -167,19 +167,21 @@ def test_reset_for_installed_snapshot(tmp_path: Path) -> None:
     s2.append(500, b"x")
 
 
-def _store_with(d: Path, count: int) -> list[int]:
+def _store_with(d: Path, count: int, synced: int) -> list[int]:
+    """``count`` records in one segment, the first ``synced`` of them synced, the rest only written."""
     s = MessageStore(d, segment_bytes=1 << 20)
     s.open()
-    fill(s, count)
+    fill(s, synced)
     s.sync()
+    fill(s, count - synced)
     positions = [s._segments[0].positions[i] for i in range(count)]
-    s.close()
+    s.close()  # writes the buffer, no fsync, sync point stays at `synced`
     return positions
 
 
 def test_torn_tail_every_byte(tmp_path: Path) -> None:
     src = tmp_path / "src"
-    positions = _store_with(src, 4)
+    positions = _store_with(src, 4, synced=3)
     seg = src / segment_name(0)
     full = seg.read_bytes()
     for cut in range(positions[-1], len(full)):
@@ -196,8 +198,8 @@ def test_torn_tail_every_byte(tmp_path: Path) -> None:
         shutil.rmtree(d)
 
 
-def test_bit_flip_before_valid_records_is_corruption(tmp_path: Path) -> None:
-    positions = _store_with(tmp_path, 5)
+def test_bit_flip_in_synced_records_is_corruption(tmp_path: Path) -> None:
+    positions = _store_with(tmp_path, 5, synced=5)
     seg = tmp_path / segment_name(0)
     raw = bytearray(seg.read_bytes())
     raw[positions[2] + HEADER_BYTES + 3] ^= 0x04
@@ -206,28 +208,56 @@ def test_bit_flip_before_valid_records_is_corruption(tmp_path: Path) -> None:
         MessageStore(tmp_path).open()
     assert (err.value.path, err.value.offset) == (seg, positions[2])
     assert seg.stat().st_size == len(raw)  # never truncated
+    # Even the last synced record: damage there is not a torn tail.
+    raw[positions[2] + HEADER_BYTES + 3] ^= 0x04
+    raw[positions[4] + HEADER_BYTES + 1] ^= 0x04
+    seg.write_bytes(bytes(raw))
+    with pytest.raises(StoreCorruption) as err:
+        MessageStore(tmp_path).open()
+    assert err.value.offset == positions[4]
 
 
-def test_expected_next_offset_separates_synced_from_unsynced(tmp_path: Path) -> None:
-    positions = _store_with(tmp_path / "a", 6)
+def test_sync_point_separates_synced_from_unsynced(tmp_path: Path) -> None:
+    positions = _store_with(tmp_path / "a", 6, synced=3)
     shutil.copytree(tmp_path / "a", tmp_path / "b")
-    # Damage record 4 (after the snapshot's next offset 3): an unsynced tail, cut even though
-    # record 5 after it is valid (unsynced pages may reach the disk out of order).
+    shutil.copytree(tmp_path / "a", tmp_path / "c")
+    # Damage record 4 (after the sync point 3): an unsynced tail, cut even though record 5 after
+    # it is valid (unsynced pages may reach the disk out of order).
     seg = tmp_path / "a" / segment_name(0)
     raw = bytearray(seg.read_bytes())
     raw[positions[4] + HEADER_BYTES] ^= 0x01
     seg.write_bytes(bytes(raw))
     s = MessageStore(tmp_path / "a")
-    s.open(expected_next_offset=3)
+    s.open()
     assert s.next_offset == 4
-    # Damage record 1 (before the synced point): corruption, even with nothing valid after.
+    # Records 0..2 were synced: losing record 1 is corruption, even with nothing valid after.
     seg = tmp_path / "b" / segment_name(0)
-    raw = bytearray(seg.read_bytes())
-    seg.write_bytes(bytes(raw[: positions[1] + 5]))
+    seg.write_bytes(seg.read_bytes()[: positions[1] + 5])
     with pytest.raises(StoreCorruption):
-        MessageStore(tmp_path / "b").open(expected_next_offset=3)
+        MessageStore(tmp_path / "b").open()
+    # The snapshot's next offset raises the bar when it is higher than the store's own sync point.
+    seg = tmp_path / "c" / segment_name(0)
+    seg.write_bytes(seg.read_bytes()[: positions[4] + 5])
+    MessageStore(tmp_path / "c").open()  # record 4 was never synced: cut
     with pytest.raises(StoreCorruption):
-        MessageStore(tmp_path / "c").open(expected_next_offset=3)  # store missing entirely
+        MessageStore(tmp_path / "c").open(expected_next_offset=5)
+    with pytest.raises(StoreCorruption):
+        MessageStore(tmp_path / "d").open(expected_next_offset=3)  # store missing entirely
+
+
+def test_truncate_below_sync_point_then_crash(tmp_path: Path) -> None:
+    s = MessageStore(tmp_path)
+    s.open()
+    fill(s, 10)
+    s.sync()  # sync point 10
+    s.truncate_from(4)  # recovery re-applies from 4: the sync point must come down first
+    s.append(4, b"re-applied")
+    s._flush()
+    seg = tmp_path / segment_name(0)
+    seg.write_bytes(seg.read_bytes()[:-3])  # the unsynced re-applied record is torn
+    s2 = MessageStore(tmp_path)
+    s2.open()
+    assert s2.next_offset == 4 and s2.get(3) == msg(3)
 
 
 def test_ledger_tracks_store_syncs(tmp_path: Path) -> None:
@@ -242,4 +272,4 @@ def test_ledger_tracks_store_syncs(tmp_path: Path) -> None:
         assert lengths[str(p)] == p.stat().st_size
     s.release_below(5)
     s.sync()
-    assert read_ledger(ledger.path)[str(d / "lowwater")] == 12
+    assert read_ledger(ledger.path)[str(d / "store.meta")] == 20

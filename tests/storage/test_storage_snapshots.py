@@ -61,3 +61,22 @@ def test_renamed_file_is_detected(tmp_path: Path) -> None:
     path.rename(path.with_name("snap-00000000000000000009-00000000000000000002.snap"))
     with pytest.raises(SnapshotCorruption):
         s.load_latest(4)
+
+
+def test_storage_id_created_once_and_checked(tmp_path: Path) -> None:
+    from moorline.storage.identity import ID_FILE, StorageIdError, load_or_create_storage_id
+
+    d = tmp_path / "node"
+    sid = load_or_create_storage_id(d, random_bytes=lambda n: b"\x01" * n)
+    assert sid == "01" * 16
+    assert load_or_create_storage_id(d) == sid  # stable across restarts
+    (d / "wal").mkdir()
+    assert load_or_create_storage_id(d) == sid
+    raw = (d / ID_FILE).read_text()
+    (d / ID_FILE).write_text(raw.replace("01", "02", 1))
+    with pytest.raises(StorageIdError):
+        load_or_create_storage_id(d)
+    (d / ID_FILE).unlink()
+    with pytest.raises(StorageIdError):  # old data without its id: refuse a new identity
+        load_or_create_storage_id(d)
+    assert load_or_create_storage_id(tmp_path / "fresh") != sid

@@ -118,8 +118,12 @@ def test_backpressure_bound(tmp_path: Path) -> None:
 
 def test_hard_state_latest_wins(tmp_path: Path) -> None:
     w, _ = reopen(tmp_path)
-    w.set_hard_state(3, 1, b"a", 0)
     w.sync()
+    assert w.pending_bytes() == 0
+    w.set_hard_state(3, 1, b"a", 0)  # a vote alone must make the node sync
+    assert w.pending_bytes() > 0
+    w.sync()
+    assert w.pending_bytes() == 0
     w.set_hard_state(3, 2, b"", 0)
     w.set_hard_state(3, 5, b"\x00\x01vote", 0)
     w.sync()

@@ -49,7 +49,7 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(op, min_size=1, max_size=60))
 def test_wal_matches_model(ops: list[tuple]) -> None:
     d = Path(tempfile.mkdtemp(prefix="walmodel-"))

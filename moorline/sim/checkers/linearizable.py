@@ -114,7 +114,9 @@ def _unlift(call: _Node) -> None:
         call.next.prev = call
 
 
-def check_register(ops: list[RegOp], initial: Any = None, max_steps: int = 2_000_000, prune: bool = True) -> str:
+def check_register(
+    ops: list[RegOp], initial: Any = None, max_steps: int = 2_000_000, prune: bool = True
+) -> str:
     """'ok', 'violation' or 'unknown' (search budget exhausted) for one key's history."""
     ops = [o for o in ops if not (o.kind == "read" and o.return_ms is None)]  # lost reads say nothing
     if prune:

@@ -23,7 +23,9 @@ Member = tuple[int, str]
 class RaftObserver:
     violations: list[str] = field(default_factory=list)
     leaders: dict[int, Member] = field(default_factory=dict)  # term -> leader
-    entries: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # (idx, term) -> (crc, prev term)
+    entries: dict[tuple[int, int], tuple[int, int]] = field(
+        default_factory=dict
+    )  # (idx, term) -> (crc, prev term)
     applied: dict[int, tuple[int, int]] = field(default_factory=dict)  # index -> (term, crc of data)
     snapshots: dict[int, int] = field(default_factory=dict)  # index -> crc of state bytes
     committed_max: tuple[int, int] = (0, 0)  # (index, term) of the highest applied entry
@@ -35,7 +37,9 @@ class RaftObserver:
         if len(self.violations) < self.max_violations:
             self.violations.append(msg)
 
-    def on_leader(self, term: int, member: Member, term_at: Callable[[int], int | None], snap_index: int) -> None:
+    def on_leader(
+        self, term: int, member: Member, term_at: Callable[[int], int | None], snap_index: int
+    ) -> None:
         """A member is leader in ``term`` (reported each time the host sees it lead)."""
         cur = self.leaders.get(term)
         if cur is None:
@@ -62,7 +66,9 @@ class RaftObserver:
                 f"{idx} (term {t}); has term {have}"
             )
 
-    def on_persist(self, member: Member, entries: list[tuple[int, int, bytes]], prev_term: int | None) -> None:
+    def on_persist(
+        self, member: Member, entries: list[tuple[int, int, bytes]], prev_term: int | None
+    ) -> None:
         """Entries (index, term, data) a member made durable; ``prev_term`` is the term of the
         entry before the first (None when unknown, e.g. right after a snapshot)."""
         known = self.entries
@@ -96,7 +102,9 @@ class RaftObserver:
                 elif not marks or marks[-1][0] < term:
                     marks.append((term, index))
                 else:
-                    self._fail(f"state machine safety: applied index {index} has term {term} below an earlier entry's")
+                    self._fail(
+                        f"state machine safety: applied index {index} has term {term} below an earlier entry's"
+                    )
         elif ref != (term, c):
             self._fail(
                 f"state machine safety: {member} applied index {index} term {term}, "
@@ -110,4 +118,6 @@ class RaftObserver:
         if ref is None:
             self.snapshots[index] = c
         elif ref != c:
-            self._fail(f"state machine safety: snapshot of {member} at index {index} differs from another replica's")
+            self._fail(
+                f"state machine safety: snapshot of {member} at index {index} differs from another replica's"
+            )

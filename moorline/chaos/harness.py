@@ -1,0 +1,234 @@
+"""One chaos run: a broker, a workload, seeded faults, a drain, and the history of it all.
+
+Timeline of a run: start the broker; start subscribers (plain QoS 1, a Method B QoS 2 receiver, a
+$share group of two) and publishers (QoS 1 and QoS 2); at seeded moments SIGKILL the broker, damage
+its files as asked (truncate to the synced length from the ledger, flip a bit of synced data), and
+restart it; after ``duration_s`` stop the publishers, let subscribers drain until quiet, disconnect
+them cleanly, record the broker's counted drops (GET /v1/drops), stop the broker.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moorline.chaos.node import (
+    CORRUPTION_RE,
+    Broker,
+    MosquittoProcess,
+    NodeProcess,
+    NodeStartError,
+    flip_synced_byte,
+    truncate_to_ledger,
+)
+from moorline.chaos.wire import Subscriber, Subscription
+from moorline.chaos.workload import Publisher
+from moorline.verify.history import HistoryWriter
+
+FAULT_KINDS = frozenset({"kill", "truncate", "bitflip"})
+TOPIC_PREFIX = "chaos"
+
+
+@dataclass
+class ChaosConfig:
+    duration_s: float = 20.0
+    faults: frozenset[str] = frozenset({"kill"})
+    seed: int = 1
+    kills_per_run: int = 2
+    topics: int = 4
+    publishers_qos1: int = 2
+    publishers_qos2: int = 2
+    publish_interval_s: float = 0.01
+    publish_timeout_s: float = 5.0
+    drain_quiet_s: float = 2.0
+    drain_max_s: float = 30.0
+    sleeper_lead_s: float = 1.0  # the sleeper subscriber leaves this long before each kill
+    broker: str = "moorline"  # or "mosquitto" (client-side development only)
+    node_env: dict[str, str] = field(default_factory=dict)
+    shards: int | None = None
+
+    def __post_init__(self) -> None:
+        unknown = set(self.faults) - FAULT_KINDS
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}; known: {sorted(FAULT_KINDS)}")
+        if self.duration_s <= 0 or self.kills_per_run < 0:
+            raise ValueError("duration must be > 0 and kills_per_run >= 0")
+
+
+@dataclass
+class RunResult:
+    run: str
+    history: Path
+    events: int
+    published: int
+    acked: int
+    kills: int
+    corruption_detected: bool
+    drops: int
+    notes: list[str]
+
+
+def _fault_times(cfg: ChaosConfig, rng: random.Random) -> list[float]:
+    if not cfg.faults & {"kill", "truncate", "bitflip"} or cfg.kills_per_run == 0:
+        return []
+    return sorted(rng.uniform(0.15, 0.85) * cfg.duration_s for _ in range(cfg.kills_per_run))
+
+
+def _make_broker(cfg: ChaosConfig, work: Path, ledger: Path) -> Broker:
+    if cfg.broker == "mosquitto":
+        return MosquittoProcess(work / "mosquitto")
+    env = {"MOORLINE_TEST_SYNC_LEDGER": str(ledger), **cfg.node_env}
+    return NodeProcess(data_dir=work / "data", env=env, shards=cfg.shards)
+
+
+def run_once(cfg: ChaosConfig, run_id: str, out_dir: Path,
+             progress: Callable[[float], None] | None = None) -> RunResult:
+    """Execute one run; its history goes to ``out_dir/history-<run_id>.jsonl``."""
+    rng = random.Random(f"{cfg.seed}/{run_id}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    history_path = out_dir / f"history-{run_id}.jsonl"
+    history_path.unlink(missing_ok=True)
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="moorline-chaos-") as tmp, HistoryWriter(history_path, run_id) as hist:
+        work = Path(tmp)
+        ledger = work / "ledger.jsonl"
+        broker = _make_broker(cfg, work, ledger)
+        broker.start()
+
+        def endpoint() -> tuple[str, int]:
+            return broker.mqtt
+
+        topics = [f"{TOPIC_PREFIX}/t{i}" for i in range(cfg.topics)]
+        subs = [
+            Subscriber(f"{run_id}-sub-q1", endpoint, hist, [Subscription(f"{TOPIC_PREFIX}/#", 1)]),
+            Subscriber(f"{run_id}-sub-q2b", endpoint, hist, [Subscription(f"{TOPIC_PREFIX}/#", 2)]),
+            Subscriber(f"{run_id}-share-m1", endpoint, hist, [Subscription(f"{TOPIC_PREFIX}/#", 1, "g")]),
+            Subscriber(f"{run_id}-share-m2", endpoint, hist, [Subscription(f"{TOPIC_PREFIX}/#", 1, "g")]),
+        ]
+        # The sleeper is away (session kept) from shortly before each kill until after the restart,
+        # so messages committed around the crash must come back from the node's storage.
+        sleeper = Subscriber(f"{run_id}-sleeper", endpoint, hist, [Subscription(f"{TOPIC_PREFIX}/#", 1)])
+        asleep = threading.Event()
+        pubs = [
+            Publisher(f"{run_id}-pub-q{q}-{i}", q, topics, endpoint, hist, random.Random(rng.getrandbits(64)),
+                      publish_timeout_s=cfg.publish_timeout_s, interval_s=cfg.publish_interval_s)
+            for q, n in ((1, cfg.publishers_qos1), (2, cfg.publishers_qos2)) for i in range(n)
+        ]
+        stop_subs = threading.Event()
+        stop_pubs = threading.Event()
+        sub_threads = [threading.Thread(target=s.run, args=(stop_subs.is_set,), daemon=True) for s in subs]
+        sub_threads.append(threading.Thread(target=sleeper.run, args=(stop_subs.is_set,),
+                                            kwargs={"offline": asleep.is_set}, daemon=True))
+        subs.append(sleeper)
+        for t in sub_threads:
+            t.start()
+        _wait_until(lambda: all(s.connected for s in subs), 10.0)
+        pub_threads = [threading.Thread(target=p.run, args=(stop_pubs.is_set,), daemon=True) for p in pubs]
+        for t in pub_threads:
+            t.start()
+
+        start = time.monotonic()
+        kills = 0
+        corruption = False
+        flipped = False
+        for at in _fault_times(cfg, rng):
+            _sleep_until(start + max(0.0, at - cfg.sleeper_lead_s), start, cfg.duration_s, progress)
+            asleep.set()
+            _sleep_until(start + at, start, cfg.duration_s, progress)
+            kills += 1
+            hist.record("fault", "fault", process="harness", reason="kill", detail=f"SIGKILL at {at:.2f}s")
+            broker.kill()
+            if "truncate" in cfg.faults:
+                cut = truncate_to_ledger(ledger, rng)
+                hist.record("fault", "fault", process="harness", reason="truncate", detail=";".join(cut)[:2000])
+            if "bitflip" in cfg.faults and not flipped:
+                flip = flip_synced_byte(ledger, rng)
+                if flip is not None:
+                    flipped = True
+                    hist.record("fault", "fault", process="harness", reason="bitflip",
+                                detail=f"{flip[0]} offset {flip[1]}")
+            hist.record("fault", "fault", process="harness", reason="restart")
+            try:
+                broker.start()
+            except NodeStartError as exc:
+                line = _corruption_line(exc.log_tail)
+                if line is None:
+                    raise
+                corruption = True
+                hist.record("fault", "fault", process="harness", reason="corruption_detected", detail=line[:2000])
+                notes.append(f"node refused to start: {line}")
+                break
+            asleep.clear()
+            if isinstance(broker, NodeProcess):
+                line = _corruption_line(broker.current_log())
+                if line is not None:
+                    corruption = True
+                    hist.record("fault", "fault", process="harness", reason="corruption_detected",
+                                detail=line[:2000])
+                    notes.append(f"node reported corruption: {line}")
+        if not corruption:
+            _sleep_until(start + cfg.duration_s, start, cfg.duration_s, progress)
+        stop_pubs.set()
+        for t in pub_threads:
+            t.join(cfg.publish_timeout_s + 10)
+        if not corruption:
+            _drain(subs, cfg)
+        stop_subs.set()
+        for t in sub_threads:
+            t.join(10)
+        drops = 0
+        if broker.has_http and not corruption and isinstance(broker, NodeProcess):
+            try:
+                for d in broker.get_json("/v1/drops").get("drops", []):
+                    drops += 1
+                    hist.record("drop", "drop", process="broker", guid=d.get("guid"), reason=d.get("reason"),
+                                session=d.get("session"), shard=d.get("shard"), offset=d.get("offset"))
+            except OSError as exc:
+                notes.append(f"GET /v1/drops failed: {exc}")
+                hist.record("fault", "fault", process="harness", reason="drops_unavailable", detail=str(exc))
+        broker.stop()
+        if progress is not None:
+            progress(1.0)
+        return RunResult(run_id, history_path, hist.count, sum(p.published for p in pubs),
+                         sum(p.acked for p in pubs), kills, corruption, drops, notes)
+
+
+def _corruption_line(log: str) -> str | None:
+    for line in log.splitlines():
+        if CORRUPTION_RE.search(line):
+            return line.strip()
+    return None
+
+
+def _wait_until(cond: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def _sleep_until(when: float, start: float, duration_s: float, progress: Callable[[float], None] | None) -> bool:
+    while True:
+        now = time.monotonic()
+        if progress is not None:
+            progress(min(0.95, (now - start) / duration_s * 0.95))
+        if now >= when:
+            return True
+        time.sleep(min(0.2, when - now))
+
+
+def _drain(subs: list[Subscriber], cfg: ChaosConfig) -> None:
+    """Wait until every subscriber is connected and none received anything for ``drain_quiet_s``."""
+    deadline = time.monotonic() + cfg.drain_max_s
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        if all(s.connected for s in subs) and all(now - s.last_delivery_mono >= cfg.drain_quiet_s for s in subs):
+            return
+        time.sleep(0.1)

@@ -1,0 +1,52 @@
+"""The storage id: half of a Raft member's identity ``(node id, storage id)``.
+
+A node whose storage is new or wiped gets a new storage id and so rejoins only as a new learner
+(DESIGN.md, "Raft requirements"). The id is created once, when the data directory is empty, and
+stored in ``<data_dir>/storage.id`` (32 hex characters and a CRC32C, written atomically). A data
+directory that holds other files but no id is refused: a new id on top of old state would let a
+replica vote with a log it does not really have.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from moorline.hashing import crc32c
+from moorline.storage.fsutil import ensure_dir, write_file_atomically
+
+ID_FILE = "storage.id"
+
+
+class StorageIdError(Exception):
+    """The storage id file is damaged, or missing from a data directory that is not empty."""
+
+
+def load_or_create_storage_id(data_dir: Path, random_bytes: Callable[[int], bytes] = os.urandom) -> str:
+    """This data directory's storage id; a new one if the directory is new or empty."""
+    data_dir = Path(data_dir)
+    path = data_dir / ID_FILE
+    if path.exists():
+        return _read(path)
+    ensure_dir(data_dir)
+    others = [e.name for e in os.scandir(data_dir) if not e.name.startswith(ID_FILE)]
+    if others:
+        raise StorageIdError(
+            f"{data_dir} holds data ({', '.join(sorted(others)[:5])}) but no {ID_FILE}: refusing to give "
+            "old state a new identity; wipe the directory to rejoin as a new member"
+        )
+    sid = random_bytes(16).hex()
+    write_file_atomically(path, f"{sid} {crc32c(sid.encode()):08x}\n".encode())
+    return sid
+
+
+def _read(path: Path) -> str:
+    text = path.read_text(encoding="ascii", errors="replace").strip()
+    parts = text.split(" ")
+    if len(parts) != 2 or len(parts[0]) != 32:
+        raise StorageIdError(f"{path} is malformed")
+    sid, crc = parts
+    if f"{crc32c(sid.encode()):08x}" != crc:
+        raise StorageIdError(f"{path} fails its checksum")
+    return sid
