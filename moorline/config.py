@@ -25,7 +25,6 @@ class ConfigError(ValueError):
 class ListenerConfig:
     mqtt: str = "127.0.0.1:1883"
     http: str = "127.0.0.1:8883"
-    accept_rate_per_s: int = 500  # new connections per second before we stop accepting for a moment
     max_connections: int = 10_000
 
 
@@ -40,6 +39,7 @@ class MqttConfig:
     write_buffer_high_bytes: int = 1 << 20  # delivery pauses while a client's socket buffer is above this
     max_write_buffer_bytes: int = 8 << 20  # a client that stops reading is disconnected past this
     publish_timeout_s: float = 10.0  # outcome unknown after this: close the connection (0x89)
+    max_queued_packets: int = 1024  # decoded packets waiting for the handler before reading pauses
 
 
 @dataclass
@@ -89,12 +89,9 @@ class StorageConfig:
 
 @dataclass
 class RaftConfig:
+    # A single node runs each shard as a one-voter group; election and append limits arrive with
+    # replication. The entry size bound already applies (one entry holds one batch of commands).
     max_entry_bytes: int = 4 << 20
-    max_entries_per_append: int = 512
-    max_bytes_per_append: int = 1 << 20
-    max_uncommitted_bytes: int = 64 << 20
-    election_timeout_ms: tuple[int, int] = (1000, 2000)
-    heartbeat_interval_ms: int = 150
 
 
 @dataclass

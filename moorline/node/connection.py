@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("moorline.conn")
 
-MAX_QUEUED_PACKETS = 1024  # decoded packets waiting for the handler before we stop reading
-
 
 def _log_task_error(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
@@ -100,7 +98,14 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        if len(self.server.connections) >= self.server.max_connections:
+            log.warning("refusing connection from %s: %d connections open", self.peer, len(self.server.connections))
+            self._closing = True
+            transport.close()
+            return
         self.server.connections.add(self)
+        if self.server.reading_paused:
+            transport.pause_reading()  # type: ignore[attr-defined]
         transport.set_write_buffer_limits(high=self.cfg.write_buffer_high_bytes)  # type: ignore[attr-defined]
         self._task = asyncio.get_running_loop().create_task(self._handle_loop())
         self._timer = asyncio.get_running_loop().call_later(self.cfg.connect_timeout_s, self._check_timers)
@@ -123,9 +128,18 @@ class Connection(asyncio.Protocol):
         if packets:
             self._queue.extend(packets)
             self._queue_event.set()
-            if len(self._queue) > MAX_QUEUED_PACKETS and not self._paused:
+            if len(self._queue) > self.cfg.max_queued_packets and not self._paused:
                 self._paused = True
                 self.transport.pause_reading()  # type: ignore[union-attr]
+
+    def set_reading(self, on: bool) -> None:
+        """Node-wide back-pressure (event-loop lag): reading is what creates load."""
+        if self.transport is None or self._closing:
+            return
+        if on and not self._paused:
+            self.transport.resume_reading()
+        elif not on:
+            self.transport.pause_reading()
 
     def pause_writing(self) -> None:
         """The client reads slower than we deliver: stop the pump (messages stay queued, owed)."""
@@ -243,7 +257,8 @@ class Connection(asyncio.Protocol):
                 if not self._queue:
                     if self._paused and self.transport is not None:
                         self._paused = False
-                        self.transport.resume_reading()
+                        if not self.server.reading_paused:
+                            self.transport.resume_reading()
                     self._queue_event.clear()
                     await self._queue_event.wait()
                     continue
@@ -519,6 +534,10 @@ class Connection(asyncio.Protocol):
                 codes.append(RC.NOT_AUTHORIZED if v5 else 0x80)
                 continue
             qos = min(opts.qos, 2)
+            sess = self.live.session()
+            if sess is not None and flt not in sess.subs and len(sess.subs) >= self.node.cfg.session.max_subscriptions:
+                codes.append(RC.QUOTA_EXCEEDED if v5 else 0x80)
+                continue
             try:
                 retained = await self.node.subscribe(
                     self.live, flt, qos, opts.no_local if v5 else False, opts.retain_as_published if v5 else False,

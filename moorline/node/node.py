@@ -110,7 +110,8 @@ class Node:
             grec = rec.groups.get(shard)
             term = grec.hard_state.term if grec is not None and grec.hard_state is not None else 0
             raft = OneVoterRaft(term, state.applied_index, state.applied_index)
-            host = ShardHost(shard, state, raft, store, self.snapshots, hooks, self.cfg.shard.snapshot_every_entries)
+            host = ShardHost(shard, state, raft, store, self.snapshots, hooks, self.cfg.shard.snapshot_every_entries,
+                             self.cfg.raft.max_entry_bytes)
             self.hosts.append(host)
             if grec is not None:
                 host.replay([(e.term, e.index, e.type, e.data) for e in grec.entries])

@@ -41,9 +41,30 @@ class MqttServer:
         self.node = node
         self.authorizer = authorizer
         self.connections: set[Connection] = set()
+        self.max_connections = node.cfg.listeners.max_connections
+        self.reading_paused = False
 
     def protocol_factory(self) -> Connection:
         return Connection(self)
+
+    async def watch_loop_lag(self) -> None:
+        """When the event loop lags past the threshold, stop reading MQTT sockets until it recovers."""
+        loop = asyncio.get_running_loop()
+        threshold = self.node.cfg.loop_lag_threshold_ms / 1000
+        interval = 0.1
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(interval)
+            lag = loop.time() - t0 - interval
+            if lag > threshold and not self.reading_paused:
+                log.warning("event loop lag %.0f ms: pausing reads", lag * 1000)
+                self.reading_paused = True
+                for conn in self.connections:
+                    conn.set_reading(False)
+            elif lag < threshold / 2 and self.reading_paused:
+                self.reading_paused = False
+                for conn in self.connections:
+                    conn.set_reading(True)
 
 
 async def serve(cfg: NodeConfig) -> int:
@@ -73,10 +94,12 @@ async def serve(cfg: NodeConfig) -> int:
         stop.set()
 
     watcher = asyncio.create_task(watch_fatal())
+    lag_watcher = asyncio.create_task(server.watch_loop_lag())
     print(f"moorline ready mqtt={mqtt_bound[0]}:{mqtt_bound[1]} http={http_bound[0]}:{http_bound[1]}", flush=True)
     log.info("data dir %s, %d shards", cfg.data_dir, node.shard_count)
     await stop.wait()
     watcher.cancel()
+    lag_watcher.cancel()
     log.info("stopping: closing listeners and connections")
     mqtt.close()
     for conn in list(server.connections):

@@ -79,7 +79,9 @@ class ShardHost:
         snapshots: SnapshotStore,
         hooks: ApplyHooks,
         snapshot_every_entries: int,
+        max_entry_bytes: int = 4 << 20,
     ) -> None:
+        self.max_entry_bytes = max_entry_bytes
         self.shard = shard
         self.state = state
         self.raft = raft
@@ -118,9 +120,20 @@ class ShardHost:
         if self._batch_cmds:
             cmds, futs = self._batch_cmds, self._batch_futs
             self._batch_cmds, self._batch_futs = [], []
-            index = self.raft.propose(c.encode_entry(cmds))
-            self._inflight[index] = _Pending(index, cmds, futs)
+            start = 0
+            size = 0
+            for i, cmd in enumerate(cmds):  # one entry per batch, split to respect max_entry_bytes
+                est = len(cmd.msg.payload) + 256 if isinstance(cmd, c.Publish) else 256
+                if size + est > self.max_entry_bytes and i > start:
+                    self._propose_entry(cmds[start:i], futs[start:i])
+                    start, size = i, 0
+                size += est
+            self._propose_entry(cmds[start:], futs[start:])
         return self.raft.ready().entries
+
+    def _propose_entry(self, cmds: list[c.Command], futs: list[Waiter]) -> None:
+        index = self.raft.propose(c.encode_entry(cmds))
+        self._inflight[index] = _Pending(index, cmds, futs)
 
     # --- committing and applying -----------------------------------------------------------------
     def commit_upto(self, index: int) -> None:

@@ -22,7 +22,7 @@ inside a payload that happens to look like a record is not taken for one.
 Bodies: entry ``term u64 | index u64 | entry_type u32 | payload``; hard state ``term u64 |
 commit u64 | vote bytes``; truncate ``from_index u64``; snapshot mark ``index u64 | term u64``;
 checkpoint ``has_hard_state u8 | term u64 | commit u64 | snapshot_index u64 | snapshot_term u64 |
-last_index u64 | vote bytes``.
+last_index u64 | vote bytes``; remove (empty body): everything of the group before it is forgotten.
 
 Recovery rule (DESIGN.md): an invalid record with no valid record after it (in this segment or any
 later one) is a torn tail and is truncated; an invalid record followed by a valid one is corruption.
@@ -93,7 +93,8 @@ T_HARD_STATE = 2
 T_TRUNCATE = 3
 T_SNAPSHOT = 4
 T_CHECKPOINT = 5
-_TYPES = frozenset({T_ENTRY, T_HARD_STATE, T_TRUNCATE, T_SNAPSHOT, T_CHECKPOINT})
+T_REMOVE = 6
+_TYPES = frozenset({T_ENTRY, T_HARD_STATE, T_TRUNCATE, T_SNAPSHOT, T_CHECKPOINT, T_REMOVE})
 
 _ENTRY = struct.Struct("<QQI")
 _HARD = struct.Struct("<QQ")
@@ -264,7 +265,8 @@ class WriteAheadLog:
         self._lock = threading.Lock()
         self._pending: list[tuple[int, bytearray]] = []  # (segment seq, bytes for that segment)
         self._pending_bytes = 0
-        self._pending_snapshots: list[tuple[int, int]] = []  # (group, index) awaiting sync
+        # Awaiting sync: (group, snapshot index, None) marks and (group, 0, {seq: top}) removals.
+        self._pending_snapshots: list[tuple[int, int, dict[int, int] | None]] = []
         self._pending_hard: dict[int, HardState] = {}  # latest unwritten hard state per group
         self._pending_hard_bytes = 0
         self._seg_seq = 0  # segment the next record goes to
@@ -400,6 +402,13 @@ class WriteAheadLog:
         p = 0
         while p < n:
             status, rtype, group, start, end = _parse(mv, p, seq)
+            if status == _OK and rtype == T_REMOVE:
+                groups.pop(group, None)
+                corrupted[:] = [r for r in corrupted if r.group != group]
+                for tops in self._seg_max.values():
+                    tops.pop(group, None)
+                p = end
+                continue
             if status == _OK:
                 rg = groups.get(group)
                 if rg is None:
@@ -578,7 +587,23 @@ class WriteAheadLog:
             st.snapshot_term = term
             st.last_index = max(st.last_index, index)
             self._emit(T_SNAPSHOT, group, _SNAP.pack(index, term))
-            self._pending_snapshots.append((group, index))
+            self._pending_snapshots.append((group, index, None))
+            self._appended_seq += 1
+
+    def remove_group(self, group: int) -> None:
+        """Abandon this node's copy of ``group`` (replica removed, or corrupted and to be re-added
+        as a new member). Once synced its entries pin no segment, and recovery forgets everything
+        of the group before this record, corruption reports included. The group may be written
+        again afterwards as a new replica (from index 1 or a snapshot mark)."""
+        with self._lock:
+            self._check_open()
+            self._emit(T_REMOVE, group, b"")
+            self._groups.pop(group, None)
+            old = self._pending_hard.pop(group, None)
+            if old is not None:
+                self._pending_hard_bytes -= HEADER_BYTES + _HARD.size + len(old.vote)
+            unpin = {seq: tops[group] for seq, tops in self._seg_max.items() if group in tops}
+            self._pending_snapshots.append((group, 0, unpin))
             self._appended_seq += 1
 
     def pending_bytes(self) -> int:
@@ -682,8 +707,17 @@ class WriteAheadLog:
                 self._failed = exc
                 raise
             with self._lock:
-                for group, index in snapshots:
-                    self._durable_snapshot[group] = max(self._durable_snapshot.get(group, 0), index)
+                for group, index, unpin in snapshots:
+                    if unpin is None:
+                        self._durable_snapshot[group] = max(self._durable_snapshot.get(group, 0), index)
+                        continue
+                    # A durable removal: the old entries pin nothing (unless re-added since and
+                    # written into the same segment: then its top changed and it stays).
+                    self._durable_snapshot.pop(group, None)
+                    for seq, top in unpin.items():
+                        tops = self._seg_max.get(seq)
+                        if tops is not None and tops.get(group) == top:
+                            del tops[group]
                 invariant(seq >= self._synced_seq, "sync sequence went back")
                 self._synced_seq = seq
             if self._ledger is not None:

@@ -497,3 +497,45 @@ def test_concurrent_rotation_snapshots_and_reclaim(tmp_path: Path) -> None:
     assert g1.snapshot_index == last_mark - 20
     assert [e.index for e in g1.entries] == list(range(last_mark - 19, n + 1))
     assert g0.hard_state == (1, b"", n)
+
+
+def test_remove_group_unpins_segments_and_forgets_its_past(tmp_path: Path) -> None:
+    w, _ = reopen(tmp_path, segment_bytes=1024)
+    starts = {}
+    for i in range(1, 60):
+        for g in (1, 2):
+            if (g, i) == (2, 5):
+                starts[w._seg_seq] = w._seg_size
+            w.append_entries(g, [ent(i, data=b"v" * 30)])
+        w.sync()
+    w.close()
+    (seg_seq, at) = next(iter(starts.items()))
+    seg = tmp_path / segment_name(seg_seq)
+    raw = bytearray(seg.read_bytes())
+    raw[at + HEADER_BYTES + 25] ^= 0x20  # group 2, entry 5
+    seg.write_bytes(bytes(raw))
+
+    w, rec = reopen(tmp_path, segment_bytes=1024)
+    assert [r.group for r in rec.corrupted] == [2]  # type: ignore[attr-defined]
+    w.mark_snapshot(1, 59, 1)
+    w.sync()
+    assert w.reclaim() == [] and w.groups_pinning_oldest_segment() == [2]
+    w.remove_group(2)  # the node abandons the corrupted replica
+    assert w.reclaim() == []  # not durable yet
+    w.sync()
+    shutil.copytree(tmp_path, tmp_path.parent / "before-reclaim")
+    assert w.reclaim()  # group 2 pins nothing any more
+    w.close()
+    # With the damaged segment still there, the removal record makes recovery forget it.
+    rec_kept = WriteAheadLog(tmp_path.parent / "before-reclaim", segment_bytes=1024).open()
+    assert rec_kept.corrupted == [] and set(rec_kept.groups) == {1}
+
+    w, rec = reopen(tmp_path, segment_bytes=1024)
+    assert rec.corrupted == [] and set(rec.groups) == {1}  # type: ignore[attr-defined]
+    # Re-added later as a new replica: starts from scratch.
+    w.append_entries(2, [ent(1, term=7), ent(2, term=7)])
+    w.sync()
+    w.close()
+    rec2 = WriteAheadLog(tmp_path, segment_bytes=1024).open()
+    assert [(e.term, e.index) for e in rec2.groups[2].entries] == [(7, 1), (7, 2)]
+    assert rec2.corrupted == []
