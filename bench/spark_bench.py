@@ -44,7 +44,10 @@ def preload(http: str, topic_prefix: str, rows: int, chunk: int = 2000) -> float
     payload = base64.b64encode(b"x" * 100).decode()
     t = time.perf_counter()
     for i in range(0, rows, chunk):
-        msgs = [{"topic": f"{topic_prefix}/{(i + j) % 16}", "payload": payload} for j in range(min(chunk, rows - i))]
+        msgs = [
+            {"topic": f"{topic_prefix}/{(i + j) % 16}", "payload": payload}
+            for j in range(min(chunk, rows - i))
+        ]
         res = _req(http, "POST", "/v1/publish", {"messages": msgs})["results"]
         assert all(r["status"] == "ok" for r in res)
     return rows / (time.perf_counter() - t)
@@ -52,7 +55,18 @@ def preload(http: str, topic_prefix: str, rows: int, chunk: int = 2000) -> float
 
 def start_node(tmp: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moorline", "run", "--data-dir", f"{tmp}/node", "--mqtt", "127.0.0.1:0", "--http", "127.0.0.1:0"],
+        [
+            sys.executable,
+            "-m",
+            "moorline",
+            "run",
+            "--data-dir",
+            f"{tmp}/node",
+            "--mqtt",
+            "127.0.0.1:0",
+            "--http",
+            "127.0.0.1:0",
+        ],
         stdout=subprocess.PIPE,
         text=True,
         cwd=str(ROOT),
@@ -124,10 +138,15 @@ def main() -> None:
 
         def stream_read() -> None:
             q = (
-                spark.readStream.format("moorline").option("servers", http).option("topics", "bench/in/#")
-                .option("startingOffsets", "earliest").load()
-                .writeStream.format("noop").option("checkpointLocation", f"{tmp}/ck-read")
-                .trigger(availableNow=True).start()
+                spark.readStream.format("moorline")
+                .option("servers", http)
+                .option("topics", "bench/in/#")
+                .option("startingOffsets", "earliest")
+                .load()
+                .writeStream.format("noop")
+                .option("checkpointLocation", f"{tmp}/ck-read")
+                .trigger(availableNow=True)
+                .start()
             )
             q.awaitTermination()
 
@@ -135,17 +154,29 @@ def main() -> None:
         timed(
             "batch write",
             n,
-            lambda: src().select(F.concat(F.lit("bench/out/"), F.col("shard")).alias("topic"), "payload")
-            .write.format("moorline").mode("append").option("servers", http).save(),
+            lambda: (
+                src()
+                .select(F.concat(F.lit("bench/out/"), F.col("shard")).alias("topic"), "payload")
+                .write.format("moorline")
+                .mode("append")
+                .option("servers", http)
+                .save()
+            ),
         )
 
         def stream_write() -> None:
             q = (
-                spark.readStream.format("moorline").option("servers", http).option("topics", "bench/in/#")
-                .option("startingOffsets", "earliest").load()
+                spark.readStream.format("moorline")
+                .option("servers", http)
+                .option("topics", "bench/in/#")
+                .option("startingOffsets", "earliest")
+                .load()
                 .select(F.concat(F.lit("bench/out2/"), F.col("shard")).alias("topic"), "payload")
-                .writeStream.format("moorline").option("servers", http)
-                .option("checkpointLocation", f"{tmp}/ck-write").trigger(availableNow=True).start()
+                .writeStream.format("moorline")
+                .option("servers", http)
+                .option("checkpointLocation", f"{tmp}/ck-write")
+                .trigger(availableNow=True)
+                .start()
             )
             q.awaitTermination()
 

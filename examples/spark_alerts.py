@@ -64,7 +64,11 @@ def main() -> None:
         .option("checkpointLocation", args.checkpoint)
         .outputMode("append")
     )
-    query = writer.trigger(availableNow=True).start() if args.once else writer.trigger(processingTime="10 seconds").start()
+    query = (
+        writer.trigger(availableNow=True).start()
+        if args.once
+        else writer.trigger(processingTime="10 seconds").start()
+    )
     query.awaitTermination()
 
 

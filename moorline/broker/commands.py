@@ -14,7 +14,7 @@ from moorline.broker.messages import StoredMessage
 ENTRY_VERSION = 1
 
 
-class Cmd(msgspec.Struct, tag=True, array_like=True, frozen=True):
+class Cmd(msgspec.Struct, tag=True, array_like=True):
     pass
 
 

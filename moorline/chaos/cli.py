@@ -59,7 +59,16 @@ def chaos(
     for res in results:
         for note in res.notes:
             console.print(f"[yellow]{res.run}[/]: {note}")
+    failed_restarts = [r.run for r in results if r.restart_failed]
     if verify:
         from moorline.verify.cli import verify as verify_cmd
 
-        verify_cmd([r.history for r in results], master=master, report=out / "report")
+        try:
+            verify_cmd([r.history for r in results], master=master, report=out / "report")
+        except typer.Exit:
+            if failed_restarts:
+                console.print(f"[bold red]node failed to restart in runs {failed_restarts}[/]")
+            raise
+    if failed_restarts:
+        console.print(f"[bold red]node failed to restart in runs {failed_restarts}[/]")
+        raise typer.Exit(code=1)

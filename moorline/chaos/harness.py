@@ -71,6 +71,19 @@ class RunResult:
     corruption_detected: bool
     drops: int
     notes: list[str]
+    restart_failed: bool = False  # the node would not start again for a reason other than corruption
+
+
+@dataclass
+class _RunState:
+    kills: int = 0
+    corruption: bool = False
+    restart_failed: bool = False
+    flipped: bool = False
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.corruption or self.restart_failed
 
 
 def _fault_times(cfg: ChaosConfig, rng: random.Random) -> list[float]:
@@ -133,56 +146,35 @@ def run_once(cfg: ChaosConfig, run_id: str, out_dir: Path,
             t.start()
 
         start = time.monotonic()
-        kills = 0
-        corruption = False
-        flipped = False
-        for at in _fault_times(cfg, rng):
-            _sleep_until(start + max(0.0, at - cfg.sleeper_lead_s), start, cfg.duration_s, progress)
-            asleep.set()
-            _sleep_until(start + at, start, cfg.duration_s, progress)
-            kills += 1
-            hist.record("fault", "fault", process="harness", reason="kill", detail=f"SIGKILL at {at:.2f}s")
+        state = _RunState()
+        try:
+            _fault_loop(cfg, rng, hist, broker, ledger, asleep, start, progress, state, notes)
+            if not state.stopped_early:
+                _sleep_until(start + cfg.duration_s, start, cfg.duration_s, progress)
+            stop_pubs.set()
+            for t in pub_threads:
+                t.join(cfg.publish_timeout_s + 10)
+            if not state.stopped_early:
+                _drain(subs, cfg)
+        except BaseException:
             broker.kill()
-            if "truncate" in cfg.faults:
-                cut = truncate_to_ledger(ledger, rng)
-                hist.record("fault", "fault", process="harness", reason="truncate", detail=";".join(cut)[:2000])
-            if "bitflip" in cfg.faults and not flipped:
-                flip = flip_synced_byte(ledger, rng)
-                if flip is not None:
-                    flipped = True
-                    hist.record("fault", "fault", process="harness", reason="bitflip",
-                                detail=f"{flip[0]} offset {flip[1]}")
-            hist.record("fault", "fault", process="harness", reason="restart")
-            try:
-                broker.start()
-            except NodeStartError as exc:
-                line = _corruption_line(exc.log_tail)
-                if line is None:
-                    raise
-                corruption = True
+            raise
+        finally:
+            stop_pubs.set()
+            stop_subs.set()
+            for t in pub_threads + sub_threads:
+                t.join(cfg.publish_timeout_s + 10)
+            if state.stopped_early:
+                broker.kill()
+        if state.flipped and not state.corruption and isinstance(broker, NodeProcess):
+            # A damaged shard may be refused only when first used: look through everything it logged.
+            line = _corruption_line(broker.log_text())
+            if line is not None:
+                state.corruption = True
                 hist.record("fault", "fault", process="harness", reason="corruption_detected", detail=line[:2000])
-                notes.append(f"node refused to start: {line}")
-                break
-            asleep.clear()
-            if isinstance(broker, NodeProcess):
-                line = _corruption_line(broker.current_log())
-                if line is not None:
-                    corruption = True
-                    hist.record("fault", "fault", process="harness", reason="corruption_detected",
-                                detail=line[:2000])
-                    notes.append(f"node reported corruption: {line}")
-        if not corruption:
-            _sleep_until(start + cfg.duration_s, start, cfg.duration_s, progress)
-        stop_pubs.set()
-        for t in pub_threads:
-            t.join(cfg.publish_timeout_s + 10)
-        if not corruption:
-            _drain(subs, cfg)
-        stop_subs.set()
-        for t in sub_threads:
-            t.join(10)
+                notes.append(f"node reported corruption: {line}")
         drops = 0
-        if broker.has_http and not corruption and isinstance(broker, NodeProcess):
+        if broker.has_http and not state.stopped_early and isinstance(broker, NodeProcess):
             try:
                 for d in broker.get_json("/v1/drops").get("drops", []):
                     drops += 1
@@ -194,8 +186,52 @@ def run_once(cfg: ChaosConfig, run_id: str, out_dir: Path,
         broker.stop()
         if progress is not None:
             progress(1.0)
+        kills, corruption = state.kills, state.corruption
         return RunResult(run_id, history_path, hist.count, sum(p.published for p in pubs),
-                         sum(p.acked for p in pubs), kills, corruption, drops, notes)
+                         sum(p.acked for p in pubs), kills, corruption, drops, notes, state.restart_failed)
+
+
+def _fault_loop(cfg: ChaosConfig, rng: random.Random, hist: HistoryWriter, broker: Broker, ledger: Path,
+                asleep: threading.Event, start: float, progress: Callable[[float], None] | None,
+                state: _RunState, notes: list[str]) -> None:
+    """Kill, damage and restart the broker at the seeded moments; stops early if it cannot restart."""
+    for at in _fault_times(cfg, rng):
+        _sleep_until(start + max(0.0, at - cfg.sleeper_lead_s), start, cfg.duration_s, progress)
+        asleep.set()
+        _sleep_until(start + at, start, cfg.duration_s, progress)
+        state.kills += 1
+        hist.record("fault", "fault", process="harness", reason="kill", detail=f"SIGKILL at {at:.2f}s")
+        broker.kill()
+        if "truncate" in cfg.faults:
+            cut = truncate_to_ledger(ledger, rng)
+            hist.record("fault", "fault", process="harness", reason="truncate", detail=";".join(cut)[:2000])
+        if "bitflip" in cfg.faults and not state.flipped:
+            flip = flip_synced_byte(ledger, rng)
+            if flip is not None:
+                state.flipped = True
+                hist.record("fault", "fault", process="harness", reason="bitflip", detail=f"{flip[0]} offset {flip[1]}")
+        hist.record("fault", "fault", process="harness", reason="restart")
+        try:
+            broker.start()
+        except NodeStartError as exc:
+            line = _corruption_line(exc.log_tail)
+            if line is not None:
+                state.corruption = True
+                hist.record("fault", "fault", process="harness", reason="corruption_detected", detail=line[:2000])
+                notes.append(f"node refused to start: {line}")
+            else:
+                state.restart_failed = True
+                hist.record("fault", "fault", process="harness", reason="restart_failed",
+                            detail=exc.log_tail[-2000:])
+                notes.append(f"node did not restart: {exc}\n{exc.log_tail}")
+            return
+        asleep.clear()
+        if isinstance(broker, NodeProcess):
+            line = _corruption_line(broker.current_log())
+            if line is not None:
+                state.corruption = True
+                hist.record("fault", "fault", process="harness", reason="corruption_detected", detail=line[:2000])
+                notes.append(f"node reported corruption: {line}")
 
 
 def _corruption_line(log: str) -> str | None:

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 READY_RE = re.compile(r"moorline ready mqtt=([\d.]+):(\d+) http=([\d.]+):(\d+)")
 LOG_LINES_KEPT = 2000
-CORRUPTION_RE = re.compile(r"corrupt", re.IGNORECASE)
+CORRUPTION_RE = re.compile(r"corrupt|checksum fail|fails its checksum", re.IGNORECASE)
 
 
 class NodeStartError(Exception):
@@ -104,7 +104,7 @@ class NodeProcess:
         self._pump.ready_event.wait(self.start_timeout_s)
         m = self._pump.ready_match
         if m is None:
-            tail = "\n".join(list(self._pump.lines)[-40:])
+            tail = "\n".join(list(self._pump.lines)[-200:])
             self.kill()
             raise NodeStartError(f"node did not become ready (exit {self._proc.poll()})", tail)
         self.mqtt = (m.group(1), int(m.group(2)))

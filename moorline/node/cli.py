@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -14,11 +14,11 @@ from moorline.config import ConfigError, load_config
 
 
 def run(
-    data_dir: Annotated[Optional[Path], typer.Option(help="data directory [default: ./moorline-data]")] = None,
-    mqtt: Annotated[Optional[str], typer.Option(help="MQTT listener HOST:PORT [default: 127.0.0.1:1883]")] = None,
-    http: Annotated[Optional[str], typer.Option(help="HTTP (admin/fetch) listener HOST:PORT [default: 127.0.0.1:8883]")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="TOML configuration file")] = None,
-    shards: Annotated[Optional[int], typer.Option(help="shard count (fixed when the data dir is created)")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="data directory [default: ./moorline-data]")] = None,
+    mqtt: Annotated[str | None, typer.Option(help="MQTT listener HOST:PORT [default: 127.0.0.1:1883]")] = None,
+    http: Annotated[str | None, typer.Option(help="HTTP (admin/fetch) listener HOST:PORT [default: 127.0.0.1:8883]")] = None,
+    config: Annotated[Path | None, typer.Option(help="TOML configuration file")] = None,
+    shards: Annotated[int | None, typer.Option(help="shard count (fixed when the data dir is created)")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
 ) -> None:
     """Start one moorline node (single node, embedded default)."""
@@ -61,7 +61,7 @@ def run(
 def passwd(
     file: Annotated[Path, typer.Argument(help="password file")],
     user: Annotated[str, typer.Argument()],
-    password: Annotated[Optional[str], typer.Argument(help="omit to be prompted")] = None,
+    password: Annotated[str | None, typer.Argument(help="omit to be prompted")] = None,
 ) -> None:
     """Add or change a user in a password file (salted scrypt hashes)."""
     from moorline.node.auth import set_password

@@ -9,8 +9,8 @@ commit before the next packet is handled, so a client's later publishes see its 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import os
 import time
 import uuid
 from collections import deque
@@ -275,30 +275,26 @@ class Connection(asyncio.Protocol):
             self.disconnect(RC.UNSPECIFIED_ERROR, "internal error")
 
     async def _handle(self, packet: p.Packet) -> None:
-        kind = type(packet)
-        if kind is p.Publish:
-            await self._on_publish(packet)  # type: ignore[arg-type]
-        elif kind is p.Puback:
-            if self.live is not None and self.live.on_puback(packet.packet_id):  # type: ignore[union-attr]
+        if isinstance(packet, p.Publish):
+            await self._on_publish(packet)
+        elif isinstance(packet, (p.Puback, p.Pubcomp)):
+            if self.live is not None and self.live.on_puback(packet.packet_id):
                 self.node.on_ack_room(self.client_id)
-        elif kind is p.Pubrec:
-            await self._on_pubrec(packet)  # type: ignore[arg-type]
-        elif kind is p.Pubcomp:
-            if self.live is not None and self.live.on_pubcomp(packet.packet_id):  # type: ignore[union-attr]
-                self.node.on_ack_room(self.client_id)
-        elif kind is p.Pubrel:
-            self._on_pubrel(packet)  # type: ignore[arg-type]
-        elif kind is p.Subscribe:
-            await self._on_subscribe(packet)  # type: ignore[arg-type]
-        elif kind is p.Unsubscribe:
-            await self._on_unsubscribe(packet)  # type: ignore[arg-type]
-        elif kind is p.Pingreq:
+        elif isinstance(packet, p.Pubrec):
+            await self._on_pubrec(packet)
+        elif isinstance(packet, p.Pubrel):
+            self._on_pubrel(packet)
+        elif isinstance(packet, p.Subscribe):
+            await self._on_subscribe(packet)
+        elif isinstance(packet, p.Unsubscribe):
+            await self._on_unsubscribe(packet)
+        elif isinstance(packet, p.Pingreq):
             self._write(b"\xd0\x00")
-        elif kind is p.Disconnect:
-            self._on_disconnect(packet)  # type: ignore[arg-type]
-        elif kind is p.Connect:
-            await self._on_connect(packet)  # type: ignore[arg-type]
-        elif kind is p.Auth:
+        elif isinstance(packet, p.Disconnect):
+            self._on_disconnect(packet)
+        elif isinstance(packet, p.Connect):
+            await self._on_connect(packet)
+        elif isinstance(packet, p.Auth):
             self.disconnect(RC.BAD_AUTH_METHOD, "enhanced authentication is not supported")
 
     # CONNECT
@@ -440,7 +436,11 @@ class Connection(asyncio.Protocol):
             self.node.propose(shard, cmd, want=False)
             return
         slot = self._queue_ack(None, ("puback" if pk.qos == 1 else "pubrec", pk.packet_id, 0))
-        self.node.propose_cb(shard, cmd, lambda result, exc, s=slot: self._complete(s, result, exc))
+
+        def done(result: Any, exc: BaseException | None) -> None:
+            self._complete(slot, result, exc)
+
+        self.node.propose_cb(shard, cmd, done)
 
     def _done(self) -> asyncio.Future[Any]:
         f: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -449,10 +449,10 @@ class Connection(asyncio.Protocol):
 
     def _queue_ack(self, fut: asyncio.Future[Any] | None, what: Any) -> list[Any]:
         """Queue an acknowledgement; it leaves when ``fut`` (or the returned slot's callback) is done."""
-        slot = [False, None, None, what, time.monotonic()]  # done, result, error, (kind, pid, reason), since
+        slot: list[Any] = [False, None, None, what, time.monotonic()]  # done, result, error, (kind, pid, reason), since
         self._acks.append(slot)
         if fut is not None:
-            fut.add_done_callback(lambda f, s=slot: self._slot_done(s, f))
+            fut.add_done_callback(functools.partial(self._slot_done, slot))
         return slot
 
     def _slot_done(self, slot: list[Any], fut: asyncio.Future[Any]) -> None:

@@ -62,7 +62,7 @@ def make_app(node: Node) -> web.Application:
         flt = req.query.get("filter")
         if flt is not None and not validate_topic_filter(flt):
             return _err(400, f"invalid topic filter {flt!r}")
-        out = []
+        out: list[dict[str, Any]] = []
         end = t.next_offset
         offset = start
         while offset < end and len(out) < limit:
@@ -202,6 +202,6 @@ async def start_http(node: Node, host: str, port: int) -> tuple[web.AppRunner, t
     await site.start()
     server = site._server
     assert server is not None
-    sock = server.sockets[0]  # type: ignore[union-attr]
+    sock = server.sockets[0]  # type: ignore[attr-defined]
     bound = sock.getsockname()
     return runner, (bound[0], bound[1])

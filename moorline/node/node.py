@@ -182,7 +182,7 @@ class Node:
         """Sessions that were connected when the node stopped are now disconnected (wills may
         fire); every subscription is registered again (idempotent) in case a crash cut that short."""
         now = self.now_ms()
-        futs = []
+        futs: list[Any] = []
         for host in self.hosts:
             for sess in list(host.state.sessions.sessions.values()):
                 for flt, sub in sess.subs.items():
@@ -543,8 +543,9 @@ class Node:
             await self._end_session(sess, "session_expired")
 
     async def _publish_will(self, sess: Session, will: c.WillSpec) -> None:
-        from moorline.broker.messages import MessageProps
         import msgspec
+
+        from moorline.broker.messages import MessageProps
 
         props = msgspec.msgpack.decode(will.props, type=MessageProps) if will.props else None
         msg = StoredMessage(

@@ -1,8 +1,8 @@
 """PySpark Structured Streaming source and sink for moorline (needs the ``spark`` extra).
 
-    from moorline.spark import MoorlineDataSource
-    spark.dataSource.register(MoorlineDataSource)
-    spark.readStream.format("moorline").option("servers", "127.0.0.1:8080").option("topics", "sensors/#").load()
+from moorline.spark import MoorlineDataSource
+spark.dataSource.register(MoorlineDataSource)
+spark.readStream.format("moorline").option("servers", "127.0.0.1:8080").option("topics", "sensors/#").load()
 """
 
 from __future__ import annotations

@@ -95,7 +95,8 @@ class NodeClient:
                         time.sleep(0.05 * (attempt + 1))
             self._current = (self._current + 1) % len(self._servers)
         raise MoorlineUnavailable(
-            f"no moorline server answered {method} {path} (servers: {', '.join(self._servers)}): " + "; ".join(errors[-4:])
+            f"no moorline server answered {method} {path} (servers: {', '.join(self._servers)}): "
+            + "; ".join(errors[-4:])
         )
 
     def _ok(self, method: str, path: str, doc: Any = None) -> dict[str, Any]:
@@ -109,13 +110,19 @@ class NodeClient:
         body = self._ok("GET", "/v1/shards")
         out: dict[int, ShardInfo] = {}
         for s in body["shards"]:
-            info = ShardInfo(int(s["shard"]), str(s["incarnation"]), int(s["low_water"]), int(s["next_offset"]))
+            info = ShardInfo(
+                int(s["shard"]), str(s["incarnation"]), int(s["low_water"]), int(s["next_offset"])
+            )
             out[info.shard] = info
         if len(out) != int(body["shard_count"]):
-            raise MoorlineHTTPError(200, "GET", "/v1/shards", {"error": "shard list does not match shard_count"})
+            raise MoorlineHTTPError(
+                200, "GET", "/v1/shards", {"error": "shard list does not match shard_count"}
+            )
         return out
 
-    def fetch(self, shard: int, start: int, max_messages: int, incarnation: str, topic_filter: str | None) -> Response:
+    def fetch(
+        self, shard: int, start: int, max_messages: int, incarnation: str, topic_filter: str | None
+    ) -> Response:
         q: dict[str, str | int] = {"from": start, "max": max_messages, "incarnation": incarnation}
         if topic_filter is not None:
             q["filter"] = topic_filter
@@ -125,7 +132,9 @@ class NodeClient:
         body = self._ok("POST", "/v1/publish", {"messages": messages})
         results = body["results"]
         if len(results) != len(messages):
-            raise MoorlineHTTPError(200, "POST", "/v1/publish", {"error": "result count differs from message count"})
+            raise MoorlineHTTPError(
+                200, "POST", "/v1/publish", {"error": "result count differs from message count"}
+            )
         return list(results)
 
     def pin(self, reader: str, offsets: dict[str, int], ttl_ms: int) -> bool:

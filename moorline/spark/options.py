@@ -110,7 +110,9 @@ def parse_servers(value: str | None) -> tuple[str, ...]:
         hp = hp.rstrip("/")
         host, sep, port = hp.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise MoorlineOptionError(f'option "servers": {part.strip()!r} is not HOST:PORT (the node\'s --http address)')
+            raise MoorlineOptionError(
+                f'option "servers": {part.strip()!r} is not HOST:PORT (the node\'s --http address)'
+            )
         out.append(f"{host}:{int(port)}")
     return tuple(out)
 
@@ -125,7 +127,9 @@ def parse_topics(value: str | None) -> tuple[str, ...]:
             if ("#" in level and (level != "#" or i != len(levels) - 1)) or ("+" in level and level != "+"):
                 raise MoorlineOptionError(f'option "topics": {f!r} is not a valid MQTT topic filter')
         if f.startswith("$share/"):
-            raise MoorlineOptionError(f'option "topics": shared subscriptions ({f!r}) cannot be read by Spark')
+            raise MoorlineOptionError(
+                f'option "topics": shared subscriptions ({f!r}) cannot be read by Spark'
+            )
     return filters
 
 
@@ -177,7 +181,9 @@ def parse_offsets_spec(key: str, raw: str | None, default: str) -> StartSpec:
             f'{{"0": {{"incarnation": "..", "offset": 5}}}}; JSON error: {exc}'
         ) from None
     if not isinstance(doc, dict) or not doc:
-        raise MoorlineOptionError(f'option "{key}": the JSON must be a non-empty object keyed by shard number')
+        raise MoorlineOptionError(
+            f'option "{key}": the JSON must be a non-empty object keyed by shard number'
+        )
     per: dict[int, tuple[str | None, int]] = {}
     for shard_key, value in doc.items():
         if not str(shard_key).isdigit():
@@ -191,7 +197,9 @@ def parse_offsets_spec(key: str, raw: str | None, default: str) -> StartSpec:
             inc = inc_raw
             unknown = set(value) - {"offset", "incarnation"}
             if unknown:
-                raise MoorlineOptionError(f'option "{key}": shard {shard_key}: unknown field(s) {sorted(unknown)}')
+                raise MoorlineOptionError(
+                    f'option "{key}": shard {shard_key}: unknown field(s) {sorted(unknown)}'
+                )
         else:
             off = value
         if isinstance(off, bool) or not isinstance(off, int) or off < EARLIEST:
@@ -211,14 +219,18 @@ def parse_read_options(options: Mapping[str, str], streaming: bool) -> ReadOptio
         raise MoorlineOptionError('option "maxOffsetsPerTrigger" applies to streaming reads only')
     ending = parse_offsets_spec("endingOffsets", o.get("endingoffsets"), "latest")
     if ending.kind == "earliest":
-        raise MoorlineOptionError('option "endingOffsets": "earliest" makes an empty read; use "latest" or JSON')
+        raise MoorlineOptionError(
+            'option "endingOffsets": "earliest" makes an empty read; use "latest" or JSON'
+        )
     reader_id = o.get("readerid")
     if reader_id is not None and (not reader_id or "/" in reader_id or len(reader_id) > 200):
         raise MoorlineOptionError('option "readerId": must be 1-200 characters without "/"')
     return ReadOptions(
         servers=parse_servers(o.get("servers")),
         topics=parse_topics(o.get("topics")),
-        starting=parse_offsets_spec("startingOffsets", o.get("startingoffsets"), "latest" if streaming else "earliest"),
+        starting=parse_offsets_spec(
+            "startingOffsets", o.get("startingoffsets"), "latest" if streaming else "earliest"
+        ),
         ending=ending,
         max_offsets_per_trigger=_int(o, "maxoffsetspertrigger", None, 1),
         fail_on_data_loss=_bool(o, "failondataloss", True),

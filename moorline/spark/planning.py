@@ -109,7 +109,9 @@ def resolve_spec(
         out[str(s)] = _pos(inc, off)
     unknown = [s for s in spec.per_shard if s not in shards]
     if unknown:
-        raise MoorlineDataLossError(f"{what}: unknown shard(s) {unknown}; the cluster has {len(shards)} shards")
+        raise MoorlineDataLossError(
+            f"{what}: unknown shard(s) {unknown}; the cluster has {len(shards)} shards"
+        )
     return out
 
 

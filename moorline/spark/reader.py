@@ -14,7 +14,12 @@ from typing import Any
 
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
-from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows, SupportsTriggerAvailableNow
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
 
 from moorline.invariant import invariant
 from moorline.spark import failpoints
@@ -101,7 +106,9 @@ def read_range(opts: ReadOptions, part: ShardRangePartition) -> Iterator[pa.Reco
     cur = part.start
     with _client(opts) as client:
         while cur < part.end:
-            r = client.fetch(part.shard, cur, min(opts.fetch_max_messages, part.end - cur), part.incarnation, flt)
+            r = client.fetch(
+                part.shard, cur, min(opts.fetch_max_messages, part.end - cur), part.incarnation, flt
+            )
             if r.status == 410:
                 low = int(r.body.get("low_water", cur))
                 info = ShardInfo(part.shard, part.incarnation, low, part.end)
@@ -110,7 +117,12 @@ def read_range(opts: ReadOptions, part: ShardRangePartition) -> Iterator[pa.Reco
 
                     raise MoorlineDataLossError(loss_message(part.shard, part.incarnation, cur, info))
                 invariant(low > cur, "a 410 names a low-water mark above the requested offset")
-                log.warning("moorline shard %d: skipping offsets %d..%d (failOnDataLoss=false)", part.shard, cur, low - 1)
+                log.warning(
+                    "moorline shard %d: skipping offsets %d..%d (failOnDataLoss=false)",
+                    part.shard,
+                    cur,
+                    low - 1,
+                )
                 cur = low
                 continue
             if r.status == 409:
@@ -125,7 +137,9 @@ def read_range(opts: ReadOptions, part: ShardRangePartition) -> Iterator[pa.Reco
             msgs = r.body.get("messages") or []
             if not msgs:
                 break  # nothing matching is left below the shard's next offset
-            keep = [m for m in msgs if int(m["offset"]) < part.end and any_filter_matches(opts.topics, m["topic"])]
+            keep = [
+                m for m in msgs if int(m["offset"]) < part.end and any_filter_matches(opts.topics, m["topic"])
+            ]
             last = int(msgs[-1]["offset"])
             invariant(last >= cur, "the node returns offsets at or after the requested one")
             if keep:
@@ -142,7 +156,9 @@ class MoorlineBatchReader(DataSourceReader):
         with _client(self.opts) as client:
             shards = client.shards()
             wanted = _wanted(self.opts, shards)
-            start = resolve_spec(self.opts.starting, shards, wanted, self.opts.fail_on_data_loss, "startingOffsets")
+            start = resolve_spec(
+                self.opts.starting, shards, wanted, self.opts.fail_on_data_loss, "startingOffsets"
+            )
             start = clamp_to_complete(start, shards, self.opts.fail_on_data_loss)
             end = resolve_spec(self.opts.ending, shards, wanted, self.opts.fail_on_data_loss, "endingOffsets")
             ranges = plan_ranges(start, end, shards, self.opts.fail_on_data_loss)
@@ -181,7 +197,11 @@ class MoorlineStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         with _client(self.opts) as client:
             shards = client.shards()
             start = resolve_spec(
-                self.opts.starting, shards, _wanted(self.opts, shards), self.opts.fail_on_data_loss, "startingOffsets"
+                self.opts.starting,
+                shards,
+                _wanted(self.opts, shards),
+                self.opts.fail_on_data_loss,
+                "startingOffsets",
             )
             start = clamp_to_complete(start, shards, self.opts.fail_on_data_loss)
             self._pin(client, start)
@@ -196,13 +216,17 @@ class MoorlineStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         with _client(self.opts) as client:
             shards = client.shards()
             if start is None:  # Spark 4.0/4.1 call without arguments: plan from the head
-                start = resolve_spec(self.opts.starting, shards, _wanted(self.opts, shards), True, "startingOffsets")
+                start = resolve_spec(
+                    self.opts.starting, shards, _wanted(self.opts, shards), True, "startingOffsets"
+                )
             clamped = clamp_to_complete(start, shards, self.opts.fail_on_data_loss)
             self._pin(client, clamped)
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         if self.target is not None:  # availableNow: behave as if nothing arrived after the start
             shards = {
-                s: ShardInfo(s, i.incarnation, i.low_water, min(i.next_offset, self.target.get(str(s), i.next_offset)))
+                s: ShardInfo(
+                    s, i.incarnation, i.low_water, min(i.next_offset, self.target.get(str(s), i.next_offset))
+                )
                 for s, i in shards.items()
             }
         end = latest_end(clamped, shards, max_rows)

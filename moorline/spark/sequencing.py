@@ -90,8 +90,17 @@ def make_row(
         pairs = tuple(sorted((str(k), "" if v is None else str(v)) for k, v in items))
         reserved = {"guid", "producer", "seq"} & {k for k, _ in pairs}
         if reserved:
-            raise MoorlineRowError(f"user property name(s) {sorted(reserved)} are reserved for moorline's identities")
-    return OutRow(topic, body, q, bool(retain) if retain is not None else False, pairs, None if key is None else _key_text(key))
+            raise MoorlineRowError(
+                f"user property name(s) {sorted(reserved)} are reserved for moorline's identities"
+            )
+    return OutRow(
+        topic,
+        body,
+        q,
+        bool(retain) if retain is not None else False,
+        pairs,
+        None if key is None else _key_text(key),
+    )
 
 
 def _key_text(key: Any) -> str:

@@ -76,7 +76,9 @@ def resolve_columns(schema: StructType, opts: WriteOptions) -> Columns:
 
     payload = col("payload", (StringType, BinaryType)) or col("value", (StringType, BinaryType))
     if payload is None:
-        raise MoorlineOptionError('writing to moorline needs a "payload" or "value" column (string or binary)')
+        raise MoorlineOptionError(
+            'writing to moorline needs a "payload" or "value" column (string or binary)'
+        )
     topic = col("topic", (StringType,))
     if topic is None and opts.topic is None:
         raise MoorlineOptionError('writing to moorline needs option "topic" or a "topic" column')
@@ -102,25 +104,31 @@ def resolve_columns(schema: StructType, opts: WriteOptions) -> Columns:
     )
 
 
+def _column(batch: pa.RecordBatch, name: str | None) -> list[Any]:
+    names = batch.schema.names
+    if name is None or name not in names:
+        return [None] * batch.num_rows
+    return list(batch.column(names.index(name)).to_pylist())
+
+
 def rows_of(batches: Iterator[pa.RecordBatch], cols: Columns, opts: WriteOptions) -> Iterator[OutRow]:
     for batch in batches:
         n = batch.num_rows
-        names = batch.schema.names
-
-        def column(name: str | None) -> list[Any]:
-            if name is None or name not in names:
-                return [None] * n
-            return batch.column(names.index(name)).to_pylist()
-
-        topics = column(cols.topic) if cols.topic is not None else [opts.topic] * n
-        payloads, qoss, retains = column(cols.payload), column(cols.qos), column(cols.retain)
-        props, keys = column(cols.props), column(cols.key)
+        topics = _column(batch, cols.topic) if cols.topic is not None else [opts.topic] * n
+        payloads, qoss, retains = (
+            _column(batch, cols.payload),
+            _column(batch, cols.qos),
+            _column(batch, cols.retain),
+        )
+        props, keys = _column(batch, cols.props), _column(batch, cols.key)
         for i in range(n):
             topic = topics[i] if topics[i] is not None else opts.topic
             yield make_row(topic, payloads[i], qoss[i], retains[i], props[i], keys[i], opts.qos)
 
 
-def publish_all(client: NodeClient, messages: list[dict[str, Any]], opts: WriteOptions, sequenced: bool) -> tuple[int, int]:
+def publish_all(
+    client: NodeClient, messages: list[dict[str, Any]], opts: WriteOptions, sequenced: bool
+) -> tuple[int, int]:
     """Publish in chunks; return (ok, duplicate). Refused and unanswered rows are retried, bounded."""
     ok = dup = 0
     for i in range(0, len(messages), opts.publish_batch_size):

@@ -714,8 +714,8 @@ class WriteAheadLog:
                     # A durable removal: the old entries pin nothing (unless re-added since and
                     # written into the same segment: then its top changed and it stays).
                     self._durable_snapshot.pop(group, None)
-                    for seq, top in unpin.items():
-                        tops = self._seg_max.get(seq)
+                    for seg_seq, top in unpin.items():
+                        tops = self._seg_max.get(seg_seq)
                         if tops is not None and tops.get(group) == top:
                             del tops[group]
                 invariant(seq >= self._synced_seq, "sync sequence went back")

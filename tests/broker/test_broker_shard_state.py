@@ -92,7 +92,7 @@ def test_retained_returned_by_register_and_cleared_by_empty_payload() -> None:
 def test_release_waits_for_ack_and_min_age() -> None:
     s, fx = new_shard(retention_min_age_ms=1000), Effects()
     s.apply(reg("c1\0t", "t"), fx)
-    for i in range(3):
+    for _i in range(3):
         s.apply(c.Publish(msg("t", ts=0)), fx)
     fx.clear()
     s.apply(c.Housekeeping(5000, -1), fx)

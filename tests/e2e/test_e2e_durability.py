@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from conftest import BROKER_KIND, BrokerFactory, BrokerProc, running_broker
@@ -181,16 +182,27 @@ class StreamPublisher:
             self.error = e
 
 
-@pytest.mark.parametrize("mode", RESTARTS)
-def test_qos1_stream_crash_loses_no_acked_message(shared_broker: BrokerProc, uniq: str, mode: str) -> None:
-    rng = random.Random(SEED)
+@dataclass
+class StreamOutcome:
+    acked: set[int]
+    sent: list[int]
+    delivered: list[Packet]
+
+    @property
+    def missing(self) -> list[int]:
+        return sorted(self.acked - {int(m.payload) for m in self.delivered})
+
+
+def run_qos1_stream_with_crash(b: BrokerProc, uniq: str, mode: str, seed: int, total: int = 4000) -> StreamOutcome:
+    """A persistent subscriber (offline) on 8 topics; a pipelined QoS 1 publisher streams `total` messages;
+    the broker crashes (`mode`) after a seeded number of PUBACKs; then the subscriber drains its queue."""
+    rng = random.Random(seed)
     topics = [f"{uniq}/s/{i}" for i in range(8)]  # several shards
-    total = 4000
     kill_after_acks = rng.randint(300, 1500)
-    sub = new_session(shared_broker, f"{uniq}-sub", [(f"{uniq}/s/+", 1)])
+    sub = new_session(b, f"{uniq}-sub", [(f"{uniq}/s/+", 1)])
     sub.disconnect()  # offline: everything is queued for the session
 
-    pub_client = RawClient(HOST, shared_broker.mqtt_port, 5)
+    pub_client = RawClient(HOST, b.mqtt_port, 5)
     assert pub_client.connect(f"{uniq}-pub").reason == 0
     pub = StreamPublisher(pub_client, topics, total)
     t = threading.Thread(target=pub.run, daemon=True)
@@ -198,29 +210,50 @@ def test_qos1_stream_crash_loses_no_acked_message(shared_broker: BrokerProc, uni
     deadline = time.monotonic() + 120
     while len(pub.acked) < kill_after_acks and t.is_alive() and time.monotonic() < deadline:
         time.sleep(0.002)
-    assert len(pub.acked) >= kill_after_acks, f"seed {SEED}: only {len(pub.acked)} acks in time ({pub.error})"
-    crash(shared_broker, mode)
+    assert len(pub.acked) >= kill_after_acks, f"seed {seed}: only {len(pub.acked)} acks in time ({pub.error})"
+    crash(b, mode, seed)
     t.join(30)
     assert not t.is_alive()
-    assert pub.error is None, f"seed {SEED}: publisher failed: {pub.error!r}"
+    assert pub.error is None, f"seed {seed}: publisher failed: {pub.error!r}"
     acked = set(pub.acked)
     assert len(acked) < total, "the stream finished before the crash; the test proved nothing"
-
-    sub = reconnect(shared_broker, f"{uniq}-sub")
+    sub = reconnect(b, f"{uniq}-sub")
     got = drain_acking(sub, quiet=2.0)
-    seqs = [int(m.payload) for m in got]
-    counts = Counter(seqs)
-    missing = sorted(acked - set(seqs))
-    assert not missing, f"seed {SEED}: {len(missing)} of {len(acked)} acknowledged messages lost: {missing[:10]}"
-    assert len(acked & set(seqs)) == len(acked)
-    assert set(seqs) <= set(pub.sent), "delivered a message that was never published"
-    dups = [s for s, c in counts.items() if c > 1]
-    assert not dups, f"seed {SEED}: offline session got duplicates {dups[:10]}"
-    for i, topic in enumerate(topics):
-        per_topic = [int(m.payload) for m in got if m.topic == topic]
-        assert per_topic == sorted(per_topic), f"seed {SEED}: order broken on {topic}"
-        assert all(s % len(topics) == i for s in per_topic)
     sub.disconnect()
+    print(f"seed {seed} mode {mode}: sent {len(pub.sent)}, acked {len(acked)}, delivered {len(got)}")
+    return StreamOutcome(acked, list(pub.sent), got)
+
+
+@pytest.mark.parametrize("mode", RESTARTS)
+def test_qos1_stream_crash_loses_no_acked_message(shared_broker: BrokerProc, uniq: str, mode: str) -> None:
+    out = run_qos1_stream_with_crash(shared_broker, uniq, mode, SEED)
+    seqs = [int(m.payload) for m in out.delivered]
+    assert not out.missing, f"seed {SEED}: {len(out.missing)} of {len(out.acked)} acknowledged messages lost: " \
+        f"{out.missing[:10]}"
+    assert len(out.acked & set(seqs)) == len(out.acked)
+    assert set(seqs) <= set(out.sent), "delivered a message that was never published"
+    dups = [s for s, c in Counter(seqs).items() if c > 1]
+    assert not dups, f"seed {SEED}: offline session got duplicates {dups[:10]}"
+    for i in range(8):
+        per_topic = [int(m.payload) for m in out.delivered if m.topic == f"{uniq}/s/{i}"]
+        assert per_topic == sorted(per_topic), f"seed {SEED}: order broken on topic {i}"
+        assert all(s % 8 == i for s in per_topic)
+
+
+@pytest.mark.moorline_only
+def test_canary_ack_before_sync_is_detected_by_power_loss(broker_factory: BrokerFactory, uniq: str,
+                                                          tmp_path: Path) -> None:
+    """The deliberately broken MOORLINE_TEST_UNSAFE_ACK_BEFORE_SYNC build acknowledges before fsync: a
+    simulated power loss must then cost acknowledged messages, and the stream check must see it."""
+    b = broker_factory(env={"MOORLINE_TEST_UNSAFE_ACK_BEFORE_SYNC": "1",
+                            "MOORLINE_TEST_SYNC_LEDGER": str(tmp_path / "ledger.jsonl")})
+    lost = 0
+    for attempt in range(3):  # the crash must land while acked data is unsynced; usually the first time
+        out = run_qos1_stream_with_crash(b, f"{uniq}-{attempt}", "powerloss", SEED + attempt)
+        lost = len(out.missing)
+        if lost:
+            break
+    assert lost > 0, "the unsafe build lost nothing on power loss: the durability check cannot see it"
 
 
 # --------------------------------------------------------------------------- QoS 2 Method B subscriber, crash
@@ -312,6 +345,7 @@ def test_qos2_method_b_subscriber_exactly_once_across_crash(shared_broker: Broke
     c = reconnect(shared_broker, cid)
     subscriber.consume(c, quiet=2.0)
     c.disconnect()
+    print(f"seed {SEED} mode {mode}: {before} of {n} delivered before the crash, {subscriber.resends} resends")
     assert subscriber.violations == [], f"seed {SEED}: {subscriber.violations[:5]}"
     counts = Counter(subscriber.delivered)
     assert [p for p, k in counts.items() if k > 1] == [], f"seed {SEED}: delivered more than once"

@@ -106,8 +106,22 @@ class Broker:
         return out
 
 
-def _start_node(tmp: Path) -> tuple[subprocess.Popen[str], str, str] | None:
-    cmd = [sys.executable, "-m", "moorline", "run", "--data-dir", str(tmp / "node"), "--mqtt", "127.0.0.1:0", "--http", "127.0.0.1:0"]
+def _start_node(tmp: Path, config_toml: str | None = None) -> tuple[subprocess.Popen[str], str, str] | None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "moorline",
+        "run",
+        "--data-dir",
+        str(tmp / "node"),
+        "--mqtt",
+        "127.0.0.1:0",
+        "--http",
+        "127.0.0.1:0",
+    ]
+    if config_toml is not None:
+        (tmp / "node.toml").write_text(config_toml)
+        cmd += ["--config", str(tmp / "node.toml")]
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp))
     except OSError as exc:
@@ -141,6 +155,30 @@ def _node_works(b: Broker) -> bool:
     except Exception as exc:  # the node runs but its HTTP API is not there yet
         _node_status["why"] = f"node HTTP API not usable: {exc}"
         return False
+
+
+@pytest.fixture()
+def short_retention_node(tmp_path: Path) -> Iterator[Broker]:
+    """A real node whose unowed messages leave after 1 s unless pinned; skipped without a node."""
+    if os.environ.get("MOORLINE_SPARK_BROKER") == "fake":
+        pytest.skip("MOORLINE_SPARK_BROKER=fake")
+    toml = "[retention]\nmin_age_s = 1.0\n\n[shard]\ncount = 4\nhousekeeping_interval_s = 0.2\n"
+    started = _start_node(tmp_path, toml)
+    if started is None:
+        pytest.skip(f"no usable node with a short retention: {_node_status.get('why')}")
+    proc, mqtt, http = started
+    b = Broker(http, mqtt, None, "node")
+    try:
+        if not _node_works(b):
+            pytest.skip(f"node HTTP API unusable: {_node_status.get('why')}")
+        yield b
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture()
@@ -211,7 +249,11 @@ class MqttCollector:
         self.got: list[tuple[str, bytes, str | None]] = []
         self._subscribed = threading.Event()
         host, _, port = address.rpartition(":")
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"spark-test-{os.getpid()}-{time.time_ns()}", protocol=mqtt.MQTTv5)
+        self.client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=f"spark-test-{os.getpid()}-{time.time_ns()}",
+            protocol=mqtt.MQTTv5,
+        )
 
         def on_connect(client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
             client.subscribe(topic_filter, qos=1)

@@ -49,8 +49,7 @@ class FakeBroker:
 
     @property
     def address(self) -> str:
-        host, port = self.server.server_address[:2]
-        return f"{host}:{port}"
+        return f"127.0.0.1:{self.server.server_address[1]}"
 
     def start(self) -> FakeBroker:
         self.thread.start()
@@ -87,7 +86,12 @@ class FakeBroker:
             return {
                 "shard_count": self.shard_count,
                 "shards": [
-                    {"shard": i, "incarnation": s.incarnation, "low_water": s.low_water, "next_offset": s.next_offset}
+                    {
+                        "shard": i,
+                        "incarnation": s.incarnation,
+                        "low_water": s.low_water,
+                        "next_offset": s.next_offset,
+                    }
                     for i, s in enumerate(self.shards)
                 ],
             }

@@ -57,12 +57,16 @@ def test_options_reject_unknown_and_malformed() -> None:
         parse_read_options({**base, "endingOffsets": "latest"}, streaming=True)
     with pytest.raises(MoorlineOptionError, match="qos"):
         parse_write_options({"servers": "127.0.0.1:1", "qos": "3"})
-    o = parse_read_options({**base, "STARTINGOFFSETS": '{"1": {"offset": 12}}', "maxOffsetsPerTrigger": "5"}, True)
+    o = parse_read_options(
+        {**base, "STARTINGOFFSETS": '{"1": {"offset": 12}}', "maxOffsetsPerTrigger": "5"}, True
+    )
     assert o.starting.per_shard == {1: (None, 12)} and o.max_offsets_per_trigger == 5
 
 
 def test_resolve_and_clamp() -> None:
-    o = parse_read_options({"servers": "h:1", "topics": "#", "startingOffsets": '{"1": 3, "2": {"offset": 25}}'}, True)
+    o = parse_read_options(
+        {"servers": "h:1", "topics": "#", "startingOffsets": '{"1": 3, "2": {"offset": 25}}'}, True
+    )
     start = resolve_spec(o.starting, SHARDS, [0, 1, 2, 3], True, "startingOffsets")
     assert start["0"] == pos("inc0", 0) and start["2"] == pos("inc2", 25) and start["3"] == pos("inc3", 30)
     with pytest.raises(MoorlineDataLossError, match="earliest complete offset is 10"):
@@ -95,7 +99,10 @@ def test_plan_ranges_cut_or_fail_below_low_water() -> None:
 
 
 def test_canonical_sequencing_ignores_row_order_and_numbers_per_shard() -> None:
-    rows = [make_row(f"t/{i % 9}", f"p{i % 13}".encode(), None, None, {"k": str(i % 3)}, None, 1) for i in range(300)]
+    rows = [
+        make_row(f"t/{i % 9}", f"p{i % 13}".encode(), None, None, {"k": str(i % 3)}, None, 1)
+        for i in range(300)
+    ]
     shuffled = rows[:]
     random.Random(7).shuffle(shuffled)
     a = sequenced_messages(rows, 16, "query-1", 3, 5)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 from base64 import b64decode
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Broker
+from conftest import Broker, wait_for
 
 pytestmark = pytest.mark.spark
 
@@ -19,7 +20,12 @@ def read_once(spark: Any, broker: Broker, out: Path, ckpt: Path, **opts: str) ->
     r = r.option("startingOffsets", "earliest")
     for k, v in opts.items():
         r = r.option(k, v)
-    q = r.load().writeStream.format("parquet").option("path", str(out)).option("checkpointLocation", str(ckpt))
+    q = (
+        r.load()
+        .writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(ckpt))
+    )
     return q.trigger(availableNow=True).start()
 
 
@@ -56,6 +62,30 @@ def test_checkpoint_below_the_complete_range(spark: Any, fake_broker: Broker, tm
     assert len(survivors) == 40 * len(lows)
 
 
+def test_real_node_pins_hold_retention_and_loss_is_reported(
+    spark: Any, short_retention_node: Broker, tmp_path: Path
+) -> None:
+    """Real node, retention.min_age = 1 s: the query's pin keeps unread rows; once the pin is gone
+    retention removes them and the restarted query fails naming the earliest complete offset."""
+    b = short_retention_node
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    expected: set[bytes] = set()
+    for run in range(3):  # the first run reads nothing but plants the query's pin
+        q = read_once(spark, b, out, ckpt, readerId="ret-test")
+        assert q.awaitTermination(120) and q.exception() is None
+        got = Counter(bytes(r["payload"]) for r in spark.read.parquet(str(out)).select("payload").collect())
+        assert set(got) == expected and max(got.values(), default=1) == 1, f"run {run}: a pinned row was lost or read twice"
+        batch = [(f"ret/{i % 3}", f"{run}-{i:04d}".encode()) for i in range(200)]
+        b.publish(batch)
+        expected |= {p for _, p in batch}
+        time.sleep(2.5)  # well past min_age: only the pin keeps these rows
+    b.request("DELETE", "/v1/pins/ret-test")  # as if the query stayed down past pinTtlMs
+    wait_for(lambda: any(s["low_water"] > 400 // 3 for s in b.request("GET", "/v1/shards")["shards"]), 30, "retention")
+    q = read_once(spark, b, out, ckpt, readerId="ret-test")
+    with pytest.raises(Exception, match="earliest complete offset is"):
+        q.awaitTermination(120)
+
+
 def test_batch_read_of_a_bounded_range(spark: Any, broker: Broker) -> None:
     broker.publish([(f"br/{i % 4}", f"r-{i}".encode()) for i in range(200)])
     shards = broker.request("GET", "/v1/shards")["shards"]
@@ -80,13 +110,19 @@ def test_batch_write_key_column_is_exactly_once_and_plain_is_not(spark: Any, bro
     rows = [(f"bw/{i % 3}", f"k-{i}", f"v-{i}") for i in range(120)]
     df = spark.createDataFrame(rows, "topic string, key string, value string").repartition(3)
     for _ in range(2):
-        df.write.format("moorline").mode("append").option("servers", broker.http).option("keyColumn", "key").save()
+        df.write.format("moorline").mode("append").option("servers", broker.http).option(
+            "keyColumn", "key"
+        ).save()
     keyed = Counter(b64decode(m["payload"]) for m in broker.read_all("bw/"))
     assert len(keyed) == 120 and max(keyed.values()) == 1
     plain = spark.createDataFrame([("v",)], "value string")
     for _ in range(2):
-        plain.write.format("moorline").mode("append").option("servers", broker.http).option("topic", "bw2/x").save()
-    assert len(broker.read_all("bw2/")) == 2, "a re-run batch job without a key column publishes again (documented)"
+        plain.write.format("moorline").mode("append").option("servers", broker.http).option(
+            "topic", "bw2/x"
+        ).save()
+    assert len(broker.read_all("bw2/")) == 2, (
+        "a re-run batch job without a key column publishes again (documented)"
+    )
 
 
 def test_option_errors_are_clear(spark: Any, broker: Broker) -> None:

@@ -14,7 +14,9 @@ from conftest import Broker, arm_failpoint, wait_for, wait_query
 pytestmark = pytest.mark.spark
 
 
-def start_query(spark: Any, broker: Broker, out: Path, ckpt: Path, available_now: bool = False, **opts: str) -> Any:
+def start_query(
+    spark: Any, broker: Broker, out: Path, ckpt: Path, available_now: bool = False, **opts: str
+) -> Any:
     reader = spark.readStream.format("moorline").option("servers", broker.http).option("topics", "sensors/#")
     for k, v in opts.items():
         reader = reader.option(k, v)
@@ -60,7 +62,12 @@ def test_stream_read_crash_and_restart_exactly_once(spark: Any, broker: Broker, 
     assert q.exception() is not None and "stream_partitions" in str(q.exception())
     # Run 2: restart; stop it while publishers keep going.
     q = start_query(spark, broker, out, ckpt, startingOffsets="latest", maxOffsetsPerTrigger="700")
-    wait_query(q, lambda: q.lastProgress is not None and q.lastProgress["numInputRows"] > 0, 120, "a batch after restart")
+    wait_query(
+        q,
+        lambda: q.lastProgress is not None and q.lastProgress["numInputRows"] > 0,
+        120,
+        "a batch after restart",
+    )
     q.stop()
     time.sleep(1)  # publishers keep going while no query runs
     stop.set()

@@ -46,7 +46,9 @@ def test_stream_write_after_shuffle_with_task_retry(spark: Any, broker: Broker, 
     failpoint = arm_failpoint("write_after_first_chunk")
     q = (
         source(spark, broker, "in/#")
-        .dropDuplicates(["guid"])  # a keyed shuffle (a groupBy on guid); Spark's Python sinks take append mode only
+        .dropDuplicates(
+            ["guid"]
+        )  # a keyed shuffle (a groupBy on guid); Spark's Python sinks take append mode only
         .select(F.concat(F.lit("out/"), F.col("topic")).alias("topic"), "payload")
         .writeStream.format("moorline")
         .option("servers", broker.http)
@@ -72,7 +74,9 @@ def test_stream_write_after_shuffle_with_task_retry(spark: Any, broker: Broker, 
             sub.close()
 
 
-def test_stream_write_stopped_between_sink_commit_and_checkpoint(spark: Any, broker: Broker, tmp_path: Path) -> None:
+def test_stream_write_stopped_between_sink_commit_and_checkpoint(
+    spark: Any, broker: Broker, tmp_path: Path
+) -> None:
     """The writer's commit() sets the sink marker, then the query dies before Spark's commit log
     is written. The restarted query re-runs the batch; the marker makes it publish nothing."""
     from pyspark.sql import functions as F

@@ -42,6 +42,7 @@ op = st.one_of(
     st.tuples(st.just("hard"), st.sampled_from(GROUPS), st.integers(0, 9), st.binary(max_size=6)),
     st.tuples(st.just("snap"), st.sampled_from(GROUPS), st.integers(0, 5)),
     st.tuples(st.just("truncate"), st.sampled_from(GROUPS), st.integers(0, 4)),
+    st.tuples(st.just("remove"), st.sampled_from(GROUPS)),
     st.tuples(st.just("sync")),
     st.tuples(st.just("reclaim")),
     st.tuples(st.just("restart")),
@@ -123,6 +124,9 @@ def _run(d: Path, ops: list[tuple]) -> None:
             w.truncate(g, frm)
             m.entries = {i: e for i, e in m.entries.items() if i < frm}
             m.last = min(m.last, frm - 1)
+        elif kind == "remove":
+            w.remove_group(o[1])
+            live[o[1]] = ModelGroup()
         elif kind == "sync":
             w.sync()
             durable = {g: m.copy() for g, m in live.items()}
@@ -173,7 +177,8 @@ def test_wal_seeded_random_walks(monkeypatch: object) -> None:
         ops: list[tuple] = []
         for _ in range(120):
             k = r.choice(
-                ["append"] * 4 + ["hard", "snap", "truncate", "sync", "sync", "reclaim", "restart", "crash"]
+                ["append"] * 5
+                + ["hard", "snap", "truncate", "sync", "sync", "reclaim", "restart", "crash", "remove"]
             )
             g = r.choice(GROUPS)
             if k == "append":
@@ -188,6 +193,8 @@ def test_wal_seeded_random_walks(monkeypatch: object) -> None:
                 ops.append(("truncate", g, r.randint(0, 4)))
             elif k == "crash":
                 ops.append(("crash", r.randint(0, 30)))
+            elif k == "remove":
+                ops.append(("remove", g))
             else:
                 ops.append((k,))
         d = Path(tempfile.mkdtemp(prefix="walwalk-"))
