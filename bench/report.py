@@ -35,7 +35,9 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
             block = per.get(workload, {})
             figures = _row_figures(block)
             if figures is None:
-                table.add_row(broker, *["-"] * 6, f"[red]{block.get('error', 'no result')}[/red]")
+                error = str(block.get("error", "no result"))
+                short = error if len(error) <= 150 else error[:150] + "... (full text in the JSON)"
+                table.add_row(broker, *["-"] * 6, f"[red]{short}[/red]")
                 continue
             notes = []
             if not figures.get("complete", True):

@@ -45,11 +45,11 @@ def generate(out: Path, events: int, runs: int, chunk_runs: int = 25) -> tuple[i
             if r % 100 == 7:  # 1 % of runs: drop sub-q1's delivery of one message (and its ack)
                 victim = int(msgs // 2)
                 keep = np.ones(len(batch["type"]), dtype=bool)
-                keep[24 + victim * EVENTS_PER_MESSAGE + 2: 24 + victim * EVENTS_PER_MESSAGE + 4] = False
+                keep[24 + victim * EVENTS_PER_MESSAGE + 2 : 24 + victim * EVENTS_PER_MESSAGE + 4] = False
                 batch = {k: (v[keep] if v is not None else None) for k, v in batch.items()}
                 lossy += 1
             n = len(batch["type"])
-            for name, kind in FIELDS:
+            for name, _kind in FIELDS:
                 values = batch.get(name)
                 typ = schema.field(name).type
                 cols[name].append(pa.nulls(n, typ) if values is None else pa.array(values, type=typ))
@@ -63,7 +63,13 @@ def _one_run(np, rng, run: str, r: int, msgs: int) -> dict:  # type: ignore[no-u
     """Columns (numpy / lists) of one run: 24 setup events, then 8 events per message."""
     t0 = 1_000_000_000
     # setup: connect invoke/ok for 8 sessions, subscribe invoke/ok for the 4 subscriber sessions
-    s_type, s_op, s_sess, s_present, s_filter, s_group, s_qos = [], [], [], [], [], [], []
+    s_type: list[str] = []
+    s_op: list[str] = []
+    s_sess: list[str] = []
+    s_present: list[bool | None] = []
+    s_filter: list[str | None] = []
+    s_group: list[str | None] = []
+    s_qos: list[int | None] = []
     for s in SESSIONS:
         s_type += ["invoke", "ok"]
         s_op += ["connect", "connect"]
@@ -96,9 +102,9 @@ def _one_run(np, rng, run: str, r: int, msgs: int) -> dict:  # type: ignore[no-u
     op = np.empty(msgs * E, dtype=object)
     mono[0::E], mono[1::E] = inv, inv + ack_lat
     for k, sub in enumerate((4, 5)):
-        mono[2 + 2 * k::E] = inv + dl_lat[k]
-        mono[3 + 2 * k::E] = inv + dl_lat[k] + 10_000
-        sess[2 + 2 * k::E] = sess[3 + 2 * k::E] = sub
+        mono[2 + 2 * k :: E] = inv + dl_lat[k]
+        mono[3 + 2 * k :: E] = inv + dl_lat[k] + 10_000
+        sess[2 + 2 * k :: E] = sess[3 + 2 * k :: E] = sub
     mono[6::E], mono[7::E] = inv + dl_lat[2], inv + dl_lat[2] + 10_000
     sess[0::E] = sess[1::E] = pub
     sess[6::E] = sess[7::E] = member
@@ -123,17 +129,21 @@ def _one_run(np, rng, run: str, r: int, msgs: int) -> dict:  # type: ignore[no-u
         "index": np.arange(total, dtype=np.int64),
         "type": np.concatenate([np.array(s_type, dtype=object), typ]),
         "op": np.concatenate([np.array(s_op, dtype=object), op]),
-        "topic": np.concatenate([np.full(n_setup, None, dtype=object),
-                                 np.repeat(np.array(TOPICS, dtype=object)[topic_idx], E)]),
+        "topic": np.concatenate(
+            [np.full(n_setup, None, dtype=object), np.repeat(np.array(TOPICS, dtype=object)[topic_idx], E)]
+        ),
         "qos": np.concatenate([np.array(s_qos, dtype=object), qos.astype(object)]),
         "guid": np.concatenate([np.full(n_setup, None, dtype=object), np.repeat(guids, E)]),
         "session": np.concatenate([np.array(s_sess, dtype=object), names[sess]]),
         "packet_id": np.concatenate([np.zeros(n_setup, dtype=np.int32), pid]),
         "dup": np.zeros(total, dtype=bool),
         "filter": np.concatenate([np.array(s_filter, dtype=object), np.full(msgs * E, None, dtype=object)]),
-        "share_group": np.concatenate([np.array(s_group, dtype=object), np.full(msgs * E, None, dtype=object)]),
-        "session_present": np.concatenate([np.array(s_present, dtype=object),
-                                           np.full(msgs * E, None, dtype=object)]),
+        "share_group": np.concatenate(
+            [np.array(s_group, dtype=object), np.full(msgs * E, None, dtype=object)]
+        ),
+        "session_present": np.concatenate(
+            [np.array(s_present, dtype=object), np.full(msgs * E, None, dtype=object)]
+        ),
         "mono_ns": np.concatenate([t0 + np.arange(n_setup, dtype=np.int64) * 1000, mono]),
         "wall_ms": None,
     }
@@ -153,8 +163,8 @@ def _tree_rss_kib(root: int) -> dict[str, int]:
                 rss = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
         except (OSError, StopIteration):
             continue
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
         children.setdefault(ppid, []).append(int(d))
         info[int(d)] = (comm, rss)
     totals = {"java": 0, "python": 0, "other": 0}
@@ -181,9 +191,23 @@ def main() -> None:
     t = time.monotonic()
     rows, lossy = generate(hist_dir, args.events, args.runs)
     gen_s = time.monotonic() - t
-    print(f"generated {rows:,} events in {args.runs} runs ({lossy} runs with one loss) in {gen_s:.1f} s", flush=True)
-    cmd = [sys.executable, "-m", "moorline", "verify", str(hist_dir), "--master", args.master,
-           "--report", str(args.out / "report"), "--driver-memory", args.driver_memory]
+    print(
+        f"generated {rows:,} events in {args.runs} runs ({lossy} runs with one loss) in {gen_s:.1f} s",
+        flush=True,
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "moorline",
+        "verify",
+        str(hist_dir),
+        "--master",
+        args.master,
+        "--report",
+        str(args.out / "report"),
+        "--driver-memory",
+        args.driver_memory,
+    ]
     t = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak = {"java": 0, "python": 0, "total": 0}
@@ -199,9 +223,15 @@ def main() -> None:
     wall = time.monotonic() - t
     summary = json.loads((args.out / "report" / "summary.json").read_text())
     result = {
-        "events": rows, "runs": args.runs, "master": args.master, "verify_wall_s": round(wall, 1),
-        "events_per_s": round(rows / wall), "peak_rss_mib": {k: round(v / 1024) for k, v in peak.items()},
-        "exit_code": proc.returncode, "lost_found": summary["totals"]["lost"], "lost_injected": lossy,
+        "events": rows,
+        "runs": args.runs,
+        "master": args.master,
+        "verify_wall_s": round(wall, 1),
+        "events_per_s": round(rows / wall),
+        "peak_rss_mib": {k: round(v / 1024) for k, v in peak.items()},
+        "exit_code": proc.returncode,
+        "lost_found": summary["totals"]["lost"],
+        "lost_injected": lossy,
     }
     print(out[-3000:])
     print(json.dumps(result, indent=2))

@@ -24,6 +24,8 @@ def main() -> None:
     ap.add_argument("--servers", required=True, help="the node's --http address(es), comma-separated")
     ap.add_argument("--checkpoint", required=True, help="checkpoint directory (shared storage on a cluster)")
     ap.add_argument("--threshold", type=float, default=80.0)
+    ap.add_argument("--window", default="1 minute", help="aggregation window")
+    ap.add_argument("--watermark", default="2 minutes", help="how late a reading may arrive")
     ap.add_argument("--once", action="store_true", help="process what is there now, then stop (availableNow)")
     args = ap.parse_args()
 
@@ -41,8 +43,10 @@ def main() -> None:
         .where(F.col("value").isNotNull())
     )
     per_minute = (
-        readings.withWatermark("timestamp", "2 minutes")  # append mode: a minute is final after the watermark
-        .groupBy(F.window("timestamp", "1 minute"), "topic")
+        readings.withWatermark(
+            "timestamp", args.watermark
+        )  # append mode: a window is final after the watermark
+        .groupBy(F.window("timestamp", args.window), "topic")
         .agg(F.avg("value").alias("avg"), F.max("value").alias("max"), F.count("*").alias("n"))
     )
     alerts = per_minute.where(F.col("max") > args.threshold).select(
@@ -50,7 +54,7 @@ def main() -> None:
         F.to_json(
             F.struct(
                 F.col("topic").alias("sensor"),
-                F.col("window.start").alias("minute"),
+                F.col("window.start").alias("window_start"),
                 "avg",
                 "max",
                 "n",

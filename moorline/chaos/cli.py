@@ -11,11 +11,15 @@ import typer
 def chaos(
     nodes: Annotated[int, typer.Option(help="Nodes to run (only 1 is supported so far).")] = 1,
     runs: Annotated[int, typer.Option(help="Independent runs, each on a fresh data directory.")] = 1,
-    duration: Annotated[float, typer.Option(help="Seconds of workload per run (faults happen inside).")] = 20.0,
+    duration: Annotated[
+        float, typer.Option(help="Seconds of workload per run (faults happen inside).")
+    ] = 20.0,
     faults: Annotated[str, typer.Option(help="Comma list of kill,truncate,bitflip ('' for none).")] = "kill",
     kills: Annotated[int, typer.Option(help="SIGKILL + restart cycles per run.")] = 2,
     seed: Annotated[int, typer.Option(help="Seed for fault moments, damage and workload.")] = 1,
-    out: Annotated[Path, typer.Option(help="Directory for histories and the verify report.")] = Path("chaos-out"),
+    out: Annotated[Path, typer.Option(help="Directory for histories and the verify report.")] = Path(
+        "chaos-out"
+    ),
     master: Annotated[str, typer.Option(help="Spark master for verify.")] = "local[*]",
     broker: Annotated[str, typer.Option(help="moorline, or mosquitto to develop the harness.")] = "moorline",
     node_env: Annotated[
@@ -25,7 +29,7 @@ def chaos(
 ) -> None:
     """Start a node, drive publishers and subscribers, SIGKILL/damage/restart it at seeded moments, then verify."""
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
     from moorline.chaos.harness import ChaosConfig, run_once
 
@@ -41,8 +45,9 @@ def chaos(
     if fault_set & {"truncate", "bitflip"}:
         fault_set |= {"kill"}  # damage happens while the node is down
     try:
-        cfg = ChaosConfig(duration_s=duration, faults=fault_set, seed=seed, kills_per_run=kills,
-                          broker=broker, node_env=env)
+        cfg = ChaosConfig(
+            duration_s=duration, faults=fault_set, seed=seed, kills_per_run=kills, broker=broker, node_env=env
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     console = Console()
@@ -51,11 +56,20 @@ def chaos(
         for i in range(runs):
             run_id = f"s{seed}-r{i}"
             task = bar.add_task(f"run {run_id}", total=1.0)
-            res = run_once(cfg, run_id, out, progress=lambda f, t=task: bar.update(t, completed=f))
+
+            def report(fraction: float, task_id: TaskID = task) -> None:
+                bar.update(task_id, completed=fraction)
+
+            res = run_once(cfg, run_id, out, progress=report)
             results.append(res)
-            bar.update(task, completed=1.0, description=(
-                f"run {run_id}: {res.acked}/{res.published} acked, {res.kills} kills"
-                + (", corruption detected" if res.corruption_detected else "")))
+            bar.update(
+                task,
+                completed=1.0,
+                description=(
+                    f"run {run_id}: {res.acked}/{res.published} acked, {res.kills} kills"
+                    + (", corruption detected" if res.corruption_detected else "")
+                ),
+            )
     for res in results:
         for note in res.notes:
             console.print(f"[yellow]{res.run}[/]: {note}")

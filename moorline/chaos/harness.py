@@ -27,7 +27,7 @@ from moorline.chaos.node import (
     truncate_to_ledger,
 )
 from moorline.chaos.wire import Subscriber, Subscription
-from moorline.chaos.workload import Publisher
+from moorline.chaos.workload import AckTrigger, Publisher
 from moorline.verify.history import HistoryWriter
 
 FAULT_KINDS = frozenset({"kill", "truncate", "bitflip"})
@@ -48,6 +48,7 @@ class ChaosConfig:
     drain_quiet_s: float = 2.0
     drain_max_s: float = 30.0
     sleeper_lead_s: float = 1.0  # the sleeper subscriber leaves this long before each kill
+    ack_wait_s: float = 2.0  # how long an armed kill waits for an acknowledgement to fire inside
     broker: str = "moorline"  # or "mosquitto" (client-side development only)
     node_env: dict[str, str] = field(default_factory=dict)
     shards: int | None = None
@@ -99,15 +100,19 @@ def _make_broker(cfg: ChaosConfig, work: Path, ledger: Path) -> Broker:
     return NodeProcess(data_dir=work / "data", env=env, shards=cfg.shards)
 
 
-def run_once(cfg: ChaosConfig, run_id: str, out_dir: Path,
-             progress: Callable[[float], None] | None = None) -> RunResult:
+def run_once(
+    cfg: ChaosConfig, run_id: str, out_dir: Path, progress: Callable[[float], None] | None = None
+) -> RunResult:
     """Execute one run; its history goes to ``out_dir/history-<run_id>.jsonl``."""
     rng = random.Random(f"{cfg.seed}/{run_id}")
     out_dir.mkdir(parents=True, exist_ok=True)
     history_path = out_dir / f"history-{run_id}.jsonl"
     history_path.unlink(missing_ok=True)
     notes: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="moorline-chaos-") as tmp, HistoryWriter(history_path, run_id) as hist:
+    with (
+        tempfile.TemporaryDirectory(prefix="moorline-chaos-") as tmp,
+        HistoryWriter(history_path, run_id) as hist,
+    ):
         work = Path(tmp)
         ledger = work / "ledger.jsonl"
         broker = _make_broker(cfg, work, ledger)
@@ -127,16 +132,30 @@ def run_once(cfg: ChaosConfig, run_id: str, out_dir: Path,
         # so messages committed around the crash must come back from the node's storage.
         sleeper = Subscriber(f"{run_id}-sleeper", endpoint, hist, [Subscription(f"{TOPIC_PREFIX}/#", 1)])
         asleep = threading.Event()
+        trigger = AckTrigger()
         pubs = [
-            Publisher(f"{run_id}-pub-q{q}-{i}", q, topics, endpoint, hist, random.Random(rng.getrandbits(64)),
-                      publish_timeout_s=cfg.publish_timeout_s, interval_s=cfg.publish_interval_s)
-            for q, n in ((1, cfg.publishers_qos1), (2, cfg.publishers_qos2)) for i in range(n)
+            Publisher(
+                f"{run_id}-pub-q{q}-{i}",
+                q,
+                topics,
+                endpoint,
+                hist,
+                random.Random(rng.getrandbits(64)),
+                publish_timeout_s=cfg.publish_timeout_s,
+                interval_s=cfg.publish_interval_s,
+                ack_trigger=trigger,
+            )
+            for q, n in ((1, cfg.publishers_qos1), (2, cfg.publishers_qos2))
+            for i in range(n)
         ]
         stop_subs = threading.Event()
         stop_pubs = threading.Event()
         sub_threads = [threading.Thread(target=s.run, args=(stop_subs.is_set,), daemon=True) for s in subs]
-        sub_threads.append(threading.Thread(target=sleeper.run, args=(stop_subs.is_set,),
-                                            kwargs={"offline": asleep.is_set}, daemon=True))
+        sub_threads.append(
+            threading.Thread(
+                target=sleeper.run, args=(stop_subs.is_set,), kwargs={"offline": asleep.is_set}, daemon=True
+            )
+        )
         subs.append(sleeper)
         for t in sub_threads:
             t.start()
@@ -148,7 +167,7 @@ def run_once(cfg: ChaosConfig, run_id: str, out_dir: Path,
         start = time.monotonic()
         state = _RunState()
         try:
-            _fault_loop(cfg, rng, hist, broker, ledger, asleep, start, progress, state, notes)
+            _fault_loop(cfg, rng, hist, broker, ledger, asleep, trigger, start, progress, state, notes)
             if not state.stopped_early:
                 _sleep_until(start + cfg.duration_s, start, cfg.duration_s, progress)
             stop_pubs.set()
@@ -171,15 +190,25 @@ def run_once(cfg: ChaosConfig, run_id: str, out_dir: Path,
             line = _corruption_line(broker.log_text())
             if line is not None:
                 state.corruption = True
-                hist.record("fault", "fault", process="harness", reason="corruption_detected", detail=line[:2000])
+                hist.record(
+                    "fault", "fault", process="harness", reason="corruption_detected", detail=line[:2000]
+                )
                 notes.append(f"node reported corruption: {line}")
         drops = 0
         if broker.has_http and not state.stopped_early and isinstance(broker, NodeProcess):
             try:
                 for d in broker.get_json("/v1/drops").get("drops", []):
                     drops += 1
-                    hist.record("drop", "drop", process="broker", guid=d.get("guid"), reason=d.get("reason"),
-                                session=d.get("session"), shard=d.get("shard"), offset=d.get("offset"))
+                    hist.record(
+                        "drop",
+                        "drop",
+                        process="broker",
+                        guid=d.get("guid"),
+                        reason=d.get("reason"),
+                        session=d.get("session"),
+                        shard=d.get("shard"),
+                        offset=d.get("offset"),
+                    )
             except OSError as exc:
                 notes.append(f"GET /v1/drops failed: {exc}")
                 hist.record("fault", "fault", process="harness", reason="drops_unavailable", detail=str(exc))
@@ -187,20 +216,53 @@ def run_once(cfg: ChaosConfig, run_id: str, out_dir: Path,
         if progress is not None:
             progress(1.0)
         kills, corruption = state.kills, state.corruption
-        return RunResult(run_id, history_path, hist.count, sum(p.published for p in pubs),
-                         sum(p.acked for p in pubs), kills, corruption, drops, notes, state.restart_failed)
+        return RunResult(
+            run_id,
+            history_path,
+            hist.count,
+            sum(p.published for p in pubs),
+            sum(p.acked for p in pubs),
+            kills,
+            corruption,
+            drops,
+            notes,
+            state.restart_failed,
+        )
 
 
-def _fault_loop(cfg: ChaosConfig, rng: random.Random, hist: HistoryWriter, broker: Broker, ledger: Path,
-                asleep: threading.Event, start: float, progress: Callable[[float], None] | None,
-                state: _RunState, notes: list[str]) -> None:
-    """Kill, damage and restart the broker at the seeded moments; stops early if it cannot restart."""
+def _fault_loop(
+    cfg: ChaosConfig,
+    rng: random.Random,
+    hist: HistoryWriter,
+    broker: Broker,
+    ledger: Path,
+    asleep: threading.Event,
+    trigger: AckTrigger,
+    start: float,
+    progress: Callable[[float], None] | None,
+    state: _RunState,
+    notes: list[str],
+) -> None:
+    """Kill, damage and restart the broker at the seeded moments; stops early if it cannot restart.
+
+    At each moment the kill is armed to fire inside the next successful acknowledgement a publisher
+    receives (or after ``ack_wait_s`` without one): a node acknowledging before its data is durable
+    is then caught with the acknowledged data still unsynced."""
     for at in _fault_times(cfg, rng):
         _sleep_until(start + max(0.0, at - cfg.sleeper_lead_s), start, cfg.duration_s, progress)
         asleep.set()
         _sleep_until(start + at, start, cfg.duration_s, progress)
         state.kills += 1
-        hist.record("fault", "fault", process="harness", reason="kill", detail=f"SIGKILL at {at:.2f}s")
+        trigger.arm(broker.send_kill)
+        after_ack = trigger.fired.wait(cfg.ack_wait_s)
+        trigger.disarm()
+        hist.record(
+            "fault",
+            "fault",
+            process="harness",
+            reason="kill",
+            detail=f"SIGKILL at {at:.2f}s" + (" right after an acknowledgement" if after_ack else ""),
+        )
         broker.kill()
         if "truncate" in cfg.faults:
             cut = truncate_to_ledger(ledger, rng)
@@ -209,7 +271,13 @@ def _fault_loop(cfg: ChaosConfig, rng: random.Random, hist: HistoryWriter, broke
             flip = flip_synced_byte(ledger, rng)
             if flip is not None:
                 state.flipped = True
-                hist.record("fault", "fault", process="harness", reason="bitflip", detail=f"{flip[0]} offset {flip[1]}")
+                hist.record(
+                    "fault",
+                    "fault",
+                    process="harness",
+                    reason="bitflip",
+                    detail=f"{flip[0]} offset {flip[1]}",
+                )
         hist.record("fault", "fault", process="harness", reason="restart")
         try:
             broker.start()
@@ -217,12 +285,15 @@ def _fault_loop(cfg: ChaosConfig, rng: random.Random, hist: HistoryWriter, broke
             line = _corruption_line(exc.log_tail)
             if line is not None:
                 state.corruption = True
-                hist.record("fault", "fault", process="harness", reason="corruption_detected", detail=line[:2000])
+                hist.record(
+                    "fault", "fault", process="harness", reason="corruption_detected", detail=line[:2000]
+                )
                 notes.append(f"node refused to start: {line}")
             else:
                 state.restart_failed = True
-                hist.record("fault", "fault", process="harness", reason="restart_failed",
-                            detail=exc.log_tail[-2000:])
+                hist.record(
+                    "fault", "fault", process="harness", reason="restart_failed", detail=exc.log_tail[-2000:]
+                )
                 notes.append(f"node did not restart: {exc}\n{exc.log_tail}")
             return
         asleep.clear()
@@ -230,7 +301,9 @@ def _fault_loop(cfg: ChaosConfig, rng: random.Random, hist: HistoryWriter, broke
             line = _corruption_line(broker.current_log())
             if line is not None:
                 state.corruption = True
-                hist.record("fault", "fault", process="harness", reason="corruption_detected", detail=line[:2000])
+                hist.record(
+                    "fault", "fault", process="harness", reason="corruption_detected", detail=line[:2000]
+                )
                 notes.append(f"node reported corruption: {line}")
 
 
@@ -250,7 +323,9 @@ def _wait_until(cond: Callable[[], bool], timeout_s: float) -> bool:
     return cond()
 
 
-def _sleep_until(when: float, start: float, duration_s: float, progress: Callable[[float], None] | None) -> bool:
+def _sleep_until(
+    when: float, start: float, duration_s: float, progress: Callable[[float], None] | None
+) -> bool:
     while True:
         now = time.monotonic()
         if progress is not None:
@@ -265,6 +340,8 @@ def _drain(subs: list[Subscriber], cfg: ChaosConfig) -> None:
     deadline = time.monotonic() + cfg.drain_max_s
     while time.monotonic() < deadline:
         now = time.monotonic()
-        if all(s.connected for s in subs) and all(now - s.last_delivery_mono >= cfg.drain_quiet_s for s in subs):
+        if all(s.connected for s in subs) and all(
+            now - s.last_delivery_mono >= cfg.drain_quiet_s for s in subs
+        ):
             return
         time.sleep(0.1)

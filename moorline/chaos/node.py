@@ -42,6 +42,7 @@ class Broker(Protocol):
 
     def start(self) -> None: ...
     def kill(self) -> None: ...
+    def send_kill(self) -> None: ...
     def stop(self) -> None: ...
     def log_text(self) -> str: ...
 
@@ -94,12 +95,24 @@ class NodeProcess:
     def start(self) -> None:
         if self._pump is not None:
             self._all_logs += "\n".join(self._pump.lines) + "\n"
-        cmd = [sys.executable, "-m", "moorline", "run", "--data-dir", str(self.data_dir),
-               "--mqtt", f"{self.mqtt[0]}:{self.mqtt[1]}", "--http", f"{self.http[0]}:{self.http[1]}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "moorline",
+            "run",
+            "--data-dir",
+            str(self.data_dir),
+            "--mqtt",
+            f"{self.mqtt[0]}:{self.mqtt[1]}",
+            "--http",
+            f"{self.http[0]}:{self.http[1]}",
+        ]
         if self.shards is not None:
             cmd += ["--shards", str(self.shards)]
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self._proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
         self._pump = _LogPump(self._proc, READY_RE)
         self._pump.ready_event.wait(self.start_timeout_s)
         m = self._pump.ready_match
@@ -111,9 +124,14 @@ class NodeProcess:
         self.http = (m.group(3), int(m.group(4)))
 
     def kill(self) -> None:
+        self.send_kill()
+        if self._proc is not None:
+            self._proc.wait(self.stop_timeout_s)
+
+    def send_kill(self) -> None:
+        """SIGKILL without waiting (safe from any thread)."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGKILL)
-            self._proc.wait(self.stop_timeout_s)
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -160,8 +178,9 @@ class MosquittoProcess:
             f"listener {self.mqtt[1]} 127.0.0.1\nallow_anonymous true\npersistence true\n"
             f"persistence_location {self.work_dir}/\nmax_queued_messages 100000\nmax_inflight_messages 32\n"
         )
-        self._proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)
+        self._proc = subprocess.Popen(
+            ["mosquitto", "-c", str(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self._pump = _LogPump(self._proc, None)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
@@ -176,9 +195,13 @@ class MosquittoProcess:
         raise NodeStartError("mosquitto did not start", "\n".join(self._pump.lines))
 
     def kill(self) -> None:
+        self.send_kill()
+        if self._proc is not None:
+            self._proc.wait(5)
+
+    def send_kill(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGKILL)
-            self._proc.wait(5)
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

@@ -69,10 +69,10 @@ def _user_properties(props: bytes) -> dict[str, str]:
         pos += 1
         if pid == 0x26:
             k_len = struct.unpack_from("!H", props, pos)[0]
-            k = props[pos + 2:pos + 2 + k_len].decode()
+            k = props[pos + 2 : pos + 2 + k_len].decode()
             pos += 2 + k_len
             v_len = struct.unpack_from("!H", props, pos)[0]
-            v = props[pos + 2:pos + 2 + v_len].decode()
+            v = props[pos + 2 : pos + 2 + v_len].decode()
             pos += 2 + v_len
             out[k] = v
         elif pid in fixed:
@@ -154,8 +154,8 @@ class Subscriber:
                     raise WireError("packet too large")
                 if length >= 0 and len(self._buf) >= pos + length:
                     first = self._buf[0]
-                    body = self._buf[pos:pos + length]
-                    self._buf = self._buf[pos + length:]
+                    body = self._buf[pos : pos + length]
+                    self._buf = self._buf[pos + length :]
                     return first >> 4, first & 0x0F, body
             left = deadline - time.monotonic()
             if left <= 0:
@@ -204,7 +204,12 @@ class Subscriber:
             self._sock = None
             self._rec("fail", "connect", reason="refused", detail=str(exc))
             return False
-        props = b"\x11" + struct.pack("!I", self.session_expiry_s) + b"\x21" + struct.pack("!H", self.receive_maximum)
+        props = (
+            b"\x11"
+            + struct.pack("!I", self.session_expiry_s)
+            + b"\x21"
+            + struct.pack("!H", self.receive_maximum)
+        )
         flags = 0x02 if clean_start else 0x00
         body = _str("MQTT") + bytes([5, flags]) + struct.pack("!H", self.keepalive_s)
         body += _varint(len(props)) + props + _str(self.client_id)
@@ -216,7 +221,9 @@ class Subscriber:
             self._rec("fail", "connect", reason="error", detail=str(exc))
             return False
         if pkt is None or pkt[0] != CONNACK or len(pkt[2]) < 2 or pkt[2][1] >= 0x80:
-            reason = "timeout" if pkt is None else f"connack {pkt[2][1:2].hex() if pkt[0] == CONNACK else pkt[0]}"
+            reason = (
+                "timeout" if pkt is None else f"connack {pkt[2][1:2].hex() if pkt[0] == CONNACK else pkt[0]}"
+            )
             self.close(clean=False)
             self._rec("fail", "connect", reason=reason)
             return False
@@ -233,8 +240,14 @@ class Subscriber:
     def _subscribe(self) -> bool:
         body = struct.pack("!H", 1) + b"\x00"  # packet id 1, no properties
         for s in self.subscriptions:
-            self._rec("invoke", "subscribe", filter=s.filter, qos=s.qos, share_group=s.share_group,
-                      no_local=s.no_local)
+            self._rec(
+                "invoke",
+                "subscribe",
+                filter=s.filter,
+                qos=s.qos,
+                share_group=s.share_group,
+                no_local=s.no_local,
+            )
             body += _str(s.wire_filter) + bytes([s.qos | (0x04 if s.no_local else 0)])
         try:
             self._send(_packet(SUBSCRIBE, 0x02, body))
@@ -256,15 +269,23 @@ class Subscriber:
 
     def _on_suback(self, body: bytes) -> bool:
         plen, pos = _read_varint(body, 2)
-        codes = body[pos + plen:]
+        codes = body[pos + plen :]
         ok = True
         for s, code in zip(self.subscriptions, codes, strict=False):
             if code < 0x80:
-                self._rec("ok", "subscribe", filter=s.filter, qos=code, share_group=s.share_group,
-                          no_local=s.no_local)
+                self._rec(
+                    "ok",
+                    "subscribe",
+                    filter=s.filter,
+                    qos=code,
+                    share_group=s.share_group,
+                    no_local=s.no_local,
+                )
             else:
                 ok = False
-                self._rec("fail", "subscribe", filter=s.filter, share_group=s.share_group, reason=f"0x{code:02x}")
+                self._rec(
+                    "fail", "subscribe", filter=s.filter, share_group=s.share_group, reason=f"0x{code:02x}"
+                )
         return ok
 
     def _handle(self, pkt: tuple[int, int, bytes]) -> None:
@@ -285,14 +306,14 @@ class Subscriber:
         qos = (flags >> 1) & 0x03
         dup = bool(flags & 0x08)
         tlen = struct.unpack_from("!H", body)[0]
-        topic = body[2:2 + tlen].decode("utf-8")
+        topic = body[2 : 2 + tlen].decode("utf-8")
         pos = 2 + tlen
         pid = 0
         if qos:
             pid = struct.unpack_from("!H", body, pos)[0]
             pos += 2
         plen, pos = _read_varint(body, pos)
-        guid = _user_properties(body[pos:pos + plen]).get("guid")
+        guid = _user_properties(body[pos : pos + plen]).get("guid")
         if qos == 2:
             held = pid in self._held
             detail = None
@@ -328,8 +349,9 @@ class Subscriber:
             self._send(_packet(PINGREQ, 0, b""))
             self._last_send = time.monotonic()
 
-    def run(self, stop: Callable[[], bool], *, retry_s: float = 0.2,
-            offline: Callable[[], bool] | None = None) -> None:
+    def run(
+        self, stop: Callable[[], bool], *, retry_s: float = 0.2, offline: Callable[[], bool] | None = None
+    ) -> None:
         """Stay connected and receive until ``stop()``; then disconnect cleanly if connected.
         While ``offline()`` is true the session stays disconnected (cleanly: it persists on the broker)."""
         while not stop():

@@ -20,6 +20,32 @@ from typing import Any
 from moorline.verify.history import HistoryWriter
 
 
+class AckTrigger:
+    """A one-shot action run by whichever publisher sees the next successful acknowledgement, on its
+    own thread, right inside paho's callback: the tightest moment to crash a node that acks too early."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._action: Callable[[], None] | None = None
+        self.fired = threading.Event()
+
+    def arm(self, action: Callable[[], None]) -> None:
+        with self._lock:
+            self._action = action
+            self.fired.clear()
+
+    def fire(self) -> None:
+        with self._lock:
+            action, self._action = self._action, None
+        if action is not None:
+            action()
+            self.fired.set()
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._action = None
+
+
 @dataclass
 class Publisher:
     client_id: str
@@ -34,6 +60,7 @@ class Publisher:
     retries: int = 3
     payload_bytes: int = 64
     node: str = "n1"
+    ack_trigger: AckTrigger | None = None
     published: int = 0
     acked: int = 0
     _client: Any = None
@@ -61,6 +88,8 @@ class Publisher:
         def on_publish(_c: Any, _u: Any, mid: int, reason: Any, _p: Any) -> None:
             with self._lock:
                 self._results[mid] = reason
+            if self.ack_trigger is not None and not getattr(reason, "is_failure", False):
+                self.ack_trigger.fire()
 
         client.on_connect = on_connect
         client.on_publish = on_publish
@@ -95,7 +124,9 @@ class Publisher:
             except Exception:  # noqa: BLE001 - the socket may already be gone
                 pass
             if self._connected:
-                self._rec("ok" if clean else "info", "disconnect", reason=None if clean else "connection lost")
+                self._rec(
+                    "ok" if clean else "info", "disconnect", reason=None if clean else "connection lost"
+                )
         self._client = None
         self._connected = False
         with self._lock:
@@ -123,15 +154,31 @@ class Publisher:
                 reason = self._results.pop(info.mid, None)
             if reason is not None:
                 failed = getattr(reason, "is_failure", False)
-                self._rec("fail" if failed else "ok", "publish", guid=guid, topic=topic, qos=self.qos,
-                          packet_id=info.mid, reason=str(reason) if failed else None)
+                self._rec(
+                    "fail" if failed else "ok",
+                    "publish",
+                    guid=guid,
+                    topic=topic,
+                    qos=self.qos,
+                    packet_id=info.mid,
+                    reason=str(reason) if failed else None,
+                )
                 return "fail" if failed else "ok"
             if self._client.loop(timeout=0.02) != mqtt.MQTT_ERR_SUCCESS:
-                self._rec("info", "publish", guid=guid, topic=topic, qos=self.qos, packet_id=info.mid,
-                          reason="connection lost")
+                self._rec(
+                    "info",
+                    "publish",
+                    guid=guid,
+                    topic=topic,
+                    qos=self.qos,
+                    packet_id=info.mid,
+                    reason="connection lost",
+                )
                 self._drop_client()
                 return "info"
-        self._rec("info", "publish", guid=guid, topic=topic, qos=self.qos, packet_id=info.mid, reason="timeout")
+        self._rec(
+            "info", "publish", guid=guid, topic=topic, qos=self.qos, packet_id=info.mid, reason="timeout"
+        )
         self._drop_client()
         return "info"
 
@@ -142,14 +189,20 @@ class Publisher:
                 time.sleep(0.2)
                 continue
             if retry is None:
-                guid, topic, attempts = uuid.UUID(int=self.rng.getrandbits(128)).hex, self.rng.choice(self.topics), 0
+                guid, topic, attempts = (
+                    uuid.UUID(int=self.rng.getrandbits(128)).hex,
+                    self.rng.choice(self.topics),
+                    0,
+                )
                 self.published += 1
             else:
                 guid, topic, attempts = retry
             outcome = self._publish_once(guid, topic)
             if outcome == "ok":
                 self.acked += 1
-            retry = (guid, topic, attempts + 1) if outcome == "info" and attempts + 1 <= self.retries else None
+            retry = (
+                (guid, topic, attempts + 1) if outcome == "info" and attempts + 1 <= self.retries else None
+            )
             if self._client is not None:
                 self._client.loop(timeout=0)
             time.sleep(self.interval_s)

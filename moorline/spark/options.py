@@ -255,8 +255,8 @@ def parse_write_options(options: Mapping[str, str]) -> WriteOptions:
         topic=topic,
         key_column=o.get("keycolumn") or None,
         qos=qos,
-        publish_batch_size=_req_int(o, "publishbatchsize", 1_000, 1),
+        publish_batch_size=_req_int(o, "publishbatchsize", 5_000, 1),
         publish_retries=_req_int(o, "publishretries", 10, 0),
         request_timeout_s=_req_int(o, "requesttimeoutms", 60_000, 100) / 1000.0,
-        max_task_rows=_req_int(o, "maxtaskrows", 2_000_000, 1),
+        max_task_rows=_req_int(o, "maxtaskrows", 1_000_000, 1),
     )

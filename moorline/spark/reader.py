@@ -7,7 +7,9 @@ copy. So only plain data lives on ``self`` and every method opens its own ``Node
 
 from __future__ import annotations
 
+import base64
 import logging
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +34,7 @@ from moorline.spark.planning import (
     any_filter_matches,
     clamp_to_complete,
     latest_end,
+    loss_message,
     pin_offsets,
     plan_ranges,
     relevant_shards,
@@ -40,6 +43,8 @@ from moorline.spark.planning import (
 )
 
 log = logging.getLogger("moorline.spark")
+
+LAG_WAITS_MAX = 300  # x 0.1 s: how long a read waits for a lagging server to reach the planned end
 
 READ_SCHEMA = (
     "topic string, payload binary, qos int, retain boolean, guid string, shard int, offset long, "
@@ -79,24 +84,27 @@ def _wanted(opts: ReadOptions, shards: dict[int, ShardInfo]) -> list[int]:
     return relevant_shards(opts.topics, len(shards))
 
 
-def _to_batch(rows: list[dict[str, Any]], shard: int) -> pa.RecordBatch:
-    cols: dict[str, list[Any]] = {name: [] for name in ARROW_SCHEMA.names}
-    import base64
+def _props(pairs: list[list[str]] | None) -> list[tuple[str, str]]:
+    if not pairs:
+        return []
+    return list({str(k): str(v) for k, v in pairs}.items())  # a map holds one value per name: last wins
 
-    for m in rows:
-        cols["topic"].append(m["topic"])
-        cols["payload"].append(base64.b64decode(m["payload"]))
-        cols["qos"].append(int(m.get("qos", 0)))
-        cols["retain"].append(bool(m.get("retain", False)))
-        cols["guid"].append(m.get("guid"))
-        cols["shard"].append(shard)
-        cols["offset"].append(int(m["offset"]))
-        cols["timestamp"].append(int(m.get("timestamp_ms", 0)) * 1000)
-        props: dict[str, str] = {}
-        for k, v in m.get("user_properties") or []:
-            props[str(k)] = str(v)  # a map holds one value per name: the last one wins
-        cols["user_properties"].append(list(props.items()))
-    arrays = [pa.array(cols[f.name], type=f.type) for f in ARROW_SCHEMA]
+
+def _to_batch(rows: list[dict[str, Any]], shard: int) -> pa.RecordBatch:
+    b64 = base64.b64decode
+    arrays = [
+        pa.array([m["topic"] for m in rows], pa.string()),
+        pa.array([b64(m["payload"]) for m in rows], pa.binary()),
+        pa.array([m.get("qos", 0) for m in rows], pa.int32()),
+        pa.array([bool(m.get("retain", False)) for m in rows], pa.bool_()),
+        pa.array([m.get("guid") for m in rows], pa.string()),
+        pa.array([shard] * len(rows), pa.int32()),
+        pa.array([m["offset"] for m in rows], pa.int64()),
+        pa.array([m.get("timestamp_ms", 0) for m in rows], pa.timestamp("ms", tz="UTC")).cast(
+            pa.timestamp("us", tz="UTC")
+        ),
+        pa.array([_props(m.get("user_properties")) for m in rows], pa.map_(pa.string(), pa.string())),
+    ]
     return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA)
 
 
@@ -104,6 +112,7 @@ def read_range(opts: ReadOptions, part: ShardRangePartition) -> Iterator[pa.Reco
     """Yield the committed messages of one shard range that match the topic filters."""
     flt = server_filter(opts.topics)
     cur = part.start
+    lag_waits = 0
     with _client(opts) as client:
         while cur < part.end:
             r = client.fetch(
@@ -113,8 +122,6 @@ def read_range(opts: ReadOptions, part: ShardRangePartition) -> Iterator[pa.Reco
                 low = int(r.body.get("low_water", cur))
                 info = ShardInfo(part.shard, part.incarnation, low, part.end)
                 if opts.fail_on_data_loss:
-                    from moorline.spark.planning import loss_message
-
                     raise MoorlineDataLossError(loss_message(part.shard, part.incarnation, cur, info))
                 invariant(low > cur, "a 410 names a low-water mark above the requested offset")
                 log.warning(
@@ -135,7 +142,22 @@ def read_range(opts: ReadOptions, part: ShardRangePartition) -> Iterator[pa.Reco
             if r.status != 200:
                 raise RuntimeError(f"moorline fetch shard {part.shard} from {cur}: HTTP {r.status}: {r.body}")
             msgs = r.body.get("messages") or []
+            scanned = int(r.body.get("scanned_to", cur))
             if not msgs:
+                if scanned > cur:
+                    cur = scanned  # the node looked this far and found nothing matching
+                    continue
+                if int(r.body.get("next_offset", part.end)) < part.end:
+                    # This server has not applied the planned range yet (a lagging replica):
+                    # wait for it rather than end the range early.
+                    lag_waits += 1
+                    if lag_waits > LAG_WAITS_MAX:
+                        raise RuntimeError(
+                            f"moorline shard {part.shard}: the server stays behind offset {part.end} "
+                            f"(next_offset {r.body.get('next_offset')})"
+                        )
+                    time.sleep(0.1)
+                    continue
                 break  # nothing matching is left below the shard's next offset
             keep = [
                 m for m in msgs if int(m["offset"]) < part.end and any_filter_matches(opts.topics, m["topic"])
@@ -144,7 +166,7 @@ def read_range(opts: ReadOptions, part: ShardRangePartition) -> Iterator[pa.Reco
             invariant(last >= cur, "the node returns offsets at or after the requested one")
             if keep:
                 yield _to_batch(keep, part.shard)
-            cur = last + 1
+            cur = max(last + 1, scanned)
 
 
 class MoorlineBatchReader(DataSourceReader):

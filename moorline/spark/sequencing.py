@@ -129,13 +129,18 @@ def sequenced_messages(
     """Messages in canonical order with (producer, seq); each shard's seqs are 0,1,2.. of the batch."""
     keyed = sorted(((r.canonical(), r) for r in rows), key=lambda kr: kr[0])
     next_n: dict[int, int] = {}
+    shard_by_topic: dict[str, int] = {}
+    producers: dict[int, str] = {}
     out: list[dict[str, Any]] = []
     for _, r in keyed:
-        s = shard_of(r.topic, shard_count)
+        s = shard_by_topic.get(r.topic)
+        if s is None:
+            s = shard_by_topic[r.topic] = shard_of(r.topic, shard_count)
+            producers.setdefault(s, producer_hex(identity, partition_id, s))
         n = next_n.get(s, 0)
         next_n[s] = n + 1
         m = r.to_message()
-        m["producer"] = producer_hex(identity, partition_id, s)
+        m["producer"] = producers[s]
         m["seq"] = sequence(batch_id, n)
         out.append(m)
     return out

@@ -232,6 +232,7 @@ class MoorlineStreamWriter(DataSourceStreamArrowWriter):
         with NodeClient(self.opts.servers, self.opts.request_timeout_s) as client:
             marker = client.get_marker(query_id)
         if marker is not None and marker >= batch_id:
+            failpoints.mark("skipped_committed_batch")
             return MoorlineCommit(query_id, batch_id, ctx.partitionId(), 0, 0, True)
         ok, dup = write_task(self.opts, self.cols, iterator, query_id, batch_id)
         return MoorlineCommit(query_id, batch_id, ctx.partitionId(), ok, dup, False)

@@ -218,8 +218,12 @@ class MessageStore:
         self.low_water = min(max(gap_top, persisted_low), self.next_offset)
         self._flushed = last.size
         # Records recovered from the page cache of a killed process may not be durable yet; make
-        # them so before anything builds on them (see WriteAheadLog.open).
+        # them so before anything builds on them (see WriteAheadLog.open). Segments wholly below
+        # the sync point were synced by that sync already.
         for seg in self._segments:
+            if seg is not last and seg.offsets and seg.offsets[-1] < persisted_next:
+                self._synced_sizes[seg.path] = seg.size
+                continue
             fd = os.open(seg.path, os.O_RDONLY)
             try:
                 os.fdatasync(fd)

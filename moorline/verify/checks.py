@@ -103,8 +103,10 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
     is_break = is_connack & ~F.coalesce(F.col("session_present"), F.lit(True))
     w_sess = W.partitionBy("run", "session").orderBy("mono_ns", "index").rowsBetween(W.unboundedPreceding, 0)
     sev = (
-        ev.where(F.col("session").isNotNull() & F.col("op").isin("deliver", "ack", "subscribe", "unsubscribe",
-                                                                   "connect", "disconnect"))
+        ev.where(
+            F.col("session").isNotNull()
+            & F.col("op").isin("deliver", "ack", "subscribe", "unsubscribe", "connect", "disconnect")
+        )
         .withColumn("inc", F.sum(F.when(is_break, 1).otherwise(0)).over(w_sess))
         .withColumn("conn", F.sum(F.when(is_connack, 1).otherwise(0)).over(w_sess))
         .withColumn("sub", F.concat_ws("#", F.col("session"), F.col("inc").cast("string")))
@@ -114,10 +116,13 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
     # A session was drained when its last connection event is a successful connect or a clean disconnect.
     conn_events = sev.where(F.col("op").isin("connect", "disconnect") & F.col("type").isin("ok", "info"))
     last_conn = conn_events.groupBy("run", "session").agg(
-        F.max_by(F.struct(F.col("op"), F.col("type")), F.struct(F.col("mono_ns"), F.col("index"))).alias("last")
+        F.max_by(F.struct(F.col("op"), F.col("type")), F.struct(F.col("mono_ns"), F.col("index"))).alias(
+            "last"
+        )
     )
     drained = last_conn.select(
-        "run", "session",
+        "run",
+        "session",
         ((F.col("last.op") == "connect") | (F.col("last.type") == "ok")).alias("drained"),
     )
 
@@ -135,7 +140,9 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         )
         .withColumn(
             "status",
-            F.when(F.col("ok_ns").isNotNull(), "ok").when(F.col("failed") == 1, "fail").otherwise("indeterminate"),
+            F.when(F.col("ok_ns").isNotNull(), "ok")
+            .when(F.col("failed") == 1, "fail")
+            .otherwise("indeterminate"),
         )
         .localCheckpoint()
     )
@@ -143,24 +150,43 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
 
     # --- deliveries and packet ids
     dl = sev.where((F.col("op") == "deliver") & (F.col("type") == "ok")).select(
-        "run", "session", "sub", "conn", "guid", "topic", "qos", "packet_id",
-        F.coalesce(F.col("dup"), F.lit(False)).alias("dup"), "mono_ns", "index", F.lit("d").alias("kind"),
+        "run",
+        "session",
+        "sub",
+        "conn",
+        "guid",
+        "topic",
+        "qos",
+        "packet_id",
+        F.coalesce(F.col("dup"), F.lit(False)).alias("dup"),
+        "mono_ns",
+        "index",
+        F.lit("d").alias("kind"),
     )
     acks = sev.where(F.col("op") == "ack").select(
-        "run", "session", "sub", "conn", "guid", "topic", "qos", "packet_id",
-        F.lit(False).alias("dup"), "mono_ns", "index", F.lit("a").alias("kind"),
+        "run",
+        "session",
+        "sub",
+        "conn",
+        "guid",
+        "topic",
+        "qos",
+        "packet_id",
+        F.lit(False).alias("dup"),
+        "mono_ns",
+        "index",
+        F.lit("a").alias("kind"),
     )
     w_pid = W.partitionBy("run", "sub", "packet_id").orderBy("mono_ns", "index")
     pid_stream = (
-        dl.where(F.col("qos") > 0).unionByName(acks.where(F.col("packet_id").isNotNull()))
+        dl.where(F.col("qos") > 0)
+        .unionByName(acks.where(F.col("packet_id").isNotNull()))
         .withColumn("prev_kind", F.lag("kind").over(w_pid))
         .withColumn("prev_guid", F.lag("guid").over(w_pid))
         .where(F.col("kind") == "d")
     )
     # Packet id reused for another message while the first still held it (not yet acknowledged).
-    pid_reuse = pid_stream.where(
-        (F.col("prev_kind") == "d") & ~F.col("prev_guid").eqNullSafe(F.col("guid"))
-    )
+    pid_reuse = pid_stream.where((F.col("prev_kind") == "d") & ~F.col("prev_guid").eqNullSafe(F.col("guid")))
     # QoS 2 resend with the held packet id: the protocol's own retransmission, not a second delivery.
     inflight_resend = pid_stream.where(
         (F.col("qos") == 2) & (F.col("prev_kind") == "d") & F.col("prev_guid").eqNullSafe(F.col("guid"))
@@ -176,7 +202,9 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         .localCheckpoint()
     )
     pid_changed = app.where(
-        (F.col("k") > 1) & (F.col("qos") > 0) & F.col("prev_pid").isNotNull()
+        (F.col("k") > 1)
+        & (F.col("qos") > 0)
+        & F.col("prev_pid").isNotNull()
         & (F.col("prev_pid") != F.col("packet_id"))
     )
     repeats = app.where(F.col("k") > 1)
@@ -195,24 +223,29 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
     )
 
     # --- subscriptions and entitlement
-    subscribed = sev.where((F.col("op") == "subscribe") & (F.col("type") == "ok")).groupBy(
-        "run", "session", "sub", "inc", "filter", "share_group"
-    ).agg(
-        F.min("mono_ns").alias("first_sub_ns"),
-        F.max("mono_ns").alias("last_sub_ns"),
-        F.max("qos").alias("granted"),
-        F.max(F.coalesce(F.col("sticky"), F.lit(False))).alias("sticky"),
-        F.max(F.coalesce(F.col("no_local"), F.lit(False))).alias("no_local"),
+    subscribed = (
+        sev.where((F.col("op") == "subscribe") & (F.col("type") == "ok"))
+        .groupBy("run", "session", "sub", "inc", "filter", "share_group")
+        .agg(
+            F.min("mono_ns").alias("first_sub_ns"),
+            F.max("mono_ns").alias("last_sub_ns"),
+            F.max("qos").alias("granted"),
+            F.max(F.coalesce(F.col("sticky"), F.lit(False))).alias("sticky"),
+            F.max(F.coalesce(F.col("no_local"), F.lit(False))).alias("no_local"),
+        )
     )
-    unsubscribed = sev.where((F.col("op") == "unsubscribe") & (F.col("type") == "ok")).groupBy(
-        "run", "sub", "filter", "share_group"
-    ).agg(F.max("mono_ns").alias("unsub_ns"))
+    unsubscribed = (
+        sev.where((F.col("op") == "unsubscribe") & (F.col("type") == "ok"))
+        .groupBy("run", "sub", "filter", "share_group")
+        .agg(F.max("mono_ns").alias("unsub_ns"))
+    )
     subs = (
         subscribed.join(unsubscribed, ["run", "sub", "filter", "share_group"], "left")
         .join(final_inc, ["run", "session"], "left")
         .join(drained, ["run", "session"], "left")
         .withColumn(
-            "start_ns", F.when(F.col("unsub_ns").isNull(), F.col("first_sub_ns")).otherwise(F.col("last_sub_ns"))
+            "start_ns",
+            F.when(F.col("unsub_ns").isNull(), F.col("first_sub_ns")).otherwise(F.col("last_sub_ns")),
         )
         # Entitles only while it lasts to the end: same incarnation, not unsubscribed, drained.
         .withColumn(
@@ -224,16 +257,18 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
     )
     subs = subs.join(F.broadcast(_filter_regexes(spark, subs)), ["filter"], "left").localCheckpoint()
 
-    drops = ev.where(F.col("op") == "drop").select("run", "guid", F.col("session").alias("drop_session"), "reason")
-
-    drops_k = drops.select(
-        F.col("run").alias("d_run"), F.col("guid").alias("d_guid"), "drop_session"
+    drops = ev.where(F.col("op") == "drop").select(
+        "run", "guid", F.col("session").alias("drop_session"), "reason"
     )
+
+    drops_k = drops.select(F.col("run").alias("d_run"), F.col("guid").alias("d_guid"), "drop_session")
 
     def excused_by_drop(pairs: DataFrame, session_col: str) -> DataFrame:
         """The rows of ``pairs`` whose (message, session) a counted broker drop excuses."""
-        cond = (F.col("run") == F.col("d_run")) & (F.col("guid") == F.col("d_guid")) & (
-            F.col("drop_session").isNull() | (F.col("drop_session") == F.col(session_col))
+        cond = (
+            (F.col("run") == F.col("d_run"))
+            & (F.col("guid") == F.col("d_guid"))
+            & (F.col("drop_session").isNull() | (F.col("drop_session") == F.col(session_col)))
         )
         return pairs.join(drops_k, cond, "left_semi")
 
@@ -257,43 +292,63 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
     share = subs.where(F.col("share_group").isNotNull())
     members = share.select("run", "share_group", "filter", "session").distinct()
     share_owed = (
-        share.where(F.col("live")).join(acked, "run")
+        share.where(F.col("live"))
+        .join(acked, "run")
         .where((F.col("start_ns") < F.col("invoke_ns")) & match)
         .groupBy("run", "share_group", "filter", "guid")
-        .agg(F.max("topic").alias("topic"), F.max("granted").alias("granted"), F.max("pub_qos").alias("pub_qos"))
+        .agg(
+            F.max("topic").alias("topic"),
+            F.max("granted").alias("granted"),
+            F.max("pub_qos").alias("pub_qos"),
+        )
     )
     share_delivered = (
-        first.select("run", "session", "guid").join(members, ["run", "session"])
-        .select("run", "share_group", "filter", "guid").distinct()
+        first.select("run", "session", "guid")
+        .join(members, ["run", "session"])
+        .select("run", "share_group", "filter", "guid")
+        .distinct()
     )
-    share_undelivered = share_owed.join(share_delivered, ["run", "share_group", "filter", "guid"], "left_anti")
+    share_undelivered = share_owed.join(
+        share_delivered, ["run", "share_group", "filter", "guid"], "left_anti"
+    )
     share_not_qos0 = share_undelivered.where((F.col("granted") > 0) & (F.col("pub_qos") > 0))
     share_cand = share_not_qos0.join(members, ["run", "share_group", "filter"])  # one row per member
-    share_dropped = excused_by_drop(share_cand, "session").select("run", "share_group", "filter", "guid").distinct()
-    lost_share = share_not_qos0.join(share_dropped, ["run", "share_group", "filter", "guid"], "left_anti").withColumn(
-        "sub", F.concat(F.lit("$share/"), F.col("share_group"), F.lit("/"), F.col("filter"))
+    share_dropped = (
+        excused_by_drop(share_cand, "session").select("run", "share_group", "filter", "guid").distinct()
     )
+    lost_share = share_not_qos0.join(
+        share_dropped, ["run", "share_group", "filter", "guid"], "left_anti"
+    ).withColumn("sub", F.concat(F.lit("$share/"), F.col("share_group"), F.lit("/"), F.col("filter")))
     excused_count = (
-        qos0.select("run").unionByName(dropped.select("run"))
+        qos0.select("run")
+        .unionByName(dropped.select("run"))
         .unionByName(share_undelivered.where((F.col("granted") == 0) | (F.col("pub_qos") == 0)).select("run"))
         .unionByName(share_dropped.select("run"))
-        .groupBy("run").count().withColumnRenamed("count", "excused")
+        .groupBy("run")
+        .count()
+        .withColumnRenamed("count", "excused")
     )
 
     # $share: a second member receiving the message. Legitimate only for QoS 1 after the previous
     # member's session ended (a later clean/expired session, a counted drop, or it left for good).
     ends = (
-        sev.where(is_break).select("run", "session", "mono_ns")
+        sev.where(is_break)
+        .select("run", "session", "mono_ns")
         .unionByName(
-            drops.where(F.col("reason").isin("session_expired", "share_qos2_member_gone")
-                        & F.col("drop_session").isNotNull())
-            .select("run", F.col("drop_session").alias("session"), F.lit(2**62).cast("long").alias("mono_ns"))
+            drops.where(
+                F.col("reason").isin("session_expired", "share_qos2_member_gone")
+                & F.col("drop_session").isNotNull()
+            ).select(
+                "run", F.col("drop_session").alias("session"), F.lit(2**62).cast("long").alias("mono_ns")
+            )
         )
         .unionByName(
-            last_conn.where((F.col("last.op") == "disconnect") & (F.col("last.type") == "info"))
-            .select("run", "session", F.lit(2**62).cast("long").alias("mono_ns"))
+            last_conn.where((F.col("last.op") == "disconnect") & (F.col("last.type") == "info")).select(
+                "run", "session", F.lit(2**62).cast("long").alias("mono_ns")
+            )
         )
-        .groupBy("run", "session").agg(F.max("mono_ns").alias("end_ns"))
+        .groupBy("run", "session")
+        .agg(F.max("mono_ns").alias("end_ns"))
     )
     w_share = W.partitionBy("run", "share_group", "filter", "guid").orderBy("mono_ns", "index")
     share_multi = (
@@ -311,13 +366,18 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
     # publisher's acknowledged order. Deliveries through non-sticky $share subscriptions are exempt.
     checked_subs = subs.where(F.col("share_group").isNull() | F.col("sticky")).select("run", "sub", "regex")
     first_checked = (
-        first.join(checked_subs, ["run", "sub"]).where(match)
-        .select("run", "sub", "guid", "topic", "mono_ns", "index").dropDuplicates(["run", "sub", "guid"])
+        first.join(checked_subs, ["run", "sub"])
+        .where(match)
+        .select("run", "sub", "guid", "topic", "mono_ns", "index")
+        .dropDuplicates(["run", "sub", "guid"])
     )
     w_prank = W.partitionBy("run", "pub_session", "topic").orderBy("ok_ns", "guid")
-    ranked = acked.withColumn("prank", F.row_number().over(w_prank)).select("run", "guid", "pub_session", "prank")
+    ranked = acked.withColumn("prank", F.row_number().over(w_prank)).select(
+        "run", "guid", "pub_session", "prank"
+    )
     w_ord = (
-        W.partitionBy("run", "sub", "topic", "pub_session").orderBy("mono_ns", "index")
+        W.partitionBy("run", "sub", "topic", "pub_session")
+        .orderBy("mono_ns", "index")
         .rowsBetween(W.unboundedPreceding, -1)
     )
     out_of_order = (
@@ -328,13 +388,17 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
 
     # --- resends after a reconnect: in original order, before anything new, from the oldest unacked.
     checked_app = (
-        app.join(checked_subs, ["run", "sub"]).where(match)
-        .select("run", "sub", "session", "guid", "topic", "conn", "prev_conn", "k", "orig_ns", "mono_ns", "index")
+        app.join(checked_subs, ["run", "sub"])
+        .where(match)
+        .select(
+            "run", "sub", "session", "guid", "topic", "conn", "prev_conn", "k", "orig_ns", "mono_ns", "index"
+        )
         .dropDuplicates(["run", "sub", "mono_ns", "index"])
         .localCheckpoint()
     )
     w_conn = (
-        W.partitionBy("run", "sub", "topic", "conn").orderBy("mono_ns", "index")
+        W.partitionBy("run", "sub", "topic", "conn")
+        .orderBy("mono_ns", "index")
         .rowsBetween(W.unboundedPreceding, -1)
     )
     # Resends after a reconnect (a repeat in the same connection is already a duplicate).
@@ -343,7 +407,8 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         F.col("orig_ns") < F.col("prev_orig")
     )
     first_new = (
-        checked_app.where(F.col("k") == 1).groupBy("run", "sub", "topic", "conn")
+        checked_app.where(F.col("k") == 1)
+        .groupBy("run", "sub", "topic", "conn")
         .agg(F.min("mono_ns").alias("first_new_ns"))
     )
     resend_after_new = checked_reps.join(first_new, ["run", "sub", "topic", "conn"]).where(
@@ -357,18 +422,28 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
     )
     first_acks = acks.groupBy("run", "sub", "guid").agg(F.min("mono_ns").alias("ack_ns"))
     older = (
-        checked_app.where(F.col("k") == 1).select(
-            "run", "sub", "topic", "guid", F.col("conn").alias("first_conn"), F.col("mono_ns").alias("first_ns")
+        checked_app.where(F.col("k") == 1)
+        .select(
+            "run",
+            "sub",
+            "topic",
+            "guid",
+            F.col("conn").alias("first_conn"),
+            F.col("mono_ns").alias("first_ns"),
         )
         .join(first_acks, ["run", "sub", "guid"], "left")
         .join(rep_span, ["run", "sub", "topic"])
         .where(
-            (F.col("first_conn") < F.col("conn")) & (F.col("first_ns") < F.col("max_orig_ns"))
+            (F.col("first_conn") < F.col("conn"))
+            & (F.col("first_ns") < F.col("max_orig_ns"))
             & (F.col("ack_ns").isNull() | (F.col("ack_ns") > F.col("conn_ns")))
         )
     )
-    resent_in_conn = checked_reps.select("run", "sub", "guid", "conn")
-    skipped = older.join(resent_in_conn, ["run", "sub", "guid", "conn"], "left_anti")
+    # Continued on this connection: resent, or (QoS 2 past PUBREC) released by PUBREL -> PUBCOMP.
+    continued = checked_reps.select("run", "sub", "guid", "conn").unionByName(
+        acks.select("run", "sub", "guid", "conn")
+    )
+    skipped = older.join(continued, ["run", "sub", "guid", "conn"], "left_anti")
     skipped_excused = excused_by_drop(skipped, "session").select("run", "sub", "guid", "conn")
     skipped = skipped.join(skipped_excused, ["run", "sub", "guid", "conn"], "left_anti")
 
@@ -387,31 +462,98 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
 
     anomalies = (
         _anoms(lost_silent, "lost", F.lit("acknowledged, owed, never delivered, not excused"))
-        .unionByName(_anoms(lost_detected, "lost_detected_corruption",
-                            F.lit("lost in a run where the node reported corruption")))
-        .unionByName(_anoms(dup_bad, "duplicate", F.concat(
-            F.lit("delivery #"), F.col("k").cast("string"), F.lit(" qos="), F.col("qos").cast("string"),
-            F.lit(" dup="), F.col("dup").cast("string"), F.lit(" conn="), F.col("conn").cast("string"),
-            F.lit(" prev_conn="), F.col("prev_conn").cast("string"))))
-        .unionByName(_anoms(share_dup_bad.withColumn("sub", F.col("session")), "duplicate", F.concat(
-            F.lit("$share/"), F.col("share_group"), F.lit(": also delivered to "), F.col("prev_session"),
-            F.lit(" qos="), F.col("qos").cast("string"))))
+        .unionByName(
+            _anoms(
+                lost_detected,
+                "lost_detected_corruption",
+                F.lit("lost in a run where the node reported corruption"),
+            )
+        )
+        .unionByName(
+            _anoms(
+                dup_bad,
+                "duplicate",
+                F.concat(
+                    F.lit("delivery #"),
+                    F.col("k").cast("string"),
+                    F.lit(" qos="),
+                    F.col("qos").cast("string"),
+                    F.lit(" dup="),
+                    F.col("dup").cast("string"),
+                    F.lit(" conn="),
+                    F.col("conn").cast("string"),
+                    F.lit(" prev_conn="),
+                    F.col("prev_conn").cast("string"),
+                ),
+            )
+        )
+        .unionByName(
+            _anoms(
+                share_dup_bad.withColumn("sub", F.col("session")),
+                "duplicate",
+                F.concat(
+                    F.lit("$share/"),
+                    F.col("share_group"),
+                    F.lit(": also delivered to "),
+                    F.col("prev_session"),
+                    F.lit(" qos="),
+                    F.col("qos").cast("string"),
+                ),
+            )
+        )
         .unionByName(_anoms(unexpected, "unexpected", F.lit("delivered but never published")))
         .unionByName(_anoms(refused_delivered, "refused_delivered", F.lit("publish refused, yet delivered")))
-        .unionByName(_anoms(out_of_order, "out_of_order", F.concat(
-            F.lit("first delivery of publisher "), F.col("pub_session"), F.lit(" #"), F.col("prank").cast("string"),
-            F.lit(" after #"), F.col("prev_max").cast("string"))))
+        .unionByName(
+            _anoms(
+                out_of_order,
+                "out_of_order",
+                F.concat(
+                    F.lit("first delivery of publisher "),
+                    F.col("pub_session"),
+                    F.lit(" #"),
+                    F.col("prank").cast("string"),
+                    F.lit(" after #"),
+                    F.col("prev_max").cast("string"),
+                ),
+            )
+        )
         .unionByName(_anoms(resend_misordered, "out_of_order", F.lit("resend not in original order")))
         .unionByName(_anoms(resend_after_new, "out_of_order", F.lit("resend after a new message")))
-        .unionByName(_anoms(skipped, "out_of_order", F.concat(
-            F.lit("unacknowledged message not resent on connection "), F.col("conn").cast("string"),
-            F.lit(" although a newer one was"))))
-        .unionByName(_anoms(pid_reuse, "packet_id_misuse", F.concat(
-            F.lit("packet id "), F.col("packet_id").cast("string"), F.lit(" reused while held by "),
-            F.col("prev_guid"))))
-        .unionByName(_anoms(pid_changed, "packet_id_misuse", F.concat(
-            F.lit("resent with packet id "), F.col("packet_id").cast("string"), F.lit(", original "),
-            F.col("prev_pid").cast("string"))))
+        .unionByName(
+            _anoms(
+                skipped,
+                "out_of_order",
+                F.concat(
+                    F.lit("unacknowledged message not resent on connection "),
+                    F.col("conn").cast("string"),
+                    F.lit(" although a newer one was"),
+                ),
+            )
+        )
+        .unionByName(
+            _anoms(
+                pid_reuse,
+                "packet_id_misuse",
+                F.concat(
+                    F.lit("packet id "),
+                    F.col("packet_id").cast("string"),
+                    F.lit(" reused while held by "),
+                    F.col("prev_guid"),
+                ),
+            )
+        )
+        .unionByName(
+            _anoms(
+                pid_changed,
+                "packet_id_misuse",
+                F.concat(
+                    F.lit("resent with packet id "),
+                    F.col("packet_id").cast("string"),
+                    F.lit(", original "),
+                    F.col("prev_pid").cast("string"),
+                ),
+            )
+        )
     )
 
     # Materialised here: the anomaly plan is deep and every output below reads it.
@@ -422,13 +564,25 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
     fault_rows = faults.join(run_start, "run").select(
         "run", ((F.col("mono_ns") - F.col("start_ns")) / 1e9).alias("t_s"), "reason", "detail"
     )
-    return Analysis(anomalies=anomalies, per_run=per_run, timeline=timeline, faults=fault_rows,
-                    latency=_latency(msgs, first))
+    return Analysis(
+        anomalies=anomalies,
+        per_run=per_run,
+        timeline=timeline,
+        faults=fault_rows,
+        latency=_latency(msgs, first),
+    )
 
 
 def _per_run(
-    ev: DataFrame, msgs: DataFrame, dl: DataFrame, app: DataFrame, excused: DataFrame,
-    dup_legit: DataFrame, share_dup_legit: DataFrame, anomalies: DataFrame, faults: DataFrame,
+    ev: DataFrame,
+    msgs: DataFrame,
+    dl: DataFrame,
+    app: DataFrame,
+    excused: DataFrame,
+    dup_legit: DataFrame,
+    share_dup_legit: DataFrame,
+    anomalies: DataFrame,
+    faults: DataFrame,
 ) -> DataFrame:
     from pyspark.sql import functions as F
 
@@ -440,29 +594,40 @@ def _per_run(
         F.sum(F.when(F.col("status") == "ok", 1).otherwise(0)).alias("acknowledged"),
         F.sum(F.when(F.col("status") == "fail", 1).otherwise(0)).alias("refused"),
         F.sum(F.when(F.col("status") == "indeterminate", 1).otherwise(0)).alias("indeterminate"),
-        F.sum(F.when((F.col("status") == "indeterminate") & F.col("delivered").isNotNull(), 1).otherwise(0))
-        .alias("indeterminate_delivered"),
+        F.sum(
+            F.when((F.col("status") == "indeterminate") & F.col("delivered").isNotNull(), 1).otherwise(0)
+        ).alias("indeterminate_delivered"),
         F.percentile_approx(lat_ack, [0.5, 0.9, 0.99], 1000).alias("ack_ms_pcts"),
         F.max(lat_ack).alias("ack_ms_max"),
     )
     first_app = app.where(F.col("k") == 1).join(msgs.select("run", "guid", "invoke_ns"), ["run", "guid"])
     lat_dl = (F.col("mono_ns") - F.col("invoke_ns")) / NS_PER_MS
-    dl_stats = dl.groupBy("run").agg(F.count("*").alias("deliveries_received")).join(
-        first_app.groupBy("run").agg(
-            F.count("*").alias("first_deliveries"),
-            F.percentile_approx(lat_dl, [0.5, 0.9, 0.99], 1000).alias("deliver_ms_pcts"),
-            F.max(lat_dl).alias("deliver_ms_max"),
-        ),
-        "run", "left",
+    dl_stats = (
+        dl.groupBy("run")
+        .agg(F.count("*").alias("deliveries_received"))
+        .join(
+            first_app.groupBy("run").agg(
+                F.count("*").alias("first_deliveries"),
+                F.percentile_approx(lat_dl, [0.5, 0.9, 0.99], 1000).alias("deliver_ms_pcts"),
+                F.max(lat_dl).alias("deliver_ms_max"),
+            ),
+            "run",
+            "left",
+        )
     )
     legit = (
-        dup_legit.select("run").unionByName(share_dup_legit.select("run"))
-        .groupBy("run").count().withColumnRenamed("count", "duplicate_legit")
+        dup_legit.select("run")
+        .unionByName(share_dup_legit.select("run"))
+        .groupBy("run")
+        .count()
+        .withColumnRenamed("count", "duplicate_legit")
     )
     kinds = anomalies.groupBy("run").pivot("kind", list(ALL_KINDS)).count()
-    fault_counts = faults.groupBy("run").pivot(
-        "reason", ["kill", "restart", "truncate", "bitflip", "corruption_detected"]
-    ).count()
+    fault_counts = (
+        faults.groupBy("run")
+        .pivot("reason", ["kill", "restart", "truncate", "bitflip", "corruption_detected"])
+        .count()
+    )
     fault_counts = fault_counts.select(
         "run", *[F.col(c).alias(f"fault_{c}") for c in fault_counts.columns if c != "run"]
     )
@@ -470,13 +635,26 @@ def _per_run(
         F.count("*").alias("events"), ((F.max("mono_ns") - F.min("mono_ns")) / 1e9).alias("duration_s")
     )
     out = (
-        runs.join(pub_stats, "run", "left").join(dl_stats, "run", "left").join(excused, "run", "left")
-        .join(legit, "run", "left").join(kinds, "run", "left").join(fault_counts, "run", "left")
+        runs.join(pub_stats, "run", "left")
+        .join(dl_stats, "run", "left")
+        .join(excused, "run", "left")
+        .join(legit, "run", "left")
+        .join(kinds, "run", "left")
+        .join(fault_counts, "run", "left")
     )
-    zero_cols = ["excused", "duplicate_legit", *ALL_KINDS,
-                 *[f"fault_{c}" for c in ["kill", "restart", "truncate", "bitflip", "corruption_detected"]],
-                 "published", "acknowledged", "refused", "indeterminate", "indeterminate_delivered",
-                 "deliveries_received", "first_deliveries"]
+    zero_cols = [
+        "excused",
+        "duplicate_legit",
+        *ALL_KINDS,
+        *[f"fault_{c}" for c in ["kill", "restart", "truncate", "bitflip", "corruption_detected"]],
+        "published",
+        "acknowledged",
+        "refused",
+        "indeterminate",
+        "indeterminate_delivered",
+        "deliveries_received",
+        "first_deliveries",
+    ]
     return out.fillna(0, subset=zero_cols)
 
 
@@ -484,24 +662,32 @@ def _timeline(ev: DataFrame, msgs: DataFrame, first: DataFrame) -> DataFrame:
     from pyspark.sql import functions as F
 
     start = ev.groupBy("run").agg(F.min("mono_ns").alias("start_ns"))
-    acked = msgs.where(F.col("status") == "ok").join(start, "run").select(
-        "run", F.floor((F.col("ok_ns") - F.col("start_ns")) / 1e9).cast("int").alias("second"),
-        ((F.col("ok_ns") - F.col("invoke_ns")) / NS_PER_MS).alias("ack_ms"),
+    acked = (
+        msgs.where(F.col("status") == "ok")
+        .join(start, "run")
+        .select(
+            "run",
+            F.floor((F.col("ok_ns") - F.col("start_ns")) / 1e9).cast("int").alias("second"),
+            ((F.col("ok_ns") - F.col("invoke_ns")) / NS_PER_MS).alias("ack_ms"),
+        )
     )
     per_s = acked.groupBy("run", "second").agg(
         F.count("*").alias("acked"),
         F.percentile_approx("ack_ms", [0.5, 0.99], 200).alias("ack_pcts"),
     )
-    delivered = first.join(start, "run").select(
-        "run", F.floor((F.col("mono_ns") - F.col("start_ns")) / 1e9).cast("int").alias("second")
-    ).groupBy("run", "second").agg(F.count("*").alias("delivered"))
-    return (
-        per_s.join(delivered, ["run", "second"], "full")
-        .select(
-            "run", "second", F.coalesce("acked", F.lit(0)).alias("acked"),
-            F.coalesce("delivered", F.lit(0)).alias("delivered"),
-            F.col("ack_pcts")[0].alias("ack_p50_ms"), F.col("ack_pcts")[1].alias("ack_p99_ms"),
-        )
+    delivered = (
+        first.join(start, "run")
+        .select("run", F.floor((F.col("mono_ns") - F.col("start_ns")) / 1e9).cast("int").alias("second"))
+        .groupBy("run", "second")
+        .agg(F.count("*").alias("delivered"))
+    )
+    return per_s.join(delivered, ["run", "second"], "full").select(
+        "run",
+        "second",
+        F.coalesce("acked", F.lit(0)).alias("acked"),
+        F.coalesce("delivered", F.lit(0)).alias("delivered"),
+        F.col("ack_pcts")[0].alias("ack_p50_ms"),
+        F.col("ack_pcts")[1].alias("ack_p99_ms"),
     )
 
 
@@ -509,7 +695,9 @@ def _latency(msgs: DataFrame, first: DataFrame) -> DataFrame:
     """Percentiles of publish->ack and publish->first delivery over every run together."""
     from pyspark.sql import functions as F
 
-    ack = msgs.where(F.col("status") == "ok").select(((F.col("ok_ns") - F.col("invoke_ns")) / NS_PER_MS).alias("ms"))
+    ack = msgs.where(F.col("status") == "ok").select(
+        ((F.col("ok_ns") - F.col("invoke_ns")) / NS_PER_MS).alias("ms")
+    )
     dlv = first.join(msgs.select("run", "guid", "invoke_ns"), ["run", "guid"]).select(
         ((F.col("mono_ns") - F.col("invoke_ns")) / NS_PER_MS).alias("ms")
     )

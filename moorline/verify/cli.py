@@ -22,9 +22,22 @@ def print_verdict(verdict: Any, report: Path) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
     t = verdict.totals
-    for key in ("runs", "events", "published", "acknowledged", "refused", "indeterminate",
-                "indeterminate_delivered", "first_deliveries", "excused", "duplicate_legit",
-                "fault_kill", "fault_truncate", "fault_bitflip", "fault_corruption_detected"):
+    for key in (
+        "runs",
+        "events",
+        "published",
+        "acknowledged",
+        "refused",
+        "indeterminate",
+        "indeterminate_delivered",
+        "first_deliveries",
+        "excused",
+        "duplicate_legit",
+        "fault_kill",
+        "fault_truncate",
+        "fault_bitflip",
+        "fault_corruption_detected",
+    ):
         table.add_row(key, str(t.get(key, 0)))
     for kind in ALL_KINDS:
         value = str(t.get(kind, 0))
@@ -38,7 +51,9 @@ def print_verdict(verdict: Any, report: Path) -> None:
 
 
 def verify(
-    histories: Annotated[list[Path], typer.Argument(help="History files or directories (JSON lines or Parquet).")],
+    histories: Annotated[
+        list[Path], typer.Argument(help="History files or directories (JSON lines or Parquet).")
+    ],
     master: Annotated[str, typer.Option(help="Spark master URL.")] = "local[*]",
     report: Annotated[Path, typer.Option(help="Directory for summary.json, report.html, anomalies/.")] = Path(
         "verify-report"

@@ -20,7 +20,10 @@ FIELDS: Final[tuple[tuple[str, str], ...]] = (
     ("process", "string"),  # the logical client (thread) that saw the event
     ("index", "long"),  # per-writer sequence number, increases with mono_ns
     ("type", "string"),  # invoke | ok | fail | info | drop | fault
-    ("op", "string"),  # publish | deliver | ack | subscribe | unsubscribe | connect | disconnect | drop | fault
+    (
+        "op",
+        "string",
+    ),  # publish | deliver | ack | subscribe | unsubscribe | connect | disconnect | drop | fault
     ("topic", "string"),
     ("qos", "int"),  # publish: requested QoS; deliver: QoS of the PUBLISH; subscribe ok: granted QoS
     ("guid", "string"),  # 32 hex characters, unique per published message
@@ -54,7 +57,12 @@ def spark_schema() -> Any:
     """The history schema as a pyspark ``StructType`` (imports pyspark on first use)."""
     from pyspark.sql import types as T
 
-    kinds = {"string": T.StringType(), "int": T.IntegerType(), "long": T.LongType(), "boolean": T.BooleanType()}
+    kinds = {
+        "string": T.StringType(),
+        "int": T.IntegerType(),
+        "long": T.LongType(),
+        "boolean": T.BooleanType(),
+    }
     return T.StructType([T.StructField(name, kinds[kind], True) for name, kind in FIELDS])
 
 

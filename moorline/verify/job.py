@@ -19,8 +19,13 @@ SAMPLE_PER_KIND = 20  # anomalies listed in summary.json / report.html per kind
 PLOTTED_RUNS_MAX = 12  # runs whose timelines are drawn (anomalous runs first)
 
 
-def make_spark(master: str, *, shuffle_partitions: int = 8, app_name: str = "moorline-verify",
-               driver_memory: str | None = None) -> Any:
+def make_spark(
+    master: str,
+    *,
+    shuffle_partitions: int = 8,
+    app_name: str = "moorline-verify",
+    driver_memory: str | None = None,
+) -> Any:
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder
@@ -59,10 +64,14 @@ def load_histories(spark: Any, paths: list[Path]) -> Any:
     if parquet:
         raw = spark.read.parquet(*parquet)
         present = set(raw.columns)
-        frames.append(raw.select(*[
-            (F.col(name) if name in present else F.lit(None)).cast(schema[name].dataType).alias(name)
-            for name, _ in FIELDS
-        ]))
+        frames.append(
+            raw.select(
+                *[
+                    (F.col(name) if name in present else F.lit(None)).cast(schema[name].dataType).alias(name)
+                    for name, _ in FIELDS
+                ]
+            )
+        )
     df = frames[0]
     for other in frames[1:]:
         df = df.unionByName(other)
@@ -100,16 +109,36 @@ def run_verify(spark: Any, paths: list[Path], report_dir: Path) -> Verdict:
     per_run = [_row(r) for r in analysis.per_run.orderBy("run").collect()]
     w = W.partitionBy("kind").orderBy("run", "subscriber", "guid")
     sample_rows = (
-        anomalies.withColumn("n", F.row_number().over(w)).where(F.col("n") <= SAMPLE_PER_KIND).drop("n").collect()
+        anomalies.withColumn("n", F.row_number().over(w))
+        .where(F.col("n") <= SAMPLE_PER_KIND)
+        .drop("n")
+        .collect()
     )
     samples: dict[str, list[dict[str, Any]]] = {k: [] for k in ALL_KINDS}
     for r in sample_rows:
         samples[r["kind"]].append(_row(r))
 
-    totals = {k: int(sum(int(r.get(k) or 0) for r in per_run)) for k in (
-        *ALL_KINDS, "published", "acknowledged", "refused", "indeterminate", "indeterminate_delivered",
-        "deliveries_received", "first_deliveries", "excused", "duplicate_legit", "events",
-        "fault_kill", "fault_restart", "fault_truncate", "fault_bitflip", "fault_corruption_detected")}
+    totals = {
+        k: int(sum(int(r.get(k) or 0) for r in per_run))
+        for k in (
+            *ALL_KINDS,
+            "published",
+            "acknowledged",
+            "refused",
+            "indeterminate",
+            "indeterminate_delivered",
+            "deliveries_received",
+            "first_deliveries",
+            "excused",
+            "duplicate_legit",
+            "events",
+            "fault_kill",
+            "fault_restart",
+            "fault_truncate",
+            "fault_bitflip",
+            "fault_corruption_detected",
+        )
+    }
     totals["runs"] = len(per_run)
     totals["runs_failed"] = sum(1 for r in per_run if any(int(r.get(k) or 0) for k in FAILING_KINDS))
 
@@ -124,10 +153,23 @@ def run_verify(spark: Any, paths: list[Path], report_dir: Path) -> Verdict:
         faults[r["run"]].append(_row(r))
 
     ok = not any(totals[k] for k in FAILING_KINDS)
-    verdict = Verdict(ok=ok, totals=totals, runs=per_run, samples=samples, latency=latency,
-                      timelines=timelines, faults=faults)
-    summary = {"ok": ok, "failing_kinds": list(FAILING_KINDS), "totals": totals, "latency_ms": latency,
-               "runs": per_run, "anomaly_samples": samples}
+    verdict = Verdict(
+        ok=ok,
+        totals=totals,
+        runs=per_run,
+        samples=samples,
+        latency=latency,
+        timelines=timelines,
+        faults=faults,
+    )
+    summary = {
+        "ok": ok,
+        "failing_kinds": list(FAILING_KINDS),
+        "totals": totals,
+        "latency_ms": latency,
+        "runs": per_run,
+        "anomaly_samples": samples,
+    }
     (report_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     write_html(report_dir / "report.html", verdict)
     anomalies.unpersist()

@@ -14,8 +14,12 @@ def _setup(tmp_path: Path) -> tuple[Path, Path, Path]:
     a.write_bytes(bytes(range(200)))
     b.write_bytes(b"x" * 50)
     ledger = tmp_path / "ledger.jsonl"
-    lines = [{"file": str(a), "synced_length": 10}, {"file": str(a), "synced_length": 100},
-             {"file": str(b), "synced_length": 50}, {"file": str(tmp_path / "gone.log"), "synced_length": 5}]
+    lines = [
+        {"file": str(a), "synced_length": 10},
+        {"file": str(a), "synced_length": 100},
+        {"file": str(b), "synced_length": 50},
+        {"file": str(tmp_path / "gone.log"), "synced_length": 5},
+    ]
     ledger.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"file": "torn')
     return a, b, ledger
 

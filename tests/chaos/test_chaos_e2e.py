@@ -21,18 +21,32 @@ def verdict(node_available: None, tmp_path_factory: pytest.TempPathFactory) -> A
     out = tmp_path_factory.mktemp("chaos")
     runs = {
         "clean": ChaosConfig(duration_s=8, faults=frozenset({"kill", "truncate"}), kills_per_run=2, seed=11),
-        "drop-on-restart": ChaosConfig(duration_s=6, faults=frozenset({"kill"}), kills_per_run=2, seed=12,
-                                       node_env={"MOORLINE_TEST_DROP_ON_RESTART": "1"}),
-        "unsafe-ack": ChaosConfig(duration_s=6, faults=frozenset({"kill", "truncate"}), kills_per_run=3, seed=13,
-                                  node_env={"MOORLINE_TEST_UNSAFE_ACK_BEFORE_SYNC": "1"}),
+        "drop-on-restart": ChaosConfig(
+            duration_s=6,
+            faults=frozenset({"kill"}),
+            kills_per_run=2,
+            seed=12,
+            node_env={"MOORLINE_TEST_DROP_ON_RESTART": "1"},
+        ),
+        "unsafe-ack": ChaosConfig(
+            duration_s=6,
+            faults=frozenset({"kill", "truncate"}),
+            kills_per_run=3,
+            seed=13,
+            node_env={"MOORLINE_TEST_UNSAFE_ACK_BEFORE_SYNC": "1"},
+        ),
         "bitflip": ChaosConfig(duration_s=5, faults=frozenset({"kill", "bitflip"}), kills_per_run=1, seed=14),
     }
     results = {name: run_once(cfg, name, out) for name, cfg in runs.items()}
-    spark = make_spark("local[2]", shuffle_partitions=2, app_name="moorline-chaos-tests")
+    from pyspark.sql import SparkSession
+
+    shared = SparkSession.getActiveSession()  # the verify suite's session, when both suites run together
+    spark = make_spark("local[2]", shuffle_partitions=1, app_name="moorline-chaos-tests")
     try:
         v = run_verify(spark, [r.history for r in results.values()], out / "report")
     finally:
-        spark.stop()
+        if shared is None:
+            spark.stop()
     return {r["run"]: r for r in v.runs}, results, out / "report"
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, BrokerProc, running_broker
+from e2e_broker import REPO_ROOT, BrokerProc, running_broker
 from rawclient import CONNACK, PUBACK, PUBREC, RawClient, encode_connect, encode_publish
 
 pytestmark = [pytest.mark.e2e, pytest.mark.moorline_only]

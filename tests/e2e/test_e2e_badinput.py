@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import BROKER_KIND, BrokerProc, running_broker
+from e2e_broker import BROKER_KIND, BrokerProc, running_broker
 from rawclient import (
     CONNACK,
     DISCONNECT,
@@ -348,3 +348,34 @@ def test_idle_connection_without_connect_is_closed(shared_broker: BrokerProc) ->
 
 
 
+
+
+def test_client_exceeding_server_receive_maximum(shared_broker: BrokerProc) -> None:
+    """QoS 2 PUBLISHes never released stay in flight; one more than the server's Receive Maximum must
+    not be accepted (MQTT 5: DISCONNECT 0x93 Receive Maximum exceeded)."""
+    c = RawClient(HOST, shared_broker.mqtt_port, 5)
+    ack = c.connect("recv-max-abuser")
+    assert ack.reason == 0
+    limit = ack.prop(0x21, 65535)  # server's Receive Maximum
+    assert limit <= 1024, f"server Receive Maximum {limit} is too large to test here"
+    for pid in range(1, limit + 2):
+        try:
+            c.send(encode_publish("recvmax/t", b"x", 2, pid=pid, version=5))
+        except OSError:
+            break
+    recs: list[Packet] = []
+    other: list[Packet] = []
+    try:
+        while True:
+            p = c.recv(3)
+            (recs if p.type == 5 else other).append(p)
+    except (TimeoutError, ConnectionClosed):
+        pass
+    c.close()
+    ok = [p for p in recs if p.reason < 0x80]
+    assert len(ok) <= limit, f"{len(ok)} QoS 2 publishes accepted with Receive Maximum {limit}"
+    # PUBRECs of the first `limit` may be lost with the connection (the client resends them after reconnect)
+    assert recs or other, "no answer at all"
+    if shared_broker.is_moorline:
+        assert [p.reason for p in other if p.type == DISCONNECT] == [0x93], other
+    assert_healthy(shared_broker, "recv-max")

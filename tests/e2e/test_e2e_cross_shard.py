@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import BROKER_KIND, BrokerProc, running_broker
+from e2e_broker import BROKER_KIND, BrokerProc, running_broker
 from rawclient import P_SESSION_EXPIRY, PUBACK, PUBLISH, RawClient, encode_ack, encode_publish
 
 pytestmark = pytest.mark.e2e

@@ -11,7 +11,7 @@ import urllib.request
 from typing import Any
 
 import pytest
-from conftest import BrokerProc
+from e2e_broker import BrokerProc
 from rawclient import P_SESSION_EXPIRY, P_USER_PROPERTY, RawClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.moorline_only]

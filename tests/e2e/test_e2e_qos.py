@@ -7,7 +7,7 @@ import asyncio
 
 import aiomqtt
 import pytest
-from conftest import BrokerProc
+from e2e_broker import BrokerProc
 from e2e_support import (
     LiveMosquittoSub,
     Paho,

@@ -4,7 +4,7 @@ their original packet ids after reconnect, also across a clean broker restart.""
 from __future__ import annotations
 
 import pytest
-from conftest import BrokerProc
+from e2e_broker import BrokerProc
 from e2e_support import Paho
 from rawclient import P_SESSION_EXPIRY, PUBCOMP, PUBREC, PUBREL, RawClient, encode_ack
 
@@ -148,3 +148,58 @@ def test_immediate_reconnect_with_same_client_id(shared_broker: BrokerProc, uniq
             c.disconnect()
         else:
             c.abort()
+
+
+def test_takeover_mid_stream_keeps_order(shared_broker: BrokerProc, uniq: str) -> None:
+    """A second connection takes over a persistent session while messages stream in. Counting each message
+    at its first delivery (to either connection), the order is exactly the publish order, with no gap;
+    the new connection starts with the old one's unacknowledged messages, marked DUP."""
+    import threading
+
+    cid, topic, n = f"{uniq}-sub", f"{uniq}/stream", 300
+    a, _ = persistent(shared_broker, cid, 5)
+    a.subscribe([(topic, 1)])
+    errors: list[BaseException] = []
+
+    def publish() -> None:
+        try:
+            p = RawClient(HOST, shared_broker.mqtt_port, 5)
+            assert p.connect(f"{uniq}-p").reason == 0
+            for i in range(n):
+                p.publish_and_wait(topic, f"{i}".encode(), 1)
+            p.disconnect()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=publish, daemon=True)
+    t.start()
+    seen_a: list[int] = []
+    unacked_a: list[tuple[int, int]] = []  # (seq, pid) delivered to a, never acknowledged
+    while len(seen_a) < 100:
+        m = a.next_message(10)
+        seen_a.append(int(m.payload))
+        if len(seen_a) % 7 == 0:
+            unacked_a.append((int(m.payload), m.pid))  # type: ignore[arg-type]
+        else:
+            a.send(encode_ack(4, m.pid, 5))  # type: ignore[arg-type]
+    b, present = persistent(shared_broker, cid, 5)
+    assert present
+    a.wait_closed(5)
+    seen_b: list[tuple[int, bool, int]] = []
+    while True:
+        m = b.recv_or_none(3.0)
+        if m is None:
+            break
+        seen_b.append((int(m.payload), m.dup, m.pid))  # type: ignore[arg-type]
+        b.ack(m)
+    t.join(30)
+    assert not errors, errors
+    b.disconnect()
+    firsts: list[int] = []
+    for s in seen_a + [s for s, _, _ in seen_b]:
+        if s not in firsts:
+            firsts.append(s)
+    assert firsts == list(range(n)), f"first-delivery order broken: {firsts[:20]}..."
+    # the first deliveries on b are resends of a's unacknowledged messages, same packet ids, DUP set
+    resent = [(s, pid) for s, dup, pid in seen_b if dup]
+    assert [x for x in resent if x in unacked_a] == unacked_a, (unacked_a, resent[:20])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from conftest import BrokerProc
+from e2e_broker import BrokerProc
 from e2e_support import Paho, collect_group
 
 pytestmark = pytest.mark.e2e

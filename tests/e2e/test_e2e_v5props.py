@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import BrokerProc
+from e2e_broker import BrokerProc
 from rawclient import (
     CONNACK,
     DISCONNECT,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import BrokerProc
+from e2e_broker import BrokerProc
 from e2e_support import Paho
 
 pytestmark = pytest.mark.e2e

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import BrokerProc
+from e2e_broker import BrokerProc
 from e2e_support import Paho
 from rawclient import P_SESSION_EXPIRY, P_WILL_DELAY, RawClient
 

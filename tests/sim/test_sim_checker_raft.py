@@ -61,7 +61,9 @@ def test_snapshot_states_must_match() -> None:
 
 def test_leader_completeness() -> None:
     o = RaftObserver()
+    o.on_leader(1, A, no_log, 0)
     o.on_apply(A, 1, 1, b"a")
+    o.on_leader(2, A, {1: 1}.get, 0)
     o.on_apply(A, 2, 2, b"b")
     log_ok = {1: 1, 2: 2}
     log_missing = {1: 1}
@@ -71,12 +73,25 @@ def test_leader_completeness() -> None:
     assert o.violations and "leader completeness" in o.violations[0]
 
 
-def test_leader_completeness_ignores_entries_of_later_terms_and_compacted_ones() -> None:
+def test_leader_completeness_only_owes_entries_committed_before_the_term() -> None:
     o = RaftObserver()
+    o.on_leader(2, A, no_log, 0)
+    o.on_apply(A, 1, 2, b"a")  # committed in term 2
+    o.on_leader(4, C, {1: 2}.get, 0)
+    o.on_apply(C, 2, 2, b"b")  # a term-2 entry committed by the term-4 leader
+    # B won term 3 before that commit (it was paused holding the votes) and shows up late:
+    # it owes entry 1 (committed in term 2), not entry 2 (committed in term 4)
+    o.on_leader(3, B, {1: 2}.get, 0)
+    assert not o.violations
+    o.on_leader(5, (4, "s0"), {1: 2}.get, 0)  # a term-5 leader owes both
+    assert o.violations and "lacks committed entry 2" in o.violations[0]
+
+
+def test_leader_completeness_skips_compacted_entries() -> None:
+    o = RaftObserver()
+    o.on_leader(1, A, no_log, 0)
     o.on_apply(A, 1, 1, b"a")
-    o.on_apply(A, 2, 5, b"b")
-    # elected in term 3 (observed late): only entries of terms < 3 are required
-    o.on_leader(3, B, {1: 1}.get, 0)
+    o.on_apply(A, 2, 1, b"b")
     # compacted past the committed entry: covered by the snapshot checks instead
     o.on_leader(6, C, no_log, 2)
     assert not o.violations

@@ -2,25 +2,17 @@
 
 The ``broker`` fixture prefers a real node (``python -m moorline run`` on port 0, ready line
 parsed); when the node cannot start it falls back to the in-process fake of the HTTP API, and
-says so in the test report header. ``MOORLINE_SPARK_BROKER=node`` makes the fallback an error,
-``=fake`` skips the node.
+the terminal summary lists which tests ran against which. ``MOORLINE_SPARK_BROKER=node`` makes
+the fallback an error, ``=fake`` skips the node.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import os
-import re
-import selectors
 import signal
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +20,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fake_broker import FakeBroker  # noqa: E402
+from spark_helpers import Broker, node_status, node_works, start_node  # noqa: E402
 
 pytest.importorskip("pyspark")
 
-FAILPOINT_DIR = tempfile.mkdtemp(prefix="moorline-spark-failpoints-")
-# Must be in the environment before the JVM starts, so Python workers inherit it.
-os.environ["MOORLINE_SPARK_FAILPOINTS"] = FAILPOINT_DIR
-
-READY = re.compile(r"moorline ready mqtt=(\S+) http=(\S+)")
-_node_status: dict[str, str] = {}
+_used: dict[str, str] = {}
 
 
-def pytest_report_header(config: Any) -> str:
-    return f"moorline spark tests: broker preference = {os.environ.get('MOORLINE_SPARK_BROKER', 'auto')}"
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _used:
+        terminalreporter.section("moorline spark: broker per test")
+        for nodeid, kind in sorted(_used.items()):
+            terminalreporter.write_line(f"{kind:<60} {nodeid}")
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +40,9 @@ def spark() -> Iterator[Any]:
 
     from moorline.spark import MoorlineDataSource
 
+    other = SparkSession.getActiveSession()
+    if other is not None and other.sparkContext.master != "local[2,3]":
+        other.stop()  # another suite's session (e.g. local[*]) would not retry failed tasks
     session = (
         SparkSession.builder.master("local[2,3]")  # 3 attempts per task: retries are part of the tests
         .appName("moorline-spark-tests")
@@ -58,119 +52,28 @@ def spark() -> Iterator[Any]:
         .config("spark.driver.memory", "1g")
         .getOrCreate()
     )
+    assert session.sparkContext.master == "local[2,3]"
     session.sparkContext.setLogLevel("ERROR")
     session.dataSource.register(MoorlineDataSource)
     yield session
     session.stop()
 
 
-def arm_failpoint(name: str) -> Path:
-    p = Path(FAILPOINT_DIR) / name
-    p.touch()
-    return p
-
-
-@dataclass
-class Broker:
-    """What a test needs from a moorline: an HTTP address, maybe an MQTT one, maybe fake hooks."""
-
-    http: str
-    mqtt: str | None
-    fake: FakeBroker | None
-    kind: str
-
-    def request(self, method: str, path: str, doc: Any = None) -> Any:
-        data = None if doc is None else json.dumps(doc).encode()
-        req = urllib.request.Request(f"http://{self.http}{path}", data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return json.loads(r.read())
-
-    def publish(self, items: list[tuple[str, bytes]]) -> list[dict[str, Any]]:
-        msgs = [{"topic": t, "payload": base64.b64encode(p).decode(), "qos": 1} for t, p in items]
-        results = self.request("POST", "/v1/publish", {"messages": msgs})["results"]
-        assert all(r["status"] == "ok" for r in results), results
-        return list(results)
-
-    def read_all(self, prefix: str) -> list[dict[str, Any]]:
-        """Every stored message whose topic starts with ``prefix``, straight from the fetch API."""
-        out: list[dict[str, Any]] = []
-        for s in self.request("GET", "/v1/shards")["shards"]:
-            start = s["low_water"]
-            while start < s["next_offset"]:
-                doc = self.request("GET", f"/v1/shards/{s['shard']}/messages?from={start}&max=5000")
-                if not doc["messages"]:
-                    break
-                out.extend(m for m in doc["messages"] if m["topic"].startswith(prefix))
-                start = doc["messages"][-1]["offset"] + 1
-        return out
-
-
-def _start_node(tmp: Path, config_toml: str | None = None) -> tuple[subprocess.Popen[str], str, str] | None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "moorline",
-        "run",
-        "--data-dir",
-        str(tmp / "node"),
-        "--mqtt",
-        "127.0.0.1:0",
-        "--http",
-        "127.0.0.1:0",
-    ]
-    if config_toml is not None:
-        (tmp / "node.toml").write_text(config_toml)
-        cmd += ["--config", str(tmp / "node.toml")]
-    try:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(tmp))
-    except OSError as exc:
-        _node_status["why"] = str(exc)
-        return None
-    assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and proc.poll() is None:
-        if sel.select(timeout=0.5):
-            line = proc.stdout.readline()
-            m = READY.search(line)
-            if m:
-                return proc, m.group(1), m.group(2)
-    err = ""
-    if proc.poll() is None:
-        proc.kill()
-    else:
-        err = (proc.stderr.read() if proc.stderr else "")[-500:]
-    proc.wait(timeout=10)
-    _node_status["why"] = f"node did not print its ready line (exit {proc.returncode}): {err.strip()}"
-    return None
-
-
-def _node_works(b: Broker) -> bool:
-    try:
-        doc = b.request("GET", "/v1/shards")
-        b.publish([("moorline-spark-probe/x", b"probe")])
-        return bool(doc["shard_count"])
-    except Exception as exc:  # the node runs but its HTTP API is not there yet
-        _node_status["why"] = f"node HTTP API not usable: {exc}"
-        return False
-
-
 @pytest.fixture()
-def short_retention_node(tmp_path: Path) -> Iterator[Broker]:
+def short_retention_node(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Broker]:
     """A real node whose unowed messages leave after 1 s unless pinned; skipped without a node."""
     if os.environ.get("MOORLINE_SPARK_BROKER") == "fake":
         pytest.skip("MOORLINE_SPARK_BROKER=fake")
     toml = "[retention]\nmin_age_s = 1.0\n\n[shard]\ncount = 4\nhousekeeping_interval_s = 0.2\n"
-    started = _start_node(tmp_path, toml)
+    started = start_node(tmp_path, toml)
+    _used[request.node.nodeid] = "real node (retention.min_age_s = 1)"
     if started is None:
-        pytest.skip(f"no usable node with a short retention: {_node_status.get('why')}")
+        pytest.skip(f"no usable node with a short retention: {node_status.get('why')}")
     proc, mqtt, http = started
     b = Broker(http, mqtt, None, "node")
     try:
-        if not _node_works(b):
-            pytest.skip(f"node HTTP API unusable: {_node_status.get('why')}")
+        if not node_works(b):
+            pytest.skip(f"node HTTP API unusable: {node_status.get('why')}")
         yield b
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -182,8 +85,9 @@ def short_retention_node(tmp_path: Path) -> Iterator[Broker]:
 
 
 @pytest.fixture()
-def fake_broker() -> Iterator[Broker]:
+def fake_broker(request: pytest.FixtureRequest) -> Iterator[Broker]:
     fb = FakeBroker(shard_count=4).start()
+    _used[request.node.nodeid] = "fake broker (test needs its hooks)"
     yield Broker(fb.address, None, fb, "fake")
     fb.stop()
 
@@ -192,12 +96,12 @@ def fake_broker() -> Iterator[Broker]:
 def broker(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Broker]:
     pref = os.environ.get("MOORLINE_SPARK_BROKER", "auto")
     if pref != "fake":
-        started = _start_node(tmp_path)
+        started = start_node(tmp_path)
         if started is not None:
             proc, mqtt, http = started
             b = Broker(http, mqtt, None, "node")
-            if _node_works(b):
-                request.node.user_properties.append(("broker", "node"))
+            if node_works(b):
+                _used[request.node.nodeid] = "real node"
                 yield b
                 proc.send_signal(signal.SIGTERM)
                 try:
@@ -209,74 +113,8 @@ def broker(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Broker]:
             proc.kill()
             proc.wait()
         if pref == "node":
-            pytest.fail(f"MOORLINE_SPARK_BROKER=node but the node is unusable: {_node_status.get('why')}")
+            pytest.fail(f"MOORLINE_SPARK_BROKER=node but the node is unusable: {node_status.get('why')}")
     fb = FakeBroker(shard_count=4).start()
-    request.node.user_properties.append(("broker", f"fake ({_node_status.get('why', 'forced')})"))
-    print(f"[moorline spark] using the FAKE broker: {_node_status.get('why', 'forced')}", file=sys.stderr)
+    _used[request.node.nodeid] = f"fake broker ({node_status.get('why', 'forced')})"
     yield Broker(fb.address, None, fb, "fake")
     fb.stop()
-
-
-def wait_for(cond: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
-def wait_query(q: Any, cond: Any, timeout_s: float, what: str) -> None:
-    """Like ``wait_for`` but fails at once, with the query's error, if the query died."""
-
-    def check() -> bool:
-        if not q.isActive:
-            raise AssertionError(f"query stopped while waiting for {what}: {q.exception()}")
-        return bool(cond())
-
-    wait_for(check, timeout_s, what)
-
-
-class MqttCollector:
-    """An MQTT 5 subscriber (paho) that records every delivery: (topic, payload, guid property)."""
-
-    def __init__(self, address: str, topic_filter: str) -> None:
-        import threading
-
-        import paho.mqtt.client as mqtt
-        from paho.mqtt.enums import CallbackAPIVersion
-
-        self.got: list[tuple[str, bytes, str | None]] = []
-        self._subscribed = threading.Event()
-        host, _, port = address.rpartition(":")
-        self.client = mqtt.Client(
-            CallbackAPIVersion.VERSION2,
-            client_id=f"spark-test-{os.getpid()}-{time.time_ns()}",
-            protocol=mqtt.MQTTv5,
-        )
-
-        def on_connect(client: Any, userdata: Any, flags: Any, rc: Any, props: Any = None) -> None:
-            client.subscribe(topic_filter, qos=1)
-
-        def on_subscribe(client: Any, userdata: Any, mid: Any, rcs: Any, props: Any = None) -> None:
-            self._subscribed.set()
-
-        def on_message(client: Any, userdata: Any, msg: Any) -> None:
-            guid = None
-            for k, v in getattr(msg.properties, "UserProperty", None) or []:
-                if k == "guid":
-                    guid = v
-            self.got.append((msg.topic, bytes(msg.payload), guid))
-
-        self.client.on_connect = on_connect
-        self.client.on_subscribe = on_subscribe
-        self.client.on_message = on_message
-        self.client.connect(host, int(port))
-        self.client.loop_start()
-        if not self._subscribed.wait(20):
-            self.close()
-            raise AssertionError("MQTT subscription was not acknowledged")
-
-    def close(self) -> None:
-        self.client.loop_stop()
-        self.client.disconnect()

@@ -128,3 +128,42 @@ def test_reserved_user_properties_are_refused() -> None:
         make_row("t", b"x", None, None, {"guid": "1"}, None, 1)
     with pytest.raises(MoorlineRowError, match="wildcard"):
         make_row("t/#", b"x", None, None, None, None, 1)
+
+
+class StubClient:
+    """Answers publish requests from a script of per-message statuses."""
+
+    def __init__(self, script: list[list[str]]) -> None:
+        self.script = script
+        self.requests: list[list[dict[str, object]]] = []
+
+    def publish(self, messages: list[dict[str, object]]) -> list[dict[str, object]]:
+        self.requests.append(messages)
+        statuses = self.script.pop(0)
+        return [{"status": st, "shard": 0, "offset": i, "reason": "full"} for i, st in enumerate(statuses)]
+
+
+def test_refused_rows_are_resent_in_order_and_a_sequence_hole_fails() -> None:
+    from typing import cast
+
+    from moorline.spark.node_client import NodeClient
+    from moorline.spark.options import parse_write_options
+    from moorline.spark.writer import MoorlinePublishError, publish_all
+
+    opts = parse_write_options({"servers": "h:1", "publishRetries": "3"})
+    msgs: list[dict[str, object]] = [{"topic": "t", "seq": i} for i in range(4)]
+    stub = StubClient(
+        [
+            ["ok", "refused", "refused", "refused"],
+            ["refused", "refused", "refused"],
+            ["ok", "duplicate", "ok"],
+        ]
+    )
+    assert publish_all(cast(NodeClient, stub), msgs, opts, sequenced=True) == (3, 1)
+    assert [[m["seq"] for m in r] for r in stub.requests] == [[0, 1, 2, 3], [1, 2, 3], [1, 2, 3]]
+    hole = StubClient([["ok", "refused", "ok", "ok"]])
+    with pytest.raises(MoorlinePublishError, match="after refusing an earlier one"):
+        publish_all(cast(NodeClient, hole), msgs, opts, sequenced=True)
+    never = StubClient([["refused"] * 4] * 4)
+    with pytest.raises(MoorlinePublishError, match="refused after 4 attempts"):
+        publish_all(cast(NodeClient, never), msgs, opts, sequenced=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Broker, wait_for
+from spark_helpers import Broker, wait_for
 
 pytestmark = pytest.mark.spark
 
@@ -74,13 +74,19 @@ def test_real_node_pins_hold_retention_and_loss_is_reported(
         q = read_once(spark, b, out, ckpt, readerId="ret-test")
         assert q.awaitTermination(120) and q.exception() is None
         got = Counter(bytes(r["payload"]) for r in spark.read.parquet(str(out)).select("payload").collect())
-        assert set(got) == expected and max(got.values(), default=1) == 1, f"run {run}: a pinned row was lost or read twice"
+        assert set(got) == expected and max(got.values(), default=1) == 1, (
+            f"run {run}: a pinned row was lost or read twice"
+        )
         batch = [(f"ret/{i % 3}", f"{run}-{i:04d}".encode()) for i in range(200)]
         b.publish(batch)
         expected |= {p for _, p in batch}
-        time.sleep(2.5)  # well past min_age: only the pin keeps these rows
+        time.sleep(1.8)  # past min_age (1 s) plus housekeeping: only the pin keeps these rows
     b.request("DELETE", "/v1/pins/ret-test")  # as if the query stayed down past pinTtlMs
-    wait_for(lambda: any(s["low_water"] > 400 // 3 for s in b.request("GET", "/v1/shards")["shards"]), 30, "retention")
+    wait_for(
+        lambda: any(s["low_water"] > 400 // 3 for s in b.request("GET", "/v1/shards")["shards"]),
+        30,
+        "retention",
+    )
     q = read_once(spark, b, out, ckpt, readerId="ret-test")
     with pytest.raises(Exception, match="earliest complete offset is"):
         q.awaitTermination(120)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -9,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Broker, arm_failpoint, wait_for, wait_query
+from spark_helpers import Broker, arm_failpoint, wait_for, wait_query
 
 pytestmark = pytest.mark.spark
 
@@ -31,9 +35,9 @@ def start_query(
 
 
 def test_stream_read_crash_and_restart_exactly_once(spark: Any, broker: Broker, tmp_path: Path) -> None:
-    """Publishers run while the query is failed mid-batch (after its offsets were logged) and
-    later stopped mid-flight; each restart resumes from the checkpoint. The parquet sink ends with
-    every published message exactly once."""
+    """Publishers run while the query fails mid-batch (after its offsets were logged), and while a
+    restarted driver is killed with SIGKILL mid-stream; each restart resumes from the checkpoint.
+    The parquet sink ends with every published message exactly once."""
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     published: list[bytes] = []
     stop = threading.Event()
@@ -60,15 +64,34 @@ def test_stream_read_crash_and_restart_exactly_once(spark: Any, broker: Broker, 
     arm_failpoint("stream_partitions")
     wait_for(lambda: not q.isActive, 60, "the injected planning failure")
     assert q.exception() is not None and "stream_partitions" in str(q.exception())
-    # Run 2: restart; stop it while publishers keep going.
-    q = start_query(spark, broker, out, ckpt, startingOffsets="latest", maxOffsetsPerTrigger="700")
-    wait_query(
-        q,
-        lambda: q.lastProgress is not None and q.lastProgress["numInputRows"] > 0,
-        120,
-        "a batch after restart",
+    # Run 2: restart in a separate driver and kill it (SIGKILL, driver and JVM) mid-stream.
+    driver = subprocess.Popen(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "spark_read_driver.py"),
+            broker.http,
+            str(out),
+            str(ckpt),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,  # its own process group: the kill reaches its JVM too, nothing else
     )
-    q.stop()
+    try:
+        assert driver.stdout is not None
+        deadline = time.monotonic() + 180
+        batches_with_rows = 0
+        while batches_with_rows < 2 and time.monotonic() < deadline:
+            line = driver.stdout.readline()
+            assert line, "the restarted driver exited early"
+            if line.startswith("progress") and int(line.split()[2]) > 0:
+                batches_with_rows += 1
+        assert batches_with_rows == 2, "the restarted driver made no progress"
+        time.sleep(0.5)  # most likely inside the next batch
+    finally:
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=30)
     time.sleep(1)  # publishers keep going while no query runs
     stop.set()
     pub.join(timeout=60)

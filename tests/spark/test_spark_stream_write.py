@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FAILPOINT_DIR, Broker, MqttCollector, arm_failpoint, wait_for
+from spark_helpers import FAILPOINT_DIR, Broker, MqttCollector, arm_failpoint, wait_for
+
+from moorline.spark.failpoints import marked
 
 pytestmark = pytest.mark.spark
 
@@ -96,6 +98,7 @@ def test_stream_write_stopped_between_sink_commit_and_checkpoint(
             .start()
         )
 
+    (Path(FAILPOINT_DIR) / "mark-skipped_committed_batch").unlink(missing_ok=True)
     arm_failpoint("commit_after_marker")
     q = run()
     with pytest.raises(Exception, match="commit_after_marker"):
@@ -104,11 +107,13 @@ def test_stream_write_stopped_between_sink_commit_and_checkpoint(
     assert broker.request("GET", f"/v1/sink-markers/{q.id}")["batch_id"] == 0
     exactly_once(expected, [b64decode(m["payload"]) for m in broker.read_all("out2/")], "first run")
     requests_before = broker.fake.publish_requests if broker.fake else None
+    assert not marked("skipped_committed_batch")
     q = run()
     assert q.awaitTermination(240)
     assert q.exception() is None, q.exception()
     assert (ckpt / "commits" / "0").exists()
+    assert marked("skipped_committed_batch"), "the replayed batch was not skipped by the sink marker"
     if broker.fake is not None:
         assert broker.fake.publish_requests == requests_before, "a committed batch was published again"
     exactly_once(expected, [b64decode(m["payload"]) for m in broker.read_all("out2/")], "after restart")
-    assert not list(Path(FAILPOINT_DIR).iterdir())
+    assert not [p for p in Path(FAILPOINT_DIR).iterdir() if not p.name.startswith("mark-")]

@@ -124,7 +124,7 @@ def test_store_seeded_random_walks(monkeypatch: object) -> None:
 
     monkeypatch.setattr(MessageStore, "_copy_forward", copy)  # type: ignore[attr-defined]
     monkeypatch.setattr(MessageStore, "_drop_segment", drop)  # type: ignore[attr-defined]
-    for seed in range(12):
+    for seed in range(8):
         r = random.Random(seed)
         ops: list[tuple] = []
         for _ in range(50):

@@ -8,17 +8,14 @@ from typing import Any
 
 import pytest
 
-from moorline.verify.history import FIELDS
-
-if shutil.which("java") is None:  # pragma: no cover - CI has Java 17
-    pytest.skip("pyspark needs a Java runtime", allow_module_level=True)
-
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
+    if shutil.which("java") is None:  # pragma: no cover - CI has Java 17
+        pytest.skip("pyspark needs a Java runtime")
     from moorline.verify.job import make_spark
 
-    session = make_spark("local[2]", shuffle_partitions=2, app_name="moorline-verify-tests")
+    session = make_spark("local[2]", shuffle_partitions=1, app_name="moorline-verify-tests")
     yield session
     session.stop()
 
@@ -33,8 +30,15 @@ class Hist:
 
     def ev(self, type: str, op: str, **kw: Any) -> Hist:
         self.t_ns += 1_000_000
-        row: dict[str, Any] = {"run": self.run, "index": len(self.rows), "type": type, "op": op,
-                               "mono_ns": self.t_ns, "wall_ms": self.t_ns // 1_000_000, "process": kw.get("session")}
+        row: dict[str, Any] = {
+            "run": self.run,
+            "index": len(self.rows),
+            "type": type,
+            "op": op,
+            "mono_ns": self.t_ns,
+            "wall_ms": self.t_ns // 1_000_000,
+            "process": kw.get("session"),
+        }
         row.update(kw)
         self.rows.append(row)
         return self
@@ -49,25 +53,63 @@ class Hist:
     def disconnect(self, session: str) -> Hist:
         return self.ev("ok", "disconnect", session=session)
 
-    def subscribe(self, session: str, filter: str, qos: int = 1, group: str | None = None,
-                  sticky: bool = False, no_local: bool = False) -> Hist:
-        self.ev("invoke", "subscribe", session=session, filter=filter, qos=qos, share_group=group,
-                sticky=sticky, no_local=no_local)
-        return self.ev("ok", "subscribe", session=session, filter=filter, qos=qos, share_group=group,
-                       sticky=sticky, no_local=no_local)
+    def subscribe(
+        self,
+        session: str,
+        filter: str,
+        qos: int = 1,
+        group: str | None = None,
+        sticky: bool = False,
+        no_local: bool = False,
+    ) -> Hist:
+        self.ev(
+            "invoke",
+            "subscribe",
+            session=session,
+            filter=filter,
+            qos=qos,
+            share_group=group,
+            sticky=sticky,
+            no_local=no_local,
+        )
+        return self.ev(
+            "ok",
+            "subscribe",
+            session=session,
+            filter=filter,
+            qos=qos,
+            share_group=group,
+            sticky=sticky,
+            no_local=no_local,
+        )
 
     def unsubscribe(self, session: str, filter: str) -> Hist:
         return self.ev("ok", "unsubscribe", session=session, filter=filter)
 
-    def publish(self, session: str, guid: str, topic: str = "t/a", qos: int = 1, outcome: str | None = "ok",
-                pid: int = 1) -> Hist:
+    def publish(
+        self,
+        session: str,
+        guid: str,
+        topic: str = "t/a",
+        qos: int = 1,
+        outcome: str | None = "ok",
+        pid: int = 1,
+    ) -> Hist:
         self.ev("invoke", "publish", session=session, guid=guid, topic=topic, qos=qos, packet_id=pid)
         if outcome is not None:
             self.ev(outcome, "publish", session=session, guid=guid, topic=topic, qos=qos, packet_id=pid)
         return self
 
-    def deliver(self, session: str, guid: str | None, topic: str = "t/a", qos: int = 1, pid: int = 1,
-                dup: bool = False, ack: bool = True) -> Hist:
+    def deliver(
+        self,
+        session: str,
+        guid: str | None,
+        topic: str = "t/a",
+        qos: int = 1,
+        pid: int = 1,
+        dup: bool = False,
+        ack: bool = True,
+    ) -> Hist:
         self.ev("ok", "deliver", session=session, guid=guid, topic=topic, qos=qos, packet_id=pid, dup=dup)
         if ack and qos > 0:
             self.ack(session, guid, pid, qos)

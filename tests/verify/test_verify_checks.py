@@ -104,6 +104,17 @@ def clean_subscribed_after_publish_and_interleaved_publishers(h: Any) -> None:
     h.deliver("late", G4).disconnect("s1").disconnect("late")
 
 
+@scenario({})
+def clean_qos2_release_of_older_while_newer_is_resent(h: Any) -> None:
+    # PUBREC of G1 (QoS 2) reached the broker, PUBACK of G2 (QoS 1) did not: after the reconnect the
+    # broker sends PUBREL for G1 (answered by PUBCOMP: an ack) and resends the PUBLISH of G2.
+    h.connect("s2", present=False).subscribe("s2", "t/#", qos=2).connect("p1", present=False)
+    h.publish("p1", G1, qos=2).publish("p1", G2, qos=1, pid=2)
+    h.deliver("s2", G1, qos=2, pid=1, ack=False).deliver("s2", G2, qos=1, pid=2, ack=False)
+    h.lose_connection("s2").connect("s2").ack("s2", G1, 1, qos=2)
+    h.deliver("s2", G2, qos=1, pid=2, dup=True).disconnect("s2")
+
+
 @scenario({"lost_detected_corruption": 1})
 def lost_in_run_with_detected_corruption(h: Any) -> None:
     base(h).publish("p1", G1).fault("bitflip").fault("corruption_detected", "wal.log offset 4096")
@@ -220,7 +231,7 @@ def results(spark: Any, hist: Any) -> Any:
     from moorline.verify.checks import ALL_KINDS, analyze
     from moorline.verify.history import FIELDS, spark_schema
 
-    rows = []
+    rows: list[tuple[Any, ...]] = []
     for name, (build, _) in SCENARIOS.items():
         h = hist(name)
         build(h)
@@ -246,7 +257,9 @@ def test_verify_scenario(name: str, results: Any) -> None:
 
 def test_verify_counts_excused_legit_and_indeterminate(results: Any) -> None:
     _, per_run, _ = results
-    assert per_run["clean_excused_drops_qos0_and_no_local"]["excused"] == 6  # s1: 2 drops, s0: 3 QoS 0, nl: 1 expiry
+    assert (
+        per_run["clean_excused_drops_qos0_and_no_local"]["excused"] == 6
+    )  # s1: 2 drops, s0: 3 QoS 0, nl: 1 expiry
     assert per_run["clean_qos1_redelivery_after_reconnect"]["duplicate_legit"] == 1
     assert per_run["clean_qos1_redelivery_of_acked_but_uncommitted"]["duplicate_legit"] == 2
     assert per_run["clean_share_qos1_member_session_ended"]["duplicate_legit"] == 1

@@ -29,8 +29,12 @@ class RaftObserver:
     applied: dict[int, tuple[int, int]] = field(default_factory=dict)  # index -> (term, crc of data)
     snapshots: dict[int, int] = field(default_factory=dict)  # index -> crc of state bytes
     committed_max: tuple[int, int] = (0, 0)  # (index, term) of the highest applied entry
-    # (term, highest applied index of that term), in index order: terms only grow along the log
-    term_marks: list[tuple[int, int]] = field(default_factory=list)
+    # (commit-term bound, highest index first applied under it), in index order. The bound is
+    # the highest leader term known when the entry was first applied: the leader that
+    # committed it was seen leading (the hosts report leadership before it can commit), so
+    # the entry was committed in a term <= the bound.
+    commit_marks: list[tuple[int, int]] = field(default_factory=list)
+    max_leader_term: int = 0
     max_violations: int = 20
 
     def _fail(self, msg: str) -> None:
@@ -44,6 +48,7 @@ class RaftObserver:
         cur = self.leaders.get(term)
         if cur is None:
             self.leaders[term] = member
+            self.max_leader_term = max(self.max_leader_term, term)
             self._check_completeness(term, member, term_at, snap_index)
         elif cur != member:
             self._fail(f"election safety: two leaders in term {term}: {cur} and {member}")
@@ -51,12 +56,15 @@ class RaftObserver:
     def _check_completeness(
         self, term: int, member: Member, term_at: Callable[[int], int | None], snap_index: int
     ) -> None:
-        # The highest committed entry of an older term (entries of this term or later were
-        # not necessarily known when this member won: e.g. it was paused holding the votes).
-        at = bisect.bisect_left(self.term_marks, (term, -1)) - 1
+        # Leader completeness: an entry committed in term c is in every leader's log of a term
+        # > c. Take the highest entry surely committed before ``term`` (a member may become
+        # leader long after it won the votes, e.g. it was paused holding them; entries
+        # committed meanwhile by a newer term's leader are not owed to it).
+        at = bisect.bisect_left(self.commit_marks, (term, -1)) - 1
         if at < 0:
             return
-        t, idx = self.term_marks[at]
+        _bound, idx = self.commit_marks[at]
+        t = self.applied[idx][0]
         if idx <= snap_index:
             return
         have = term_at(idx)
@@ -95,13 +103,15 @@ class RaftObserver:
         if ref is None:
             self.applied[index] = (term, c)
             if index > self.committed_max[0]:
+                prev_term = self.committed_max[1]
                 self.committed_max = (index, term)
-                marks = self.term_marks
-                if marks and marks[-1][0] == term:
-                    marks[-1] = (term, index)
-                elif not marks or marks[-1][0] < term:
-                    marks.append((term, index))
+                marks = self.commit_marks
+                bound = max(self.max_leader_term, term)  # committed in a term >= its own
+                if marks and marks[-1][0] == bound:
+                    marks[-1] = (bound, index)
                 else:
+                    marks.append((bound, index))
+                if term < prev_term:
                     self._fail(
                         f"state machine safety: applied index {index} has term {term} below an earlier entry's"
                     )
