@@ -12,6 +12,7 @@ import msgspec
 from moorline.broker.messages import StoredMessage
 
 ENTRY_VERSION = 1
+SHARE_PREFIX = "$share\x00"  # registration keys of $share groups: "$share\0GROUP\0FILTER"
 
 
 class Cmd(msgspec.Struct, tag=True, array_like=True):

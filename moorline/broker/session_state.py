@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moorline.broker.commands import (
+    SHARE_PREFIX,
     Deliver,
     DeliveryItem,
     InboundQos2,
@@ -25,6 +26,7 @@ from moorline.broker.commands import (
 from moorline.broker.effects import Effects
 from moorline.invariant import invariant
 
+MAX_SHARE_DONE = 4096
 SENT = 0  # PUBLISH sent, waiting for PUBACK / PUBREC
 RELEASING = 1  # PUBREC committed, PUBREL sent, waiting for PUBCOMP
 
@@ -67,6 +69,10 @@ class Session:
     inflight: dict[int, InflightDelivery] = field(default_factory=dict)  # seqno -> delivery, ascending
     last_delivered: dict[int, int] = field(default_factory=dict)  # topic shard -> highest offset delivered
     sub_version: int = 0
+    # $share deliveries this session finished (shard, registration, offset), newest last, bounded:
+    # until the topic shard applies the ack report, the claim still names this member, and the
+    # session must not take it for an undelivered claim (e.g. after a crash in between).
+    share_done: list[tuple[int, str, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +181,13 @@ class SessionState:
             else:
                 del s.inflight[seq]
                 done.append(d.item)
+                it = d.item
+                if it.offset >= 0:
+                    for rk in it.reg_keys:
+                        if rk.startswith(SHARE_PREFIX):
+                            s.share_done.append((it.shard, rk, it.offset))
+        if len(s.share_done) > MAX_SHARE_DONE:
+            del s.share_done[: len(s.share_done) - MAX_SHARE_DONE]
         return done
 
     def apply_inbound_qos2(self, cmd: InboundQos2, fx: Effects) -> bytes | None:

@@ -133,8 +133,14 @@ class TopicState:
         content = crc32c(msg.topic.encode() + b"\0" + msg.payload)
         if cmd.producer is not None and cmd.seq is not None:
             prev = self.producers.get(cmd.producer)
-            if prev is not None and cmd.seq <= prev[0]:
-                return PublishResult("duplicate", prev[1] if cmd.seq == prev[0] else -1)
+            if prev is not None:
+                if cmd.seq <= prev[0]:
+                    return PublishResult("duplicate", prev[1] if cmd.seq == prev[0] else -1)
+                # The next sequence, or the first row of a later batch (high 32 bits: batch), is
+                # accepted; a gap means an earlier one is missing: refused, retriable, never applied.
+                next_batch = (cmd.seq >> 32) > (prev[0] >> 32) and (cmd.seq & 0xFFFFFFFF) == 0
+                if cmd.seq != prev[0] + 1 and not next_batch:
+                    return PublishResult("refused", reason_code=0x97, reason=f"sequence gap after {prev[0]}")
         key = (cmd.principal, msg.guid)
         seen = self.dedup.get(key)
         if seen is not None:

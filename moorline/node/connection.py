@@ -291,9 +291,9 @@ class Connection(asyncio.Protocol):
             try:
                 if kind is p.Publish and packet.qos < 2:  # type: ignore[union-attr]
                     self._publish_sync(packet)  # type: ignore[arg-type]
-                elif kind is p.Puback or kind is p.Pubcomp:
+                elif isinstance(packet, (p.Puback, p.Pubcomp)):
                     assert self.live is not None
-                    if self.live.on_puback(packet.packet_id):  # type: ignore[union-attr]
+                    if self.live.on_puback(packet.packet_id):
                         self.node.on_ack_room(self.client_id)
                 elif kind is p.Pingreq:
                     self._write(b"\xd0\x00")

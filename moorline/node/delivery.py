@@ -165,6 +165,7 @@ class LiveSession:
         """On (re)connect: everything owed past the delivered cursor, and our undelivered claims."""
         node = self.node
         self.pending = {}
+        self.share_delivered.update((shard, offset) for shard, _rk, offset in sess.share_done)
         for shard, regs in node.session_regs(self.client_id, sess):
             topics = node.hosts[shard].state.topics
             cursor = self.cursor.get(shard, -1)
@@ -189,6 +190,10 @@ class LiveSession:
         subs = self.node.reg_subs(self.client_id, sess)
         room = self._room()
         batch_max = self.node.cfg.session.delivery_batch_max
+        # One batch never writes much more than the socket's high-water mark, so pause_writing
+        # stops the pump before the write buffer nears mqtt.max_write_buffer_bytes.
+        byte_budget = self.node.cfg.mqtt.write_buffer_high_bytes
+        batch_bytes = 0
         items: list[c.DeliveryItem] = []
         msgs: list[StoredMessage] = []
         more = False
@@ -258,7 +263,8 @@ class LiveSession:
                 msgs.append(msg)
                 if qos > 0:
                     room -= 1
-                if len(items) >= batch_max:
+                batch_bytes += len(msg.payload) + len(msg.topic)
+                if len(items) >= batch_max or batch_bytes >= byte_budget:
                     more = True
                     break
             for rk, offs in expired.items():

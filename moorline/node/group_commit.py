@@ -32,6 +32,7 @@ class GroupCommit:
         self.hosts = hosts
         self.on_fatal = on_fatal
         self.after_commit = after_commit
+        self.max_stage_bytes = max(1 << 20, wal.max_pending_bytes // 2)
         self.unsafe_ack_before_sync = os.environ.get("MOORLINE_TEST_UNSAFE_ACK_BEFORE_SYNC") == "1"
         self._wake = asyncio.Event()
         self._dirty: set[int] = set()
@@ -57,6 +58,10 @@ class GroupCommit:
                 host = self.hosts[shard]
                 if host.failed is not None or not (host.has_batch() or host.raft.has_ready()):
                     continue
+                if staged and self.wal.pending_bytes() + host.batch_bytes > self.max_stage_bytes:
+                    self._dirty.add(shard)  # over the staging budget: this shard joins the next sync
+                    self._wake.set()
+                    continue
                 entries = host.seal()
                 if entries:
                     self.wal.append_entries(shard, [(e.term, e.index, e.type, e.data) for e in entries])
@@ -69,7 +74,9 @@ class GroupCommit:
                     host.commit_upto(index)
             try:
                 await loop.run_in_executor(self._executor, self.wal.sync)
-            except BaseException as exc:  # a failed fsync leaves durability unknown: stop the node
+            except asyncio.CancelledError:
+                raise  # node stopping: the final sync happens in Node.stop
+            except Exception as exc:  # a failed fsync leaves durability unknown: stop the node
                 log.critical("WAL sync failed: %s; stopping without acknowledging", exc)
                 for host, _ in staged:
                     host.fail(f"WAL sync failed: {exc}")

@@ -69,13 +69,15 @@ def make_app(node: Node) -> web.Application:
             meta = t.meta.get(offset)
             if meta is not None and (flt is None or matches(flt, meta.topic)):
                 rec = host.store.get(offset)
-                if rec is not None:
-                    m = decode_message(rec)
-                    out.append({
-                        "offset": offset, "topic": m.topic, "payload": base64.b64encode(m.payload).decode(),
-                        "qos": m.qos, "retain": m.retain, "guid": m.guid.hex(), "timestamp_ms": m.ts_ms,
-                        "user_properties": [list(kv) for kv in (m.props.user_properties if m.props else ())],
-                    })
+                if rec is None:
+                    return _err(500, f"message {shard}/{offset} is committed but unreadable from the store",
+                                offset=offset)
+                m = decode_message(rec)
+                out.append({
+                    "offset": offset, "topic": m.topic, "payload": base64.b64encode(m.payload).decode(),
+                    "qos": m.qos, "retain": m.retain, "guid": m.guid.hex(), "timestamp_ms": m.ts_ms,
+                    "user_properties": [list(kv) for kv in (m.props.user_properties if m.props else ())],
+                })
             offset += 1
         return web.json_response({"shard": shard, "incarnation": t.incarnation, "low_water": t.low_water,
                                   "next_offset": end, "scanned_to": offset, "messages": out})

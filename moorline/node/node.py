@@ -38,7 +38,7 @@ from moorline.storage.wal import WriteAheadLog
 
 log = logging.getLogger("moorline.node")
 
-SHARE_PREFIX = "$share\x00"
+SHARE_PREFIX = c.SHARE_PREFIX
 
 
 def reg_key_for(client_id: str, topic_filter: str) -> tuple[str, str, str | None]:
@@ -90,7 +90,7 @@ class Node:
         rec = self.wal.open()  # WalCorruption here refuses to start, naming file and offset
         for path, off in rec.torn_tail_truncated:
             log.warning("WAL torn tail truncated: %s at offset %d", path, off)
-        self.snapshots = SnapshotStore(self.data_dir / "snapshots")
+        self.snapshots = SnapshotStore(self.data_dir / "snapshots", ledger=self.ledger)
         limits = default_limits(self.cfg)
         hooks = ApplyHooks(on_effects=self._on_effects)
         corrupted = {r.group: r for r in rec.corrupted if r.group is not None}
@@ -187,6 +187,7 @@ class Node:
             for sess in list(host.state.sessions.sessions.values()):
                 for flt, sub in sess.subs.items():
                     self._register_everywhere(sess, flt, sub, want_retained=False, futs=futs)
+                self._resend_ack_reports(sess)
                 if sess.connected:
                     futs.append(self.propose(host.shard, c.SessionClose(now, sess.client_id, sess.epoch, True)))
         for f in futs:
@@ -194,6 +195,26 @@ class Node:
                 result = await f
                 if isinstance(result, Session):
                     await self._end_session(result, "session_expired")
+
+    def _resend_ack_reports(self, sess: Session) -> None:
+        """Acks committed in the session's shard whose reports to topic shards a crash may have cut
+        short are reported again (idempotent): delivered (at or below the cursor), not in flight."""
+        by_reg: dict[tuple[int, str], list[int]] = {}
+        for shard, rk, offset in sess.share_done:
+            by_reg.setdefault((shard, rk), []).append(offset)
+        inflight = {(d.item.shard, d.item.offset) for d in sess.inflight.values()}
+        for shard, regs in self.session_regs(sess.client_id, sess):
+            cursor = sess.last_delivered.get(shard, -1)
+            topics = self.hosts[shard].state.topics
+            for rk, _sub in regs:
+                reg = topics.regs.get(rk)
+                if reg is None or reg.share_group is not None or reg.session_inc != sess.incarnation:
+                    continue
+                done = [o for o in reg.owed if o <= cursor and (shard, o) not in inflight]
+                if done:
+                    by_reg.setdefault((shard, rk), []).extend(done)
+        for (shard, rk), offsets in by_reg.items():
+            self.propose(shard, c.AckReport(rk, tuple(offsets)), want=False)
 
     # --- proposing -------------------------------------------------------------------------------
     def propose(self, shard: int, cmd: c.Command, want: bool = True) -> asyncio.Future[Any] | None:

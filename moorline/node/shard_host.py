@@ -92,6 +92,7 @@ class ShardHost:
         self.failed: str | None = None  # reason the shard refuses service
         self._batch_cmds: list[c.Command] = []
         self._batch_futs: list[Waiter] = []
+        self.batch_bytes = 0  # estimated bytes of the commands not yet sealed
         self._inflight: dict[int, _Pending] = {}
         self._fx = Effects()
         self._entries_since_snapshot = 0
@@ -103,6 +104,8 @@ class ShardHost:
         fut: asyncio.Future[Any] | None = asyncio.get_running_loop().create_future() if want_result else None
         self._batch_cmds.append(cmd)
         self._batch_futs.append(fut)
+        if isinstance(cmd, c.Publish):
+            self.batch_bytes += len(cmd.msg.payload) + 128
         return fut
 
     def propose_cb(self, cmd: c.Command, callback: Callback) -> None:
@@ -111,6 +114,8 @@ class ShardHost:
             raise ShardUnavailable(f"shard {self.shard} unavailable: {self.failed}")
         self._batch_cmds.append(cmd)
         self._batch_futs.append(callback)
+        if isinstance(cmd, c.Publish):
+            self.batch_bytes += len(cmd.msg.payload) + 128
 
     def has_batch(self) -> bool:
         return bool(self._batch_cmds)
@@ -120,6 +125,7 @@ class ShardHost:
         if self._batch_cmds:
             cmds, futs = self._batch_cmds, self._batch_futs
             self._batch_cmds, self._batch_futs = [], []
+            self.batch_bytes = 0
             start = 0
             size = 0
             for i, cmd in enumerate(cmds):  # one entry per batch, split to respect max_entry_bytes

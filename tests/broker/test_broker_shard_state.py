@@ -54,7 +54,11 @@ def test_sequenced_producer_dedup() -> None:
     assert s.apply(c.Publish(msg("t"), producer=p, seq=2), fx).status == "ok"
     assert s.apply(c.Publish(msg("t"), producer=p, seq=2), fx).status == "duplicate"
     assert s.apply(c.Publish(msg("t"), producer=p, seq=1), fx).status == "duplicate"
-    assert s.apply(c.Publish(msg("t"), producer=p, seq=10), fx).status == "ok"
+    gap = s.apply(c.Publish(msg("t"), producer=p, seq=10), fx)
+    assert gap.status == "refused"  # 3..9 missing: retriable, never applied
+    assert s.apply(c.Publish(msg("t"), producer=p, seq=3), fx).status == "ok"
+    assert s.apply(c.Publish(msg("t"), producer=p, seq=1 << 32), fx).status == "ok"  # a later batch
+    assert s.apply(c.Publish(msg("t"), producer=p, seq=(2 << 32) + 5), fx).status == "refused"
 
 
 def test_owed_is_decided_at_apply() -> None:
