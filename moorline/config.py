@@ -36,8 +36,8 @@ class MqttConfig:
     topic_alias_maximum: int = 64
     max_keepalive_s: int = 65535
     connect_timeout_s: float = 10.0  # a socket that sends no CONNECT in time is closed
-    write_buffer_high_bytes: int = 1 << 20  # delivery pauses while a client's socket buffer is above this
-    max_write_buffer_bytes: int = 8 << 20  # a client that stops reading is disconnected past this
+    write_buffer_high_bytes: int = 4 << 20  # delivery pauses while a client's socket buffer is above this
+    max_write_buffer_bytes: int = 16 << 20  # a client that stops reading is disconnected past this
     publish_timeout_s: float = 10.0  # outcome unknown after this: close the connection (0x89)
     max_queued_packets: int = 1024  # decoded packets waiting for the handler before reading pauses
 
