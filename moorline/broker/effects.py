@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moorline.broker.commands import Command
-
 
 @dataclass(slots=True)
 class Effects:
@@ -17,8 +15,6 @@ class Effects:
     owed_new: list[tuple[str, int]] = field(default_factory=list)  # (registration, offset) newly owed, in apply order
     owed_regs: set[str] = field(default_factory=set)  # registrations whose owed set changed (dispatch, caps)
     claims: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)  # (share reg, member, offsets)
-    cross: list[tuple[str, Command]] = field(default_factory=list)  # (routing key kind:key, command)
-    sessions_touched: set[str] = field(default_factory=set)
 
     def store_append(self, offset: int, record: bytes) -> None:
         self.appends.append((offset, record))
@@ -40,5 +36,3 @@ class Effects:
         self.owed_regs.clear()
         self.owed_new.clear()
         self.claims.clear()
-        self.cross.clear()
-        self.sessions_touched.clear()

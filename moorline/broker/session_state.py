@@ -118,7 +118,6 @@ class SessionState:
             self.incarnations += 1
             sess = Session(cmd.client_id, self.incarnations, self.epochs, expiry, cmd.principal, will=cmd.will)
             self.sessions[cmd.client_id] = sess
-            fx.sessions_touched.add(cmd.client_id)
             return OpenResult(False, sess.epoch, sess.incarnation, ended)
         old.epoch = self.epochs
         old.connected = True

@@ -9,7 +9,6 @@ commit before the next packet is handled, so a client's later publishes see its 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 import uuid
@@ -27,7 +26,7 @@ from moorline.mqtt.reasons import suback_v5_to_v3, v3_connack_applicable
 from moorline.mqtt.topics import parse_shared, validate_topic_filter
 from moorline.node.auth import Principal
 from moorline.node.delivery import LiveSession, OutboundPublish
-from moorline.node.shard_host import ShardUnavailable
+from moorline.node.shard_host import Callback, ShardUnavailable
 
 if TYPE_CHECKING:
     from moorline.node.server import MqttServer
@@ -87,6 +86,7 @@ class Connection(asyncio.Protocol):
         self._flush_scheduled = False
         self._acks: deque[list[Any]] = deque()
         self._q2_inprogress: set[int] = set()
+        self._acks_paused = False  # reading paused because too many acknowledgements are pending
         self._busy = False  # the handler task is in the middle of a packet: keep arrival order
         self._task: asyncio.Task[None] | None = None
         self._closing = False
@@ -141,7 +141,7 @@ class Connection(asyncio.Protocol):
         """Node-wide back-pressure (event-loop lag): reading is what creates load."""
         if self.transport is None or self._closing:
             return
-        if on and not self._paused:
+        if on and not self._paused and not self._acks_paused:
             self.transport.resume_reading()
         elif not on:
             self.transport.pause_reading()
@@ -168,12 +168,6 @@ class Connection(asyncio.Protocol):
             if self.node.connections.get(self.client_id) is self:
                 del self.node.connections[self.client_id]
             self._end_now(live)
-
-    async def _end(self, live: LiveSession) -> None:
-        try:
-            await self.node.close_session(live, self.will_on_close, self.session_expiry_override)
-        except Exception:
-            log.exception("closing session %s failed", live.client_id)
 
     def _end_now(self, live: LiveSession) -> None:
         task = self.node.close_session(live, self.will_on_close, self.session_expiry_override)
@@ -262,7 +256,7 @@ class Connection(asyncio.Protocol):
                 if not self._queue:
                     if self._paused and self.transport is not None:
                         self._paused = False
-                        if not self.server.reading_paused:
+                        if not self.server.reading_paused and not self._acks_paused:
                             self.transport.resume_reading()
                     self._queue_event.clear()
                     await self._queue_event.wait()
@@ -433,9 +427,9 @@ class Connection(asyncio.Protocol):
         v5 = self.version == MQTT_5
         log.warning("%s: publish to %r denied by ACL", self.client_id, pk.topic)
         if pk.qos == 1:
-            self._queue_ack(self._done(), ("puback", pk.packet_id, RC.NOT_AUTHORIZED if v5 else 0))
+            self._queue_ack(("puback", pk.packet_id, RC.NOT_AUTHORIZED if v5 else 0))(None, None)
         elif pk.qos == 2:
-            self._queue_ack(self._done(), ("pubrec", pk.packet_id, RC.NOT_AUTHORIZED if v5 else 0))
+            self._queue_ack(("pubrec", pk.packet_id, RC.NOT_AUTHORIZED if v5 else 0))(None, None)
         return True
 
     def _publish_sync(self, pk: p.Publish) -> None:
@@ -488,36 +482,25 @@ class Connection(asyncio.Protocol):
         if pk.qos == 0:
             self.node.propose(shard, cmd, want=False)
             return
-        slot = self._queue_ack(None, ("puback" if pk.qos == 1 else "pubrec", pk.packet_id, 0))
+        self.node.propose_cb(shard, cmd, self._queue_ack(("puback" if pk.qos == 1 else "pubrec", pk.packet_id, 0)))
 
-        def done(result: Any, exc: BaseException | None) -> None:
-            self._complete(slot, result, exc)
-
-        self.node.propose_cb(shard, cmd, done)
-
-    def _done(self) -> asyncio.Future[Any]:
-        f: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        f.set_result(None)
-        return f
-
-    def _queue_ack(self, fut: asyncio.Future[Any] | None, what: Any) -> list[Any]:
-        """Queue an acknowledgement; it leaves when ``fut`` (or the returned slot's callback) is done."""
-        slot: list[Any] = [False, None, None, what, time.monotonic()]  # done, result, error, (kind, pid, reason), since
+    def _queue_ack(self, what: tuple[str, int | None, int]) -> Callback:
+        """Queue an acknowledgement (kind, packet id, forced reason); returns the callback that
+        completes it. Acks leave in queue order, so a later one waits for an earlier one."""
+        slot: list[Any] = [False, None, None, what, time.monotonic()]  # done, result, error, what, since
         self._acks.append(slot)
-        if fut is not None:
-            fut.add_done_callback(functools.partial(self._slot_done, slot))
-        return slot
+        if (len(self._acks) >= self.cfg.receive_maximum and self.version != MQTT_5 and not self._acks_paused
+                and self.transport is not None):
+            # 3.1.1 has no Receive Maximum (v5 clients get 0x93 before this): stop reading instead.
+            self._acks_paused = True
+            self.transport.pause_reading()
 
-    def _slot_done(self, slot: list[Any], fut: asyncio.Future[Any]) -> None:
-        if fut.cancelled():
-            self._complete(slot, None, asyncio.CancelledError())
-        else:
-            self._complete(slot, None if fut.exception() else fut.result(), fut.exception())
+        def complete(result: Any, exc: BaseException | None) -> None:
+            slot[0], slot[1], slot[2] = True, result, exc
+            if self._acks and self._acks[0] is slot:
+                self._drain_acks()
 
-    def _complete(self, slot: list[Any], result: Any, exc: BaseException | None) -> None:
-        slot[0], slot[1], slot[2] = True, result, exc
-        if self._acks and self._acks[0] is slot:
-            self._drain_acks()
+        return complete
 
     def _drain_acks(self) -> None:
         """Acks leave in arrival order of their PUBLISHes (MQTT-4.6.0-2), each after its sync."""
@@ -551,12 +534,15 @@ class Connection(asyncio.Protocol):
                 self.send_packet(p.Pubrec(pid, reason))
                 if reason >= 0x80:
                     self.state.note_inbound_acked(pid)
+        if self._acks_paused and len(self._acks) < self.cfg.receive_maximum // 2 and not self._closing:
+            self._acks_paused = False
+            if not self._paused and not self.server.reading_paused and self.transport is not None:
+                self.transport.resume_reading()
 
     def _on_pubrel(self, pk: p.Pubrel) -> None:
         assert self.live is not None
-        fut = self.node.propose(self.live.shard, c.InboundRelease(self.client_id, self.live.epoch, pk.packet_id))
-        assert fut is not None
-        self._queue_ack(fut, ("pubcomp", pk.packet_id, 0))
+        self.node.propose_cb(self.live.shard, c.InboundRelease(self.client_id, self.live.epoch, pk.packet_id),
+                             self._queue_ack(("pubcomp", pk.packet_id, 0)))
 
     async def _on_pubrec(self, pk: p.Pubrec) -> None:
         if self.live is None:

@@ -39,7 +39,7 @@ class GroupCommit:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wal-sync")
         self._stopped = False
         self.syncs = 0
-        self.entries_synced = 0
+        self.shard_batches_synced = 0  # (shard, sync) pairs: how many shards one sync covers on average
 
     def kick(self, shard: int) -> None:
         self._dirty.add(shard)
@@ -83,7 +83,7 @@ class GroupCommit:
                 self.on_fatal(exc)
                 return
             self.syncs += 1
-            self.entries_synced += len(staged)
+            self.shard_batches_synced += len(staged)
             if not self.unsafe_ack_before_sync:
                 for host, index in staged:
                     if host.failed is None:

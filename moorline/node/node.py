@@ -14,12 +14,15 @@ import os
 import random
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from moorline.broker import commands as c
 from moorline.broker.effects import Effects
-from moorline.broker.messages import StoredMessage
+from moorline.broker.messages import MessageProps, StoredMessage
 from moorline.broker.session_state import Session, SubscriptionState
 from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import PublishResult
@@ -54,6 +57,14 @@ class NodeFailure(Exception):
     pass
 
 
+@dataclass(slots=True)
+class _SessionViews:
+    incarnation: int
+    sub_version: int
+    by_shard: list[tuple[int, list[tuple[str, SubscriptionState]]]]
+    by_reg: dict[str, SubscriptionState]
+
+
 class Node:
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
@@ -65,8 +76,7 @@ class Node:
         self.pins: dict[str, tuple[dict[int, int], float]] = {}  # reader -> (shard -> offset, deadline)
         self._share_pending: set[tuple[int, str]] = set()
         self._share_rr: dict[str, int] = {}
-        self._regs_cache: dict[str, tuple[int, int, list[tuple[int, list[tuple[str, SubscriptionState]]]]]] = {}
-        self._reg_subs_cache: dict[str, tuple[int, int, dict[str, SubscriptionState]]] = {}
+        self._views: dict[str, _SessionViews] = {}  # client id -> derived views; dropped when it disconnects
         self._topic_shards: dict[str, int] = {}
         self._guid_prefix = os.urandom(8)
         self._guid_counter = 0
@@ -289,27 +299,29 @@ class Node:
         return await fut  # type: ignore[no-any-return]
 
     # --- sessions --------------------------------------------------------------------------------
-    def session_regs(self, client_id: str, sess: Session) -> list[tuple[int, list[tuple[str, SubscriptionState]]]]:
-        cached = self._regs_cache.get(client_id)
-        if cached is not None and cached[0] == sess.incarnation and cached[1] == sess.sub_version:
-            return cached[2]
+    def _session_views(self, sess: Session) -> _SessionViews:
+        """Derived from the session's subscriptions; recomputed when they change (sub_version)."""
+        cached = self._views.get(sess.client_id)
+        if cached is not None and cached.incarnation == sess.incarnation and cached.sub_version == sess.sub_version:
+            return cached
         by_shard: dict[int, list[tuple[str, SubscriptionState]]] = {}
+        by_reg: dict[str, SubscriptionState] = {}
         for flt, sub in sess.subs.items():
-            reg_key, inner, _ = reg_key_for(client_id, flt)
+            reg_key, inner, _ = reg_key_for(sess.client_id, flt)
+            by_reg[reg_key] = sub
             for shard in self.shards_for_filter(inner):
                 by_shard.setdefault(shard, []).append((reg_key, sub))
-        out = sorted(by_shard.items())
-        self._regs_cache[client_id] = (sess.incarnation, sess.sub_version, out)
-        return out
+        views = _SessionViews(sess.incarnation, sess.sub_version, sorted(by_shard.items()), by_reg)
+        self._views[sess.client_id] = views
+        return views
+
+    def session_regs(self, client_id: str, sess: Session) -> list[tuple[int, list[tuple[str, SubscriptionState]]]]:
+        """Per topic shard, the registrations (and subscriptions) this session reads."""
+        return self._session_views(sess).by_shard
 
     def reg_subs(self, client_id: str, sess: Session) -> dict[str, SubscriptionState]:
         """Registration key -> the session's subscription behind it."""
-        cached = self._reg_subs_cache.get(client_id)
-        if cached is not None and cached[0] == sess.incarnation and cached[1] == sess.sub_version:
-            return cached[2]
-        out = {reg_key_for(client_id, flt)[0]: sub for flt, sub in sess.subs.items()}
-        self._reg_subs_cache[client_id] = (sess.incarnation, sess.sub_version, out)
-        return out
+        return self._session_views(sess).by_reg
 
     def _register_everywhere(
         self, sess: Session, flt: str, sub: SubscriptionState, want_retained: bool, futs: list[Any]
@@ -391,7 +403,7 @@ class Node:
                     futs.append(self.propose_cross(shard, c.ShareMember(reg_key, sess.client_id, False)))
                 else:
                     futs.append(self.propose_cross(shard, c.Unregister(reg_key, sess.incarnation, reason)))
-        self._regs_cache.pop(sess.client_id, None)
+        self._views.pop(sess.client_id, None)
         await asyncio.gather(*futs)
 
     async def open_session(
@@ -411,6 +423,7 @@ class Node:
         live.stop()  # pending acks are proposed first, in the same entry
         if self.live.get(live.client_id) is live:
             del self.live[live.client_id]
+            self._views.pop(live.client_id, None)
         fut = self.propose(live.shard, c.SessionClose(self.now_ms(), live.client_id, live.epoch, send_will, expiry_s))
         assert fut is not None
         return asyncio.get_running_loop().create_task(self._finish_close(live, fut, send_will))
@@ -481,7 +494,7 @@ class Node:
         if not online:
             return
         assigned: dict[str, list[int]] = {}
-        room = {m: max(0, self.live[m]._room() - self._claimed_undelivered(m)) for m in online}
+        room = {m: max(0, self.live[m]._room()) for m in online}
         sticky = self.cfg.share.dispatch == "sticky_topic"
         rr = self._share_rr.get(reg_key, 0)
         for offset in unclaimed:
@@ -507,9 +520,6 @@ class Node:
         for member, offsets in assigned.items():
             self.propose(shard, c.ShareClaim(reg_key, member, tuple(offsets)), want=False)
 
-    def _claimed_undelivered(self, member: str) -> int:
-        return 0
-
     def on_ack_room(self, client_id: str) -> None:
         """A member freed window room: its share groups may dispatch again."""
         live = self.live.get(client_id)
@@ -531,8 +541,6 @@ class Node:
                     self.wal.mark_snapshot(host.shard, index, term)
                 except OSError as exc:
                     log.error("shard %d: snapshot failed: %s", host.shard, exc)
-        if self.wal.pending_bytes() == 0:
-            pass
 
     def _on_fatal(self, exc: BaseException) -> None:
         self.fatal = exc
@@ -564,10 +572,6 @@ class Node:
             await self._end_session(sess, "session_expired")
 
     async def _publish_will(self, sess: Session, will: c.WillSpec) -> None:
-        import msgspec
-
-        from moorline.broker.messages import MessageProps
-
         props = msgspec.msgpack.decode(will.props, type=MessageProps) if will.props else None
         msg = StoredMessage(
             will.topic, will.payload, will.qos, will.retain, guid128(sess.client_id, sess.incarnation, sess.epoch, "will"),

@@ -11,7 +11,6 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from moorline.broker import commands as c
@@ -215,6 +214,3 @@ def default_limits(cfg: Any) -> TopicLimits:
         producer_ttl_ms=int(cfg.dedup.producer_ttl_s * 1000),
     )
 
-
-def shard_dir(data_dir: Path) -> Path:
-    return data_dir / "shards"
