@@ -18,17 +18,22 @@ PHASE_WARMUP = 0
 PHASE_MEASURED = 1
 
 
-def _new_client(client_id: str, protocol: int) -> Any:
+PERSISTENT_SESSION_EXPIRY_S = 3600
+
+
+def _new_client(client_id: str, protocol: int, persistent: bool = False) -> Any:
     import paho.mqtt.client as mqtt
 
     if protocol == 5:
         return mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
     return mqtt.Client(
-        mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv311, clean_session=True
+        mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv311, clean_session=not persistent
     )
 
 
-def _connect(client: Any, port: int, protocol: int, receive_maximum: int | None) -> None:
+def _connect(client: Any, port: int, protocol: int, receive_maximum: int | None, persistent: bool = False) -> None:
+    """``persistent``: the session outlives the connection (3.1.1 clean session 0, 5.0 session expiry),
+    so a broker must keep its delivery state durable; otherwise it ends with the connection."""
     if protocol == 5:
         from paho.mqtt.packettypes import PacketTypes
         from paho.mqtt.properties import Properties
@@ -36,6 +41,8 @@ def _connect(client: Any, port: int, protocol: int, receive_maximum: int | None)
         props = Properties(PacketTypes.CONNECT)
         if receive_maximum is not None:
             props.ReceiveMaximum = receive_maximum
+        if persistent:
+            props.SessionExpiryInterval = PERSISTENT_SESSION_EXPIRY_S
         client.connect("127.0.0.1", port, keepalive=60, clean_start=True, properties=props)
     else:
         client.connect("127.0.0.1", port, keepalive=60)
@@ -57,9 +64,10 @@ def subscriber_main(
     count: int,
     window: int,
     timeout_s: float,
+    persistent: bool = False,
 ) -> None:
     """Subscribe (QoS 1, ``window`` receive maximum), report warm-up done, then latencies of the measured pass."""
-    client = _new_client(f"bench-sub-{time.monotonic_ns()}", protocol)
+    client = _new_client(f"bench-sub-{time.monotonic_ns()}", protocol, persistent)
     warm_seen = bytearray(max(warmup, 1))
     seen = bytearray(count)
     latencies: list[int] = []
@@ -103,7 +111,7 @@ def subscriber_main(
     client.on_subscribe = on_subscribe
     client.on_message = on_message
     client.on_disconnect = on_disconnect
-    _connect(client, port, protocol, receive_maximum=window)
+    _connect(client, port, protocol, receive_maximum=window, persistent=persistent)
     client.loop_start()
     finished = done.wait(timeout_s)
     done.set()

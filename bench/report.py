@@ -31,8 +31,14 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
         table = Table(title=title, title_justify="left")
         for column in ("broker", "msgs/s", "p50 ms", "p99 ms", "max ms", "CPU-s/10k", "peak RSS MB", "notes"):
             table.add_column(column, justify="left" if column in ("broker", "notes") else "right")
-        for broker, per in results.items():
-            block = per.get(workload, {})
+        rows = [(broker, per.get(workload, {})) for broker, per in results.items()]
+        if workload == "w1":  # moorline's persistent-subscriber variants under the clean-session rows
+            for broker, per in results.items():
+                for extra, label in (("w1_persistent", "persistent subscriber"),
+                                     ("w1_persistent_loose_packet_ids", "persistent, loose packet ids")):
+                    if extra in per:
+                        rows.append((f"{broker} ({label})", per[extra]))
+        for broker, block in rows:
             figures = _row_figures(block)
             if figures is None:
                 error = str(block.get("error", "no result"))

@@ -83,7 +83,7 @@ class ShareConfig:
 class StorageConfig:
     wal_segment_bytes: int = 64 << 20
     store_segment_bytes: int = 16 << 20
-    store_cache_bytes: int = 16 << 20  # node-wide: recent records kept in memory for delivery, split over shards
+    store_cache_bytes: int = 64 << 20  # node-wide: recently applied messages kept decoded for delivery
     max_pending_bytes: int = 64 << 20  # staged WAL bytes before proposers are slowed
 
 
@@ -117,6 +117,16 @@ class PinConfig:
 
 
 @dataclass
+class RuntimeConfig:
+    """Process tuning (moorline/node/runtime.py says why)."""
+
+    gc_young_threshold: int = 50_000  # allocations between young-generation collections
+    malloc_mmap_threshold_bytes: int = 32 << 20  # blocks below this come from the reused heap
+    malloc_trim_threshold_bytes: int = 64 << 20  # free heap kept before memory goes back to the kernel
+    malloc_top_pad_bytes: int = 4 << 20  # extra heap taken per growth
+
+
+@dataclass
 class NodeConfig:
     data_dir: str = "./moorline-data"
     loop_lag_threshold_ms: float = 500.0
@@ -132,6 +142,7 @@ class NodeConfig:
     raft: RaftConfig = field(default_factory=RaftConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     pins: PinConfig = field(default_factory=PinConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
     def validate(self) -> None:
         if self.mqtt.max_packet_size > self.raft.max_entry_bytes:
@@ -144,6 +155,12 @@ class NodeConfig:
             raise ConfigError("mqtt.receive_maximum must be within 1..65535")
         if self.shard.reserved_headroom_bytes >= self.shard.max_bytes:
             raise ConfigError("shard.reserved_headroom_bytes must be below shard.max_bytes")
+        rt = self.runtime
+        if rt.gc_young_threshold < 1 or min(rt.malloc_mmap_threshold_bytes, rt.malloc_trim_threshold_bytes,
+                                             rt.malloc_top_pad_bytes) < 0:
+            raise ConfigError("runtime.* must be positive")
+        if rt.malloc_mmap_threshold_bytes > 32 << 20:
+            raise ConfigError("runtime.malloc_mmap_threshold_bytes must not exceed 32 MiB (glibc's limit)")
         for rule in self.auth.acl:
             if rule.action not in ("publish", "subscribe", "all"):
                 raise ConfigError(f"acl action must be publish, subscribe or all, not {rule.action!r}")

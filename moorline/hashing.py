@@ -12,8 +12,9 @@ import hashlib
 import crc32c as _crc32c
 
 
-def crc32c(data: bytes) -> int:
-    return _crc32c.crc32c(data)
+def crc32c(data: bytes, value: int = 0) -> int:
+    """CRC32C of ``data``, continued from ``value`` (the CRC of what came before it)."""
+    return _crc32c.crc32c(data, value)
 
 
 def shard_of(key: str, shard_count: int) -> int:

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moorline.broker.messages import StoredMessage
+
 
 @dataclass(slots=True)
 class Effects:
-    appends: list[tuple[int, bytes]] = field(default_factory=list)
+    # (offset, encoded record, the message itself: the host may keep it for delivery)
+    appends: list[tuple[int, bytes, StoredMessage]] = field(default_factory=list)
     releases: list[int] = field(default_factory=list)
     owed_new: list[tuple[str, int]] = field(default_factory=list)  # (registration, offset) newly owed, in apply order
     owed_regs: set[str] = field(default_factory=set)  # registrations whose owed set changed (dispatch, caps)
     claims: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)  # (share reg, member, offsets)
-
-    def store_append(self, offset: int, record: bytes) -> None:
-        self.appends.append((offset, record))
 
     def store_release(self, offsets: list[int]) -> None:
         self.releases.extend(offsets)

@@ -64,7 +64,7 @@ class DropRecord:
     reg_key: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass costs a setattr call per field, per publish
 class PublishResult:
     status: str  # "ok" | "duplicate" | "refused"
     offset: int = -1
@@ -129,8 +129,11 @@ class TopicState:
     def apply_publish(self, cmd: Publish, fx: Effects) -> PublishResult:
         msg = cmd.msg
         invariant(len(msg.guid) == 16, "GUIDs are 16 bytes")
-        self.last_ts_ms = max(self.last_ts_ms, msg.ts_ms)
-        content = crc32c(msg.topic.encode() + b"\0" + msg.payload)
+        ts_ms = msg.ts_ms
+        if ts_ms > self.last_ts_ms:
+            self.last_ts_ms = ts_ms
+        topic = msg.topic
+        content = crc32c(msg.payload, crc32c(topic.encode() + b"\0"))  # no copy of the payload
         if cmd.producer is not None and cmd.seq is not None:
             prev = self.producers.get(cmd.producer)
             if prev is not None:
@@ -152,31 +155,38 @@ class TopicState:
             return PublishResult("refused", reason_code=0x97, reason="shard is full")
         offset = self.next_offset
         self.next_offset += 1
-        record = encode_message(msg)
-        fx.store_append(offset, record)
-        self.meta[offset] = MessageMeta(msg.ts_ms, size, msg.guid, msg.topic, msg.qos, msg.expires_at_ms())
+        fx.appends.append((offset, encode_message(msg), msg))
+        exp = None if msg.expiry_s is None else ts_ms + msg.expiry_s * 1000
+        self.meta[offset] = MessageMeta(ts_ms, size, msg.guid, topic, msg.qos, exp)
         self.bytes_used += size
-        self.dedup[key] = (offset, msg.ts_ms, content)
+        self.dedup[key] = (offset, ts_ms, content)
         if cmd.producer is not None and cmd.seq is not None:
-            self.producers[cmd.producer] = (cmd.seq, offset, msg.ts_ms)
+            self.producers[cmd.producer] = (cmd.seq, offset, ts_ms)
         if msg.retain:
             if msg.payload:
-                self.retained[msg.topic] = msg
+                self.retained[topic] = msg
             else:
-                self.retained.pop(msg.topic, None)
+                self.retained.pop(topic, None)
         owed = 0
-        for reg_key in self._matching(msg.topic):
-            reg = self.regs[reg_key]
-            if reg.draining or (reg.no_local and reg.client_id == msg.origin):
-                continue
-            reg.owed[offset] = None
-            owed += 1
-            fx.owed(reg_key, offset)
+        keys = self._match_cache.get(topic)
+        if keys is None:
+            keys = self._matching(topic)
+        if keys:
+            regs = self.regs
+            owed_new = fx.owed_new
+            owed_regs = fx.owed_regs
+            for reg_key in keys:
+                reg = regs[reg_key]
+                if reg.draining or (reg.no_local and reg.client_id == msg.origin):
+                    continue
+                reg.owed[offset] = None
+                owed += 1
+                owed_regs.add(reg_key)
+                owed_new.append((reg_key, offset))
         if owed:
             self.owed_count[offset] = owed
         else:
-            heapq.heappush(self._unowed_heap, (msg.ts_ms, offset))
-        exp = msg.expires_at_ms()
+            heapq.heappush(self._unowed_heap, (ts_ms, offset))
         if exp is not None:
             heapq.heappush(self._expiry_heap, (exp, offset))
         return PublishResult("ok", offset)

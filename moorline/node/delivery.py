@@ -5,6 +5,12 @@ per shard, commit a ``Deliver`` batch in the session's shard (seqno -> packet id
 write the PUBLISH packets. Acknowledgements are committed in batches; after they commit, the
 topic shards get ``AckReport`` commands and may release the messages. On reconnect the session
 first resends every unacknowledged delivery in seqno order with its original packet id.
+
+A session with expiry 0 (clean session) ends with its connection: no later connection, on this
+node or another, can resume it, so nothing could ever resend its deliveries. Its delivery log
+therefore lives only here (``local_inflight``) and is never replicated: no ``Deliver`` batch and
+no ``SessionAcks`` are committed for it. Its acknowledgements still reach the topic shards as
+``AckReport`` commands, which is what releases the messages (they stay owed until then).
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from moorline.broker import commands as c
-from moorline.broker.messages import StoredMessage, decode_message
-from moorline.broker.session_state import RELEASING, Session, packet_id_of
+from moorline.broker.messages import StoredMessage
+from moorline.broker.session_state import RELEASING, InflightDelivery, Session, packet_id_of
 
 if TYPE_CHECKING:
     from moorline.node.node import Node
@@ -66,6 +72,9 @@ class LiveSession:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         sess = self.session()
+        # Expiry 0 never becomes non-zero later (MQTT 5 3.14.2.2.2: a protocol error on DISCONNECT).
+        self.ephemeral = sess is not None and sess.expiry_s == 0
+        self.local_inflight: dict[int, InflightDelivery] = {}  # seqno -> delivery, ephemeral sessions only
         self.next_seq = sess.next_seq if sess else 0
         self.cursor: dict[int, int] = dict(sess.last_delivered) if sess else {}
         self.pid_to_seq: dict[int, int] = {}
@@ -132,8 +141,7 @@ class LiveSession:
     def _message(self, item: c.DeliveryItem) -> StoredMessage | None:
         if item.embedded is not None:
             return item.embedded
-        rec = self.node.hosts[item.shard].store.get(item.offset)
-        return None if rec is None else decode_message(rec)
+        return self.node.hosts[item.shard].message(item.offset)
 
     # --- the pump ------------------------------------------------------------------------------
     async def _pump(self) -> None:
@@ -240,12 +248,11 @@ class LiveSession:
                     for _ in range(n):
                         dq.popleft()
                     continue
-                rec = host.store.get(offset)
-                if rec is None:
+                msg = host.message(offset)
+                if msg is None:
                     for _ in range(n):
                         dq.popleft()
                     continue
-                msg = decode_message(rec)
                 qos = min(qos, msg.qos)
                 if qos > 0 and room <= 0:
                     more = False  # woken again by acknowledgements
@@ -295,13 +302,18 @@ class LiveSession:
                     self.cursor[it.shard] = max(self.cursor.get(it.shard, -1), it.offset)
             if it.qos > 0:
                 self.inflight_out += 1
-        fut = self.node.propose(self.shard, c.Deliver(self.client_id, self.epoch, first, tuple(items)))
-        if not LOOSE_PACKET_IDS:
-            assert fut is not None
-            ok = await fut  # the batch is durable before any PUBLISH of it leaves
-            if not ok:
-                self.closed = True
-                return
+        if self.ephemeral:
+            for i, it in enumerate(items):
+                if it.qos > 0:
+                    self.local_inflight[first + i] = InflightDelivery(it)
+        else:
+            fut = self.node.propose(self.shard, c.Deliver(self.client_id, self.epoch, first, tuple(items)))
+            if not LOOSE_PACKET_IDS:
+                assert fut is not None
+                ok = await fut  # the batch is durable before any PUBLISH of it leaves
+                if not ok:
+                    self.closed = True
+                    return
         if self.closed:
             return
         qos0_acks: dict[int, dict[str, list[int]]] = {}
@@ -331,6 +343,11 @@ class LiveSession:
         seq = self.pid_to_seq.get(pid)
         if seq is None:
             return False
+        if self.ephemeral:
+            d = self.local_inflight.get(seq)
+            if d is not None:
+                d.state = RELEASING
+            return True
         fut = self.node.propose(self.shard, c.SessionAcks(self.client_id, self.epoch, ((seq, 2),)))
         assert fut is not None
         await fut  # PUBREC committed before PUBREL is sent
@@ -351,6 +368,14 @@ class LiveSession:
         if not self._acks:
             return
         acks, self._acks = tuple(self._acks), []
+        if self.ephemeral:
+            done: list[c.DeliveryItem] = []
+            for seq, _kind in acks:  # kind 1 only: PUBREC (kind 2) never queues here
+                d = self.local_inflight.pop(seq, None)
+                if d is not None:
+                    done.append(d.item)
+            self._report_done(done)
+            return
         fut = self.node.propose(self.shard, c.SessionAcks(self.client_id, self.epoch, acks))
         assert fut is not None
         fut.add_done_callback(self._acks_committed)
@@ -358,7 +383,10 @@ class LiveSession:
     def _acks_committed(self, fut: asyncio.Future[Any]) -> None:
         if fut.cancelled() or fut.exception() is not None:
             return
-        done: list[c.DeliveryItem] = fut.result()
+        self._report_done(fut.result())
+
+    def _report_done(self, done: list[c.DeliveryItem]) -> None:
+        """Finished deliveries: their topic shards may release the messages."""
         by_shard: dict[int, dict[str, list[int]]] = {}
         for it in done:
             if it.offset < 0:

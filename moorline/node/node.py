@@ -33,6 +33,7 @@ from moorline.mqtt.topics import is_wildcard, parse_shared
 from moorline.node.delivery import LiveSession
 from moorline.node.group_commit import GroupCommit
 from moorline.node.one_voter import OneVoterRaft
+from moorline.node.recent import RecentMessages
 from moorline.node.shard_host import ApplyHooks, ShardHost, default_limits
 from moorline.storage.ledger import SyncLedger
 from moorline.storage.msgstore import MessageStore
@@ -71,6 +72,7 @@ class Node:
         self.data_dir = Path(cfg.data_dir)
         self.shard_count = cfg.shard.count
         self.hosts: list[ShardHost] = []
+        self.recent = RecentMessages(cfg.storage.store_cache_bytes)
         self.live: dict[str, LiveSession] = {}
         self.connections: dict[str, Any] = {}  # client id -> Connection (for takeover)
         self.pins: dict[str, tuple[dict[int, int], float]] = {}  # reader -> (shard -> offset, deadline)
@@ -113,7 +115,7 @@ class Node:
                 state = ShardState(shard, meta["incarnations"][shard], limits, self.cfg.session.max_expiry_s)
             store = MessageStore(
                 self.data_dir / "store" / f"shard-{shard}", segment_bytes=self.cfg.storage.store_segment_bytes,
-                ledger=self.ledger, cache_bytes=self.cfg.storage.store_cache_bytes // self.shard_count,
+                ledger=self.ledger, cache_bytes=0,  # recent messages are kept decoded, node-wide (self.recent)
             )
             store.open()
             store.truncate_from(state.topics.next_offset)
@@ -121,7 +123,7 @@ class Node:
             term = grec.hard_state.term if grec is not None and grec.hard_state is not None else 0
             raft = OneVoterRaft(term, state.applied_index, state.applied_index)
             host = ShardHost(shard, state, raft, store, self.snapshots, hooks, self.cfg.shard.snapshot_every_entries,
-                             self.cfg.raft.max_entry_bytes)
+                             self.cfg.raft.max_entry_bytes, self.recent)
             self.hosts.append(host)
             if grec is not None:
                 host.replay([(e.term, e.index, e.type, e.data) for e in grec.entries])
@@ -383,11 +385,13 @@ class Node:
         await asyncio.gather(*futs)
         return True
 
-    async def _end_session(self, sess: Session, reason: str) -> None:
+    async def _end_session(self, sess: Session, reason: str, live: LiveSession | None = None) -> None:
         """A session ended (clean start, expiry 0 disconnect, expiry): its registrations go, and
-        its $share claims return to the group except unreceived QoS 2, which are dropped."""
+        its $share claims return to the group except unreceived QoS 2, which are dropped. An
+        expiry-0 session's deliveries were logged only by its ``live`` driver, if any."""
         qos2_unreceived: dict[tuple[str, int], list[int]] = {}
-        for d in sess.inflight.values():
+        inflight = live.local_inflight if live is not None and live.ephemeral else sess.inflight
+        for d in inflight.values():
             it = d.item
             if it.offset >= 0 and it.qos == 2 and d.state == 0:
                 for rk in it.reg_keys:
@@ -432,7 +436,7 @@ class Node:
         await live.close()
         ended = await fut
         if isinstance(ended, Session):
-            await self._end_session(ended, "session_expired")
+            await self._end_session(ended, "session_expired", live)
         elif send_will:
             await self._session_housekeeping(live.shard)
 

@@ -16,6 +16,7 @@ from moorline.mqtt.reasons import ReasonCode as RC
 from moorline.node.auth import Authorizer
 from moorline.node.connection import Connection
 from moorline.node.node import Node
+from moorline.node.runtime import tune_allocator, tune_gc
 
 log = logging.getLogger("moorline.server")
 
@@ -75,6 +76,8 @@ async def serve(cfg: NodeConfig) -> int:
     node = Node(cfg)
     node.open()
     await node.start()
+    tune_gc(cfg.runtime)
+    tune_allocator(cfg.runtime)
     server = MqttServer(node, authorizer)
     loop = asyncio.get_running_loop()
     mqtt = await loop.create_server(server.protocol_factory, mqtt_host, mqtt_port, backlog=1024)

@@ -15,10 +15,12 @@ from typing import Any
 
 from moorline.broker import commands as c
 from moorline.broker.effects import Effects
+from moorline.broker.messages import StoredMessage, decode_message
 from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import TopicLimits
 from moorline.invariant import invariant
 from moorline.node.one_voter import LogEntry, OneVoterRaft
+from moorline.node.recent import RecentMessages
 from moorline.storage.msgstore import MessageStore
 from moorline.storage.snapshots import SnapshotStore
 
@@ -79,7 +81,9 @@ class ShardHost:
         hooks: ApplyHooks,
         snapshot_every_entries: int,
         max_entry_bytes: int = 4 << 20,
+        recent: RecentMessages | None = None,
     ) -> None:
+        self.recent = recent
         self.max_entry_bytes = max_entry_bytes
         self.shard = shard
         self.state = state
@@ -176,13 +180,28 @@ class ShardHost:
             if fut is not None:
                 _resolve(fut, result, None)
         self.state.applied_index = index
-        for offset, record in fx.appends:
-            self.store.append(offset, record)
+        store = self.store
+        recent = self.recent
+        for offset, record, msg in fx.appends:
+            store.append(offset, record)
+            if recent is not None:
+                recent.put(self.shard, offset, msg)
         if fx.releases:
-            self.store.release(fx.releases)
+            store.release(fx.releases)
+            if recent is not None:
+                recent.drop(self.shard, fx.releases)
         self.hooks.on_results(self, cmds, results)
         self.hooks.on_effects(self, fx)
         self._entries_since_snapshot += 1
+
+    def message(self, offset: int) -> StoredMessage | None:
+        """The message at ``offset`` (kept decoded while recent; else read from the store)."""
+        if self.recent is not None:
+            msg = self.recent.get(self.shard, offset)
+            if msg is not None:
+                return msg
+        rec = self.store.get(offset)
+        return None if rec is None else decode_message(rec)
 
     def wants_snapshot(self) -> bool:
         return self._entries_since_snapshot >= self.snapshot_every_entries

@@ -36,7 +36,7 @@ def test_offsets_are_dense_and_duplicates_take_none() -> None:
     assert (r2.status, r2.offset) == ("ok", 1)
     assert (r3.status, r3.offset) == ("duplicate", 0)
     assert s.topics.next_offset == 2
-    assert [o for o, _ in fx.appends] == [0, 1]
+    assert [o for o, _, _ in fx.appends] == [0, 1]
 
 
 def test_guid_reused_with_other_content_is_refused() -> None:

@@ -40,8 +40,15 @@ CONNECT_TIMEOUT_S = 2
 
 @pytest.fixture(scope="module")
 def shared_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProc]:
-    """This module's broker: moorline with a short CONNECT timeout, so idle sockets are dropped quickly."""
-    config = f"[mqtt]\nconnect_timeout_s = {CONNECT_TIMEOUT_S}\n" if BROKER_KIND == "moorline" else None
+    """This module's broker: moorline with a short CONNECT timeout, so idle sockets are dropped quickly, and
+    small fixed memory bounds (recent-message cache, free heap kept by the allocator): the slow-reader test
+    measures whether memory grows with what a client is owed, which fixed-size caches would blur."""
+    config = (
+        f"[mqtt]\nconnect_timeout_s = {CONNECT_TIMEOUT_S}\n"
+        "[storage]\nstore_cache_bytes = 8388608\n"
+        "[runtime]\nmalloc_trim_threshold_bytes = 16777216\nmalloc_top_pad_bytes = 1048576\n"
+        if BROKER_KIND == "moorline" else None
+    )
     with running_broker(tmp_path_factory.mktemp("bad"), config_text=config) as b:
         yield b
 

@@ -1,0 +1,62 @@
+"""Recently applied messages, kept decoded for delivery: node-wide and bounded in bytes.
+
+Almost every delivery is of a message applied moments before. Reading it back from the shard's
+message store would cost a copy and a decode per delivery (and, for large payloads, a pread),
+so the host keeps the message object it applied. Oldest first out; released messages leave at
+once. A miss falls back to the store, so the bound only trades memory for reads.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from moorline.broker.messages import StoredMessage
+
+ENTRY_OVERHEAD_BYTES = 200  # the object, its key and the dict slot, roughly
+
+
+class RecentMessages:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.used_bytes = 0
+        self._items: OrderedDict[tuple[int, int], tuple[StoredMessage, int]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, shard: int, offset: int, msg: StoredMessage) -> None:
+        size = len(msg.payload) + len(msg.topic) + ENTRY_OVERHEAD_BYTES
+        if size > self.max_bytes:
+            return
+        items = self._items
+        key = (shard, offset)
+        old = items.pop(key, None)
+        if old is not None:
+            self.used_bytes -= old[1]
+        items[key] = (msg, size)
+        self.used_bytes += size
+        while self.used_bytes > self.max_bytes:
+            _, (_, dropped) = items.popitem(last=False)
+            self.used_bytes -= dropped
+
+    def get(self, shard: int, offset: int) -> StoredMessage | None:
+        hit = self._items.get((shard, offset))
+        if hit is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        return hit[0]
+
+    def drop(self, shard: int, offsets: Iterable[int]) -> None:
+        items = self._items
+        for offset in offsets:
+            old = items.pop((shard, offset), None)
+            if old is not None:
+                self.used_bytes -= old[1]
+
+    def drop_shard(self, shard: int) -> None:
+        for key in [k for k in self._items if k[0] == shard]:
+            self.used_bytes -= self._items.pop(key)[1]
