@@ -308,6 +308,7 @@ class LiveSession:
                     self.local_inflight[first + i] = InflightDelivery(it)
         else:
             fut = self.node.propose(self.shard, c.Deliver(self.client_id, self.epoch, first, tuple(items)))
+            self.node.stats["delivery_batches_committed"] += 1
             if not LOOSE_PACKET_IDS:
                 assert fut is not None
                 ok = await fut  # the batch is durable before any PUBLISH of it leaves

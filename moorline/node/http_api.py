@@ -179,6 +179,13 @@ def make_app(node: Node) -> web.Application:
             "# TYPE moorline_published_total counter", f"moorline_published_total {node.stats['published']}",
             "# TYPE moorline_delivered_total counter", f"moorline_delivered_total {node.stats['delivered']}",
             "# TYPE moorline_wal_syncs_total counter", f"moorline_wal_syncs_total {node.commit.syncs}",
+            "# TYPE moorline_delivery_batches_committed_total counter",
+            f"moorline_delivery_batches_committed_total {node.stats['delivery_batches_committed']}",
+            "# TYPE moorline_recent_messages_hits_total counter",
+            f"moorline_recent_messages_hits_total {node.recent.hits}",
+            "# TYPE moorline_recent_messages_misses_total counter",
+            f"moorline_recent_messages_misses_total {node.recent.misses}",
+            "# TYPE moorline_recent_messages_bytes gauge", f"moorline_recent_messages_bytes {node.recent.used_bytes}",
             "# TYPE moorline_connected_sessions gauge", f"moorline_connected_sessions {len(node.live)}",
             "# TYPE moorline_dropped_total counter",
         ]

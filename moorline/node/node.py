@@ -89,7 +89,7 @@ class Node:
         self.ledger = SyncLedger(Path(ledger_path)) if ledger_path else None
         chaos = os.environ.get("MOORLINE_TEST_CROSS_SHARD_CHAOS")
         self._chaos = random.Random(int(chaos)) if chaos else None
-        self.stats = {"published": 0, "delivered": 0, "refused": 0}
+        self.stats = {"published": 0, "delivered": 0, "refused": 0, "delivery_batches_committed": 0}
 
     # --- startup / recovery ----------------------------------------------------------------------
     def open(self) -> None:
