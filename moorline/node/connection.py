@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("moorline.conn")
 
 
+LARGE_WRITE_BYTES = 16 * 1024  # pieces this large are written without joining them first
+
+# A User Property ("guid", 32 hex digits), so histories can match deliveries to publishes.
+_GUID_PROPERTY_HEAD = b"\x26\x00\x04guid\x00\x20"
+
+
 def _log_task_error(task: asyncio.Task[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("closing a session failed", exc_info=task.exception())
@@ -84,6 +90,7 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._out: list[bytes] = []
         self._flush_scheduled = False
+        self._out_large = False  # some queued piece is at least LARGE_WRITE_BYTES
         self._acks: deque[list[Any]] = deque()
         self._q2_inprogress: set[int] = set()
         self._acks_paused = False  # reading paused because too many acknowledgements are pending
@@ -178,6 +185,8 @@ class Connection(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             return
         self._out.append(data)
+        if len(data) >= LARGE_WRITE_BYTES:
+            self._out_large = True
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -187,9 +196,13 @@ class Connection(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing() or not self._out:
             self._out.clear()
             return
-        data = b"".join(self._out)
+        if self._out_large:
+            # Large payloads: uvloop hands the pieces to one writev instead of copying them once more.
+            self._out_large = False
+            self.transport.writelines(self._out)
+        else:
+            self.transport.write(b"".join(self._out))  # many small packets: one copy beats many iovecs
         self._out.clear()
-        self.transport.write(data)
         if self.transport.get_write_buffer_size() > self.cfg.max_write_buffer_bytes:
             # The client stopped reading: bounded buffer, then disconnect (unacked work is redelivered).
             self.abort("client is not reading (write buffer full)")
@@ -613,7 +626,9 @@ class Connection(asyncio.Protocol):
     def _send_publish(self, out: OutboundPublish) -> None:
         msg = out.msg
         props = b""
-        if self.version == MQTT_5:
+        if self.version == MQTT_5 and msg.props is None and msg.expiry_s is None and not out.sub_ids:
+            props = _GUID_PROPERTY_HEAD + msg.guid.hex().encode()  # the common case, without building Properties
+        elif self.version == MQTT_5:
             mp = msg.props
             expiry = None
             if msg.expiry_s is not None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from moorline.node.shard_host import ShardHost
 from moorline.storage.wal import WriteAheadLog
@@ -20,6 +21,62 @@ from moorline.storage.wal import WriteAheadLog
 log = logging.getLogger("moorline.commit")
 
 UNSAFE_SYNC_DELAY_S = 0.25
+
+
+class SyncThread:
+    """One thread that runs ``wal.sync`` on request and hands the outcome back to the event loop.
+
+    Lighter than an executor per sync: one queue put, one ``call_soon_threadsafe``, no chained
+    futures. Requests are bounded by construction: the group commit waits for each before the next.
+    """
+
+    def __init__(self, wal: WriteAheadLog) -> None:
+        self.wal = wal
+        self._requests: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future[int]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._run, name="wal-sync", daemon=True)
+        self._thread.start()
+
+    def sync(self) -> asyncio.Future[int]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
+        self._requests.put((loop, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            req = self._requests.get()
+            if req is None:
+                return
+            loop, fut = req
+            try:
+                seq = self.wal.sync()
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop, which stops the node
+                _hand_over(loop, fut, None, exc)
+            else:
+                _hand_over(loop, fut, seq, None)
+
+    def stop(self) -> None:
+        self._requests.put(None)
+        self._thread.join()
+
+
+def _hand_over(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[int], seq: int | None,
+               exc: BaseException | None) -> None:
+    def settle() -> None:
+        if fut.done():  # cancelled: the node is stopping
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            assert seq is not None
+            fut.set_result(seq)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the loop is closed: nobody waits any more
+        pass
 
 
 class GroupCommit:
@@ -38,7 +95,7 @@ class GroupCommit:
         self.unsafe_ack_before_sync = os.environ.get("MOORLINE_TEST_UNSAFE_ACK_BEFORE_SYNC") == "1"
         self._wake = asyncio.Event()
         self._dirty: set[int] = set()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wal-sync")
+        self._sync_thread = SyncThread(wal)
         self._stopped = False
         self.syncs = 0
         self.shard_batches_synced = 0  # (shard, sync) pairs: how many shards one sync covers on average
@@ -48,7 +105,6 @@ class GroupCommit:
         self._wake.set()
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         while not self._stopped:
             await self._wake.wait()
             self._wake.clear()
@@ -79,7 +135,7 @@ class GroupCommit:
                 # so the harness catches this build every time, not only when a kill is lucky.
                 await asyncio.sleep(UNSAFE_SYNC_DELAY_S)
             try:
-                await loop.run_in_executor(self._executor, self.wal.sync)
+                await self._sync_thread.sync()
             except asyncio.CancelledError:
                 raise  # node stopping: the final sync happens in Node.stop
             except Exception as exc:  # a failed fsync leaves durability unknown: stop the node
@@ -99,4 +155,4 @@ class GroupCommit:
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()
-        self._executor.shutdown(wait=True)
+        self._sync_thread.stop()

@@ -64,6 +64,7 @@ class _SessionViews:
     sub_version: int
     by_shard: list[tuple[int, list[tuple[str, SubscriptionState]]]]
     by_reg: dict[str, SubscriptionState]
+    shares: list[tuple[int, str]]  # (shard, $share registration): where freed window room may dispatch
 
 
 class Node:
@@ -313,7 +314,9 @@ class Node:
             by_reg[reg_key] = sub
             for shard in self.shards_for_filter(inner):
                 by_shard.setdefault(shard, []).append((reg_key, sub))
-        views = _SessionViews(sess.incarnation, sess.sub_version, sorted(by_shard.items()), by_reg)
+        ordered = sorted(by_shard.items())
+        shares = [(shard, rk) for shard, regs in ordered for rk, _ in regs if self.is_share_key(rk)]
+        views = _SessionViews(sess.incarnation, sess.sub_version, ordered, by_reg, shares)
         self._views[sess.client_id] = views
         return views
 
@@ -532,10 +535,8 @@ class Node:
         sess = live.session()
         if sess is None:
             return
-        for shard, regs in self.session_regs(client_id, sess):
-            for reg_key, _ in regs:
-                if self.is_share_key(reg_key):
-                    self._schedule_dispatch(shard, reg_key)
+        for shard, reg_key in self._session_views(sess).shares:
+            self._schedule_dispatch(shard, reg_key)
 
     def _after_commit(self) -> None:
         for host in self.hosts:
