@@ -270,7 +270,8 @@ class Moorline(Broker):
         return [sys.executable, "-m", module, "run"]
 
     def prepare(self, log: Log) -> str:
-        out = subprocess.run([*self._argv(), "--help"], capture_output=True, timeout=120)
+        out = subprocess.run([*self._argv(), "--help"], capture_output=True, timeout=120,
+                             env={**os.environ, **self._checkout_env(None)})
         if out.returncode != 0 or b"--data-dir" not in out.stdout:
             raise BrokerUnavailable(
                 f"`moorline run --help` failed: {(out.stdout + out.stderr).decode()[-400:]}"
@@ -282,11 +283,24 @@ class Moorline(Broker):
         except Exception:  # not pip-installed: a checkout
             return "checkout"
 
+    @staticmethod
+    def _checkout_env(env: Mapping[str, str] | None) -> dict[str, str]:
+        """The node runs from the same ``moorline`` package the bench imported (this checkout), also
+        when the broker's working directory is elsewhere and the package is not pip-installed here."""
+        import importlib.util
+
+        full = dict(env or {})
+        spec = importlib.util.find_spec("moorline")
+        if spec is not None and spec.submodule_search_locations:
+            root = str(Path(next(iter(spec.submodule_search_locations))).parent)
+            full["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        return full
+
     def start(self, workdir: Path, env: Mapping[str, str] | None = None) -> RunningBroker:
         data = workdir / "data"
         data.mkdir()
         argv = [*self._argv(), "--data-dir", str(data), "--mqtt", "127.0.0.1:0", "--http", "127.0.0.1:0"]
-        proc = _spawn(argv, workdir, env, stdout_pipe=True)
+        proc = _spawn(argv, workdir, self._checkout_env(env), stdout_pipe=True)
         assert proc.stdout is not None
         port = _read_ready_line(proc, READY_TIMEOUT_S)
         # Keep draining stdout so a chatty node never blocks on a full pipe.

@@ -40,6 +40,10 @@ class MqttConfig:
     max_write_buffer_bytes: int = 16 << 20  # a client that stops reading is disconnected past this
     publish_timeout_s: float = 10.0  # outcome unknown after this: close the connection (0x89)
     max_queued_packets: int = 1024  # decoded packets waiting for the handler before reading pauses
+    # MQTT 5: add a "guid" user property to delivered messages that carry none, so a history can match
+    # deliveries to publishes. Off by default: messages are forwarded unaltered (MQTT-3.3.2-17), and
+    # parsing the extra property slows every MQTT 5 subscriber.
+    stamp_guid_property: bool = False
 
 
 @dataclass

@@ -626,16 +626,19 @@ class Connection(asyncio.Protocol):
     def _send_publish(self, out: OutboundPublish) -> None:
         msg = out.msg
         props = b""
-        if self.version == MQTT_5 and msg.props is None and msg.expiry_s is None and not out.sub_ids:
-            props = _GUID_PROPERTY_HEAD + msg.guid.hex().encode()  # the common case, without building Properties
-        elif self.version == MQTT_5:
+        if self.version != MQTT_5:
+            pass
+        elif msg.props is None and msg.expiry_s is None and not out.sub_ids:
+            if self.cfg.stamp_guid_property:  # the common case, without building Properties
+                props = _GUID_PROPERTY_HEAD + msg.guid.hex().encode()
+        else:
             mp = msg.props
             expiry = None
             if msg.expiry_s is not None:
                 left = (msg.ts_ms + msg.expiry_s * 1000 - self.node.now_ms()) // 1000
                 expiry = max(1, int(left))
             ups = mp.user_properties if mp else ()
-            if not any(k == "guid" for k, _ in ups):
+            if self.cfg.stamp_guid_property and not any(k == "guid" for k, _ in ups):
                 ups = (*ups, ("guid", msg.guid.hex()))  # so histories can match deliveries to publishes
             props = encode_properties(p.Properties(
                 payload_format_indicator=mp.payload_format if mp else None,

@@ -113,6 +113,10 @@ def make_app(node: Node) -> web.Application:
                     guid = os.urandom(16)
                 if len(guid) != 16 or (producer is not None and len(producer) != 8):
                     return _err(400, "guid must be 32 hex characters and producer 16")
+                if (it.get("guid") or producer is not None) and not any(k == "guid" for k, _ in ups):
+                    # The publisher's identity for the message travels with it, as an MQTT 5
+                    # publisher's `guid` user property does (subscribers can de-duplicate too).
+                    ups = (*ups, ("guid", guid.hex()))
             except (KeyError, ValueError, TypeError) as exc:
                 return _err(400, f"bad message: {exc}")
             msg = StoredMessage(topic, payload, qos, bool(it.get("retain", False)), guid, now, None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from e2e_broker import BrokerProc
+from e2e_broker import BrokerFactory, BrokerProc
 from rawclient import (
     CONNACK,
     DISCONNECT,
@@ -39,11 +39,6 @@ def client(b: BrokerProc, cid: str, version: int = 5, **kw: object) -> RawClient
     ack = c.connect(cid, **kw)  # type: ignore[arg-type]
     assert ack.reason == 0, ack
     return c
-
-
-def no_guid(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """User properties minus moorline's own `guid` (which it adds to every delivery to MQTT 5 clients)."""
-    return [p for p in pairs if p[0] != "guid"]
 
 
 def test_topic_alias_client_to_server(shared_broker: BrokerProc, uniq: str) -> None:
@@ -221,14 +216,38 @@ def test_user_properties_and_request_response_round_trip(shared_broker: BrokerPr
         m = sub.next_message()
         sub.ack(m)
         assert m.payload == b'{"q": %d}' % qos
-        assert no_guid(m.user_properties) == sent_user, "user properties must keep order and duplicates"
+        assert m.user_properties == sent_user, "user properties are forwarded unaltered: order, duplicates"
         assert m.prop(P_RESPONSE_TOPIC) == f"{uniq}/resp"
         assert m.prop(P_CORRELATION_DATA) == b"\x00\x01corr\xff"
         assert m.prop(P_CONTENT_TYPE) == "application/json"
         assert m.prop(P_PAYLOAD_FORMAT) == 1
-        if shared_broker.is_moorline:
-            guids = [v for k, v in m.user_properties if k == "guid"]
-            assert len(guids) == 1 and len(guids[0]) == 32 and int(guids[0], 16) >= 0, m.user_properties
+    sub.disconnect()
+    pub.disconnect()
+
+
+@pytest.mark.moorline_only
+def test_stamp_guid_property_adds_one_guid_when_configured(broker_factory: BrokerFactory, uniq: str) -> None:
+    """mqtt.stamp_guid_property: a delivered message without a `guid` user property gets exactly one (the
+    shard's GUID of the message), after the publisher's own properties; one that has a guid keeps it."""
+    b = broker_factory(config_text="[mqtt]\nstamp_guid_property = true\n")
+    sub = RawClient(HOST, b.mqtt_port, 5)
+    assert sub.connect(f"{uniq}-sub").reason == 0
+    sub.subscribe([(f"{uniq}/#", 1)])
+    pub = RawClient(HOST, b.mqtt_port, 5)
+    assert pub.connect(f"{uniq}-pub").reason == 0
+    pub.publish_and_wait(f"{uniq}/plain", b"p", 1)
+    pub.publish_and_wait(f"{uniq}/props", b"q", 1, props=[(P_USER_PROPERTY, ("a", "1"))])
+    own = "00112233445566778899aabbccddeeff"
+    pub.publish_and_wait(f"{uniq}/own", b"r", 1, props=[(P_USER_PROPERTY, ("guid", own))])
+    got = {}
+    for _ in range(3):
+        m = sub.next_message()
+        sub.ack(m)
+        got[m.topic.rsplit("/", 1)[1]] = m.user_properties
+    [(k1, g1)] = got["plain"]
+    assert k1 == "guid" and len(g1) == 32 and int(g1, 16) >= 0
+    assert got["props"][0] == ("a", "1") and [k for k, _ in got["props"]] == ["a", "guid"]
+    assert got["own"] == [("guid", own)]
     sub.disconnect()
     pub.disconnect()
 
