@@ -293,28 +293,33 @@ class Connection(asyncio.Protocol):
     def _handle_fast(self, packets: list[p.Packet]) -> list[p.Packet]:
         """Handle, right here, the leading packets that need no await (QoS 0/1 PUBLISH, acks, ping).
         Returns the rest, for the handler task. Saves a task switch per packet on the hot path."""
-        for i, packet in enumerate(packets):
-            kind = type(packet)
-            try:
-                if kind is p.Publish and packet.qos < 2:  # type: ignore[union-attr]
-                    self._publish_sync(packet)  # type: ignore[arg-type]
-                elif isinstance(packet, (p.Puback, p.Pubcomp)):
-                    assert self.live is not None
-                    if self.live.on_puback(packet.packet_id):
-                        self.node.on_ack_room(self.client_id)
-                elif kind is p.Pingreq:
-                    self._write(b"\xd0\x00")
-                else:
-                    return packets[i:]
-            except ShardUnavailable as exc:
-                self.disconnect(RC.SERVER_UNAVAILABLE, str(exc))
-                return []
-            except ProtocolError as exc:
-                self.protocol_error(exc.reason_code, str(exc))
-                return []
-            if self._closing:
-                return []
-        return []
+        room = False  # window room freed: $share groups may dispatch (once per read, not per ack)
+        try:
+            for i, packet in enumerate(packets):
+                kind = type(packet)
+                try:
+                    if kind is p.Publish and packet.qos < 2:  # type: ignore[union-attr]
+                        self._publish_sync(packet)  # type: ignore[arg-type]
+                    elif kind is p.Puback or kind is p.Pubcomp:
+                        assert self.live is not None
+                        if self.live.on_puback(packet.packet_id):  # type: ignore[union-attr,arg-type]
+                            room = True
+                    elif kind is p.Pingreq:
+                        self._write(b"\xd0\x00")
+                    else:
+                        return packets[i:]
+                except ShardUnavailable as exc:
+                    self.disconnect(RC.SERVER_UNAVAILABLE, str(exc))
+                    return []
+                except ProtocolError as exc:
+                    self.protocol_error(exc.reason_code, str(exc))
+                    return []
+                if self._closing:
+                    return []
+            return []
+        finally:
+            if room:
+                self.node.on_ack_room(self.client_id)
 
     async def _handle(self, packet: p.Packet) -> None:
         if isinstance(packet, p.Publish):
