@@ -58,6 +58,7 @@ MAGIC = 0x534D
 _MAGIC_BYTES = struct.pack("<H", MAGIC)
 _HDR = struct.Struct("<HHIIq")
 _AFTER_CRC = struct.Struct("<Iq")  # the part of the header the CRC covers
+_CRC_PART = struct.Struct("<HHI")  # magic, flags, CRC32C
 HEADER_BYTES = _HDR.size
 invariant(HEADER_BYTES == 20, "store header layout changed")
 _META = struct.Struct("<qqI")  # low_water, sync point, crc of the 16 bytes before
@@ -78,9 +79,14 @@ class StoreCorruption(Exception):
         self.message = message
 
 
+def record_header(offset: int, payload: bytes) -> bytes:
+    """The 20-byte header of a record; the CRC covers the rest of the header and the payload."""
+    after = _AFTER_CRC.pack(len(payload), offset)
+    return _CRC_PART.pack(MAGIC, 0, _crc32c_module.crc32c(payload, _crc(after))) + after
+
+
 def encode_record(offset: int, payload: bytes) -> bytes:
-    rest = _AFTER_CRC.pack(len(payload), offset) + payload
-    return struct.pack("<HHI", MAGIC, 0, _crc(rest)) + rest
+    return record_header(offset, payload) + payload
 
 
 @dataclass(eq=False)  # identity semantics: segments are compared with `is`/`in`
@@ -297,13 +303,15 @@ class MessageStore:
         invariant(self._opened, "store not open")
         invariant(offset == self.next_offset, f"append at {offset}, expected {self.next_offset}")
         invariant(len(record) <= MAX_RECORD_BYTES, "record too large")
-        frame = encode_record(offset, record)
+        header = record_header(offset, record)
+        size = len(header) + len(record)
         seg = self._segments[-1] if self._segments else None
-        if seg is None or (seg.offsets and seg.size + len(frame) > self.segment_bytes):
+        if seg is None or (seg.offsets and seg.size + size > self.segment_bytes):
             seg = self._new_segment(offset)
         seg.add(offset, seg.size, len(record))
-        seg.size += len(frame)
-        self._buffer += frame
+        seg.size += size
+        self._buffer += header
+        self._buffer += record  # copied once, straight into the write buffer
         self.next_offset = offset + 1
         if self.cache_bytes:
             self._cache[offset] = record

@@ -149,9 +149,10 @@ class WalRecovery:
     torn_tail_truncated: list[tuple[Path, int]]
 
 
-def _frame(rtype: int, group: int, seg: int, pos: int, body: bytes) -> bytes:
+def _frame_header(rtype: int, group: int, seg: int, pos: int, body: bytes) -> bytes:
+    """The 32-byte header of a record (the body follows it in the stream)."""
     pre = _HDR_PRE.pack(MAGIC, rtype, 0, len(body), group, seg, pos, _crc(body))
-    return pre + _U32.pack(_crc(pre)) + body
+    return pre + _U32.pack(_crc(pre))
 
 
 _OK, _BAD_HEADER, _BAD_BODY = 0, 1, 2
@@ -640,14 +641,13 @@ class WriteAheadLog:
 
     def _emit_here(self, rtype: int, group: int, body: bytes) -> None:
         invariant(len(body) <= MAX_BODY_BYTES, "WAL record too large")
-        frame = _frame(rtype, group, self._seg_seq, self._seg_size, body)
-        pending = self._pending
-        if pending and pending[-1][0] == self._seg_seq:
-            pending[-1][1].extend(frame)
-        else:
-            pending.append((self._seg_seq, bytearray(frame)))
-        self._seg_size += len(frame)
-        self._pending_bytes += len(frame)
+        header = _frame_header(rtype, group, self._seg_seq, self._seg_size, body)
+        chunk = self._chunk_locked()
+        chunk += header
+        chunk += body  # copied once, straight into the pending chunk (no framed copy first)
+        size = len(header) + len(body)
+        self._seg_size += size
+        self._pending_bytes += size
 
     def _chunk_locked(self) -> bytearray:
         """The pending buffer of the current segment (created if the last one is older)."""
