@@ -215,6 +215,31 @@ def encode_publish_fast(
     return b"".join((bytes((first,)), encode_varint(rl), head, pblock, payload))
 
 
+def encode_publish_header(
+    topic_bytes: bytes,
+    payload_len: int,
+    qos: int,
+    retain: bool,
+    dup: bool,
+    packet_id: int | None,
+    version: int,
+    props_bytes: bytes = b"",
+) -> bytes:
+    """Everything of ``encode_publish_fast`` before the payload: header + payload is the same packet.
+    For large payloads, so the payload itself is handed to the socket without being copied."""
+    first = 0x30 | (qos << 1) | (8 if dup else 0) | (1 if retain else 0)
+    if version == MQTT_5:
+        plen = len(props_bytes)
+        pblock = (_SMALL_VARINTS[plen] if plen < 128 else encode_varint(plen)) + props_bytes
+    else:
+        pblock = b""
+    head = _U16.pack(len(topic_bytes)) + topic_bytes
+    if qos:
+        head += _U16.pack(packet_id)  # type: ignore[arg-type]
+    rl = len(head) + len(pblock) + payload_len
+    return b"".join((bytes((first,)), encode_varint(rl), head, pblock))
+
+
 _ACK_FIRST_BYTE: Final = {P.PUBACK: 0x40, P.PUBREC: 0x50, P.PUBREL: 0x62, P.PUBCOMP: 0x70}
 
 

@@ -30,6 +30,7 @@ from moorline.mqtt.codec import (
     encode,
     encode_properties,
     encode_publish_fast,
+    encode_publish_header,
 )
 from moorline.mqtt.errors import ProtocolError
 from moorline.mqtt.packets import (
@@ -49,6 +50,8 @@ from moorline.mqtt.topics import is_shared, validate_topic_name
 
 RC = ReasonCode
 SPEC_RECEIVE_MAXIMUM = 65535  # what a client may assume when we advertise nothing
+
+SPLIT_PAYLOAD_BYTES = 16 * 1024  # outbound payloads this large are not joined to their header
 
 
 class ProtocolState:
@@ -209,8 +212,9 @@ class ProtocolState:
         if kind is Publish:
             p: Publish = packet  # type: ignore[assignment]
             body = encode_properties(p.properties) if version == MQTT_5 else b""
-            return self.encode_publish(p.topic, p.topic.encode("utf-8"), p.payload, p.qos, p.retain, p.dup,
+            data = self.encode_publish(p.topic, p.topic.encode("utf-8"), p.payload, p.qos, p.retain, p.dup,
                                        p.packet_id, body)
+            return b"".join(data) if isinstance(data, tuple) else data
         if isinstance(packet, (Puback, Pubcomp)) or (isinstance(packet, Pubrec) and packet.reason_code >= 0x80):
             self.note_inbound_acked(packet.packet_id)
         data = encode(packet, version)
@@ -239,11 +243,13 @@ class ProtocolState:
         dup: bool,
         packet_id: int | None,
         props_bytes: bytes = b"",
-    ) -> bytes | None:
+    ) -> bytes | tuple[bytes, bytes] | None:
         """Hot path for outbound PUBLISH from pre-encoded parts (``props_bytes`` is a property body
         from ``encode_properties``, without a topic alias). Applies outbound topic aliases and the
         client's maximum packet size. None = too large: the broker must then behave as if it had
-        sent and completed the message (MQTT-3.1.2-25) and not count it as in flight."""
+        sent and completed the message (MQTT-3.1.2-25) and not count it as in flight. A payload of
+        ``SPLIT_PAYLOAD_BYTES`` or more comes back as (header, payload), to be written without
+        joining them (the payload is not copied)."""
         version = self.decoder.version
         new_alias = 0
         if version == MQTT_5 and self.client_topic_alias_maximum and self.outbound_topic_aliases:
@@ -255,9 +261,16 @@ class ProtocolState:
                 # First use: send the topic and the new alias; later ones send only the alias.
                 new_alias = len(self._aliases_out) + 1
                 props_bytes = props_bytes + b"\x23" + new_alias.to_bytes(2, "big")
-        data = encode_publish_fast(topic_bytes, payload, qos, retain, dup, packet_id, version or 4, props_bytes)
+        if len(payload) >= SPLIT_PAYLOAD_BYTES:
+            head = encode_publish_header(topic_bytes, len(payload), qos, retain, dup, packet_id, version or 4,
+                                         props_bytes)
+            size = len(head) + len(payload)
+            data: bytes | tuple[bytes, bytes] = (head, payload)
+        else:
+            data = encode_publish_fast(topic_bytes, payload, qos, retain, dup, packet_id, version or 4, props_bytes)
+            size = len(data)
         limit = self.client_maximum_packet_size
-        if limit is not None and len(data) > limit:
+        if limit is not None and size > limit:
             return None  # a new alias is not recorded: the client never learned it
         if new_alias:
             self._aliases_out[topic] = new_alias

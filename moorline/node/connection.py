@@ -662,7 +662,11 @@ class Connection(asyncio.Protocol):
             if out.packet_id is not None and self.live is not None:
                 self.live.on_puback(out.packet_id)
             return
-        self._write(data)
+        if isinstance(data, tuple):  # (header, large payload): written by writev, the payload not copied
+            self._write(data[0])
+            self._write(data[1])
+        else:
+            self._write(data)
         self.node.stats["delivered"] += 1
 
     def _send_pubrel(self, pid: int) -> None:

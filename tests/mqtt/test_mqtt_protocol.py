@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from moorline.invariant import InvariantViolation
-from moorline.mqtt.codec import Decoder, encode, encode_properties
+from moorline.mqtt.codec import Decoder, encode, encode_properties, encode_publish_fast
 from moorline.mqtt.errors import ProtocolError
 from moorline.mqtt.packets import (
     NO_PROPERTIES,
@@ -24,7 +24,7 @@ from moorline.mqtt.packets import (
     SubscriptionOptions,
     Will,
 )
-from moorline.mqtt.protocol import ProtocolState
+from moorline.mqtt.protocol import SPLIT_PAYLOAD_BYTES, ProtocolState
 from moorline.mqtt.reasons import ReasonCode as RC
 
 
@@ -280,3 +280,29 @@ def test_keepalive_deadline_one_and_a_half_times() -> None:
     assert state.keepalive_deadline(0.0) == pytest.approx(15.0)
     state.keepalive = 0
     assert state.keepalive_deadline(100.0) is None
+
+
+@pytest.mark.parametrize("version", [4, 5])
+@pytest.mark.parametrize("qos", [0, 1, 2])
+@pytest.mark.parametrize("size", [SPLIT_PAYLOAD_BYTES - 1, SPLIT_PAYLOAD_BYTES, 200_000])
+def test_large_outbound_payload_comes_as_header_and_payload_of_the_same_packet(version: int, qos: int,
+                                                                               size: int) -> None:
+    state = connected(version, Properties())
+    payload = bytes(range(256)) * (size // 256) + b"z" * (size % 256)
+    props = encode_properties(Properties(user_properties=(("k", "v"),))) if version == 5 else b""
+    data = state.encode_publish("t/big", b"t/big", payload, qos, True, False, 9 if qos else None, props)
+    assert data is not None
+    whole = encode_publish_fast(b"t/big", payload, qos, True, False, 9 if qos else None, version, props)
+    if size >= SPLIT_PAYLOAD_BYTES:
+        assert isinstance(data, tuple) and data[1] is payload and data[0] + data[1] == whole
+    else:
+        assert data == whole
+    [p] = Decoder(role="client", version=version).feed(whole)  # type: ignore[arg-type]
+    assert p.payload == payload and p.topic == "t/big" and p.qos == qos  # type: ignore[union-attr]
+
+
+def test_large_outbound_payload_still_respects_the_clients_maximum_packet_size() -> None:
+    state = connected(5, Properties(maximum_packet_size=SPLIT_PAYLOAD_BYTES + 10))
+    assert state.encode_publish("t", b"t", b"x" * (SPLIT_PAYLOAD_BYTES + 20), 1, False, False, 1) is None
+    fits = state.encode_publish("t", b"t", b"x" * SPLIT_PAYLOAD_BYTES, 1, False, False, 1)
+    assert isinstance(fits, tuple) and len(fits[0]) + len(fits[1]) <= SPLIT_PAYLOAD_BYTES + 10
