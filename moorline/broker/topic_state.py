@@ -156,7 +156,7 @@ class TopicState:
         offset = self.next_offset
         self.next_offset += 1
         fx.appends.append((offset, encode_message(msg), msg))
-        exp = None if msg.expiry_s is None else ts_ms + msg.expiry_s * 1000
+        exp = msg.expires_at_ms()
         self.meta[offset] = MessageMeta(ts_ms, size, msg.guid, topic, msg.qos, exp)
         self.bytes_used += size
         self.dedup[key] = (offset, ts_ms, content)
@@ -168,21 +168,13 @@ class TopicState:
             else:
                 self.retained.pop(topic, None)
         owed = 0
-        keys = self._match_cache.get(topic)
-        if keys is None:
-            keys = self._matching(topic)
-        if keys:
-            regs = self.regs
-            owed_new = fx.owed_new
-            owed_regs = fx.owed_regs
-            for reg_key in keys:
-                reg = regs[reg_key]
-                if reg.draining or (reg.no_local and reg.client_id == msg.origin):
-                    continue
-                reg.owed[offset] = None
-                owed += 1
-                owed_regs.add(reg_key)
-                owed_new.append((reg_key, offset))
+        for reg_key in self._matching(topic):
+            reg = self.regs[reg_key]
+            if reg.draining or (reg.no_local and reg.client_id == msg.origin):
+                continue
+            reg.owed[offset] = None
+            owed += 1
+            fx.owed(reg_key, offset)
         if owed:
             self.owed_count[offset] = owed
         else:

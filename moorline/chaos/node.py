@@ -76,8 +76,33 @@ class _LogPump:
         self.ready_event.set()  # EOF: wake any waiter
 
 
+class _Child:
+    """Stop and kill for a child process (``_proc``), bounded by ``stop_timeout_s``."""
+
+    _proc: subprocess.Popen[str] | None
+    stop_timeout_s: float
+
+    def kill(self) -> None:
+        self.send_kill()
+        if self._proc is not None:
+            self._proc.wait(self.stop_timeout_s)
+
+    def send_kill(self) -> None:
+        """SIGKILL without waiting (safe from any thread)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
 @dataclass
-class NodeProcess:
+class NodeProcess(_Child):
     """One ``moorline run`` child. ``env`` adds test-only variables (ledger, broken builds)."""
 
     data_dir: Path
@@ -123,24 +148,6 @@ class NodeProcess:
         self.mqtt = (m.group(1), int(m.group(2)))
         self.http = (m.group(3), int(m.group(4)))
 
-    def kill(self) -> None:
-        self.send_kill()
-        if self._proc is not None:
-            self._proc.wait(self.stop_timeout_s)
-
-    def send_kill(self) -> None:
-        """SIGKILL without waiting (safe from any thread)."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGKILL)
-
-    def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
     @property
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
@@ -159,11 +166,12 @@ class NodeProcess:
 
 
 @dataclass
-class MosquittoProcess:
+class MosquittoProcess(_Child):
     """mosquitto on loopback, for developing the harness's client side (no ledger, no drops API)."""
 
     work_dir: Path
     start_timeout_s: float = 10.0
+    stop_timeout_s: float = 5.0
     mqtt: tuple[str, int] = ("127.0.0.1", 0)
     has_http: bool = False
     _proc: subprocess.Popen[str] | None = None
@@ -193,23 +201,6 @@ class MosquittoProcess:
                 time.sleep(0.05)
         self.kill()
         raise NodeStartError("mosquitto did not start", "\n".join(self._pump.lines))
-
-    def kill(self) -> None:
-        self.send_kill()
-        if self._proc is not None:
-            self._proc.wait(5)
-
-    def send_kill(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGKILL)
-
-    def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
     def log_text(self) -> str:
         return "\n".join(self._pump.lines) if self._pump is not None else ""

@@ -186,35 +186,6 @@ def _props_block(props: Properties, version: int) -> bytes:
 # Fast encoders for the hot path
 
 
-def encode_publish_fast(
-    topic_bytes: bytes,
-    payload: bytes,
-    qos: int,
-    retain: bool,
-    dup: bool,
-    packet_id: int | None,
-    version: int,
-    props_bytes: bytes = b"",
-) -> bytes:
-    """PUBLISH from pre-encoded parts. ``props_bytes`` is a property *body* from
-    ``encode_properties`` (ignored for 3.1.1); b"" means no properties."""
-    first = 0x30 | (qos << 1) | (8 if dup else 0) | (1 if retain else 0)
-    tlen = len(topic_bytes)
-    if version == MQTT_5:
-        plen = len(props_bytes)
-        pblock = (_SMALL_VARINTS[plen] if plen < 128 else encode_varint(plen)) + props_bytes
-    else:
-        pblock = b""
-    if qos:
-        head = _U16.pack(tlen) + topic_bytes + _U16.pack(packet_id)  # type: ignore[arg-type]
-    else:
-        head = _U16.pack(tlen) + topic_bytes
-    rl = len(head) + len(pblock) + len(payload)
-    if rl < 128:
-        return b"".join((bytes((first, rl)), head, pblock, payload))
-    return b"".join((bytes((first,)), encode_varint(rl), head, pblock, payload))
-
-
 def encode_publish_header(
     topic_bytes: bytes,
     payload_len: int,
@@ -225,8 +196,10 @@ def encode_publish_header(
     version: int,
     props_bytes: bytes = b"",
 ) -> bytes:
-    """Everything of ``encode_publish_fast`` before the payload: header + payload is the same packet.
-    For large payloads, so the payload itself is handed to the socket without being copied."""
+    """A PUBLISH up to (not including) its payload of ``payload_len`` bytes, from pre-encoded parts.
+    ``props_bytes`` is a property *body* from ``encode_properties`` (ignored for 3.1.1); b"" means
+    no properties. Header + payload is the whole packet; a large payload can then be handed to the
+    socket without being copied."""
     first = 0x30 | (qos << 1) | (8 if dup else 0) | (1 if retain else 0)
     if version == MQTT_5:
         plen = len(props_bytes)
@@ -237,7 +210,23 @@ def encode_publish_header(
     if qos:
         head += _U16.pack(packet_id)  # type: ignore[arg-type]
     rl = len(head) + len(pblock) + payload_len
+    if rl < 128:
+        return b"".join((bytes((first, rl)), head, pblock))
     return b"".join((bytes((first,)), encode_varint(rl), head, pblock))
+
+
+def encode_publish_fast(
+    topic_bytes: bytes,
+    payload: bytes,
+    qos: int,
+    retain: bool,
+    dup: bool,
+    packet_id: int | None,
+    version: int,
+    props_bytes: bytes = b"",
+) -> bytes:
+    """The whole PUBLISH from pre-encoded parts (see ``encode_publish_header``)."""
+    return encode_publish_header(topic_bytes, len(payload), qos, retain, dup, packet_id, version, props_bytes) + payload
 
 
 _ACK_FIRST_BYTE: Final = {P.PUBACK: 0x40, P.PUBREC: 0x50, P.PUBREL: 0x62, P.PUBCOMP: 0x70}

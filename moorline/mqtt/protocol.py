@@ -29,7 +29,6 @@ from moorline.mqtt.codec import (
     Decoder,
     encode,
     encode_properties,
-    encode_publish_fast,
     encode_publish_header,
 )
 from moorline.mqtt.errors import ProtocolError
@@ -261,20 +260,13 @@ class ProtocolState:
                 # First use: send the topic and the new alias; later ones send only the alias.
                 new_alias = len(self._aliases_out) + 1
                 props_bytes = props_bytes + b"\x23" + new_alias.to_bytes(2, "big")
-        if len(payload) >= SPLIT_PAYLOAD_BYTES:
-            head = encode_publish_header(topic_bytes, len(payload), qos, retain, dup, packet_id, version or 4,
-                                         props_bytes)
-            size = len(head) + len(payload)
-            data: bytes | tuple[bytes, bytes] = (head, payload)
-        else:
-            data = encode_publish_fast(topic_bytes, payload, qos, retain, dup, packet_id, version or 4, props_bytes)
-            size = len(data)
+        head = encode_publish_header(topic_bytes, len(payload), qos, retain, dup, packet_id, version or 4, props_bytes)
         limit = self.client_maximum_packet_size
-        if limit is not None and size > limit:
+        if limit is not None and len(head) + len(payload) > limit:
             return None  # a new alias is not recorded: the client never learned it
         if new_alias:
             self._aliases_out[topic] = new_alias
-        return data
+        return (head, payload) if len(payload) >= SPLIT_PAYLOAD_BYTES else head + payload
 
     def outbound_quota_available(self) -> int:
         """How many more QoS>0 PUBLISHes the client's Receive Maximum allows right now."""

@@ -20,7 +20,7 @@ from moorline.broker.messages import MessageProps, StoredMessage
 from moorline.mqtt import packets as p
 from moorline.mqtt.codec import MQTT_5, encode, encode_properties, encode_puback
 from moorline.mqtt.errors import ProtocolError, UnsupportedProtocol
-from moorline.mqtt.protocol import ProtocolState
+from moorline.mqtt.protocol import SPLIT_PAYLOAD_BYTES, ProtocolState
 from moorline.mqtt.reasons import ReasonCode as RC
 from moorline.mqtt.reasons import suback_v5_to_v3, v3_connack_applicable
 from moorline.mqtt.topics import parse_shared, validate_topic_filter
@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("moorline.conn")
 
-
-LARGE_WRITE_BYTES = 16 * 1024  # pieces this large are written without joining them first
 
 # A User Property ("guid", 32 hex digits), so histories can match deliveries to publishes.
 _GUID_PROPERTY_HEAD = b"\x26\x00\x04guid\x00\x20"
@@ -90,7 +88,7 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._out: list[bytes] = []
         self._flush_scheduled = False
-        self._out_large = False  # some queued piece is at least LARGE_WRITE_BYTES
+        self._out_large = False  # some queued piece is at least SPLIT_PAYLOAD_BYTES
         self._acks: deque[list[Any]] = deque()
         self._q2_inprogress: set[int] = set()
         self._acks_paused = False  # reading paused because too many acknowledgements are pending
@@ -185,7 +183,7 @@ class Connection(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             return
         self._out.append(data)
-        if len(data) >= LARGE_WRITE_BYTES:
+        if len(data) >= SPLIT_PAYLOAD_BYTES:
             self._out_large = True
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -294,32 +292,32 @@ class Connection(asyncio.Protocol):
         """Handle, right here, the leading packets that need no await (QoS 0/1 PUBLISH, acks, ping).
         Returns the rest, for the handler task. Saves a task switch per packet on the hot path."""
         room = False  # window room freed: $share groups may dispatch (once per read, not per ack)
-        try:
-            for i, packet in enumerate(packets):
-                kind = type(packet)
-                try:
-                    if kind is p.Publish and packet.qos < 2:  # type: ignore[union-attr]
-                        self._publish_sync(packet)  # type: ignore[arg-type]
-                    elif kind is p.Puback or kind is p.Pubcomp:
-                        assert self.live is not None
-                        if self.live.on_puback(packet.packet_id):  # type: ignore[union-attr,arg-type]
-                            room = True
-                    elif kind is p.Pingreq:
-                        self._write(b"\xd0\x00")
-                    else:
-                        return packets[i:]
-                except ShardUnavailable as exc:
-                    self.disconnect(RC.SERVER_UNAVAILABLE, str(exc))
-                    return []
-                except ProtocolError as exc:
-                    self.protocol_error(exc.reason_code, str(exc))
-                    return []
-                if self._closing:
-                    return []
-            return []
-        finally:
-            if room:
-                self.node.on_ack_room(self.client_id)
+        rest: list[p.Packet] = []
+        for i, packet in enumerate(packets):
+            kind = type(packet)
+            try:
+                if kind is p.Publish and packet.qos < 2:  # type: ignore[union-attr]
+                    self._publish_sync(packet)  # type: ignore[arg-type]
+                elif kind is p.Puback or kind is p.Pubcomp:
+                    assert self.live is not None
+                    if self.live.on_puback(packet.packet_id):  # type: ignore[union-attr,arg-type]
+                        room = True
+                elif kind is p.Pingreq:
+                    self._write(b"\xd0\x00")
+                else:
+                    rest = packets[i:]
+                    break
+            except ShardUnavailable as exc:
+                self.disconnect(RC.SERVER_UNAVAILABLE, str(exc))
+                break
+            except ProtocolError as exc:
+                self.protocol_error(exc.reason_code, str(exc))
+                break
+            if self._closing:
+                break
+        if room:
+            self.node.on_ack_room(self.client_id)
+        return rest
 
     async def _handle(self, packet: p.Packet) -> None:
         if isinstance(packet, p.Publish):
@@ -631,12 +629,10 @@ class Connection(asyncio.Protocol):
     def _send_publish(self, out: OutboundPublish) -> None:
         msg = out.msg
         props = b""
-        if self.version != MQTT_5:
-            pass
-        elif msg.props is None and msg.expiry_s is None and not out.sub_ids:
+        if self.version == MQTT_5 and msg.props is None and msg.expiry_s is None and not out.sub_ids:
             if self.cfg.stamp_guid_property:  # the common case, without building Properties
                 props = _GUID_PROPERTY_HEAD + msg.guid.hex().encode()
-        else:
+        elif self.version == MQTT_5:
             mp = msg.props
             expiry = None
             if msg.expiry_s is not None:

@@ -56,7 +56,3 @@ class RecentMessages:
             old = items.pop((shard, offset), None)
             if old is not None:
                 self.used_bytes -= old[1]
-
-    def drop_shard(self, shard: int) -> None:
-        for key in [k for k in self._items if k[0] == shard]:
-            self.used_bytes -= self._items.pop(key)[1]

@@ -15,6 +15,16 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def fdatasync_path(path: Path) -> int:
+    """Make the data of the file at ``path`` durable (opened read-only for it); returns its size."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
 def ensure_dir(directory: Path) -> None:
     """Create ``directory`` (and missing parents), making each creation durable in its parent."""
     directory = Path(directory)

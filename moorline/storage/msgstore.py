@@ -46,7 +46,14 @@ import crc32c as _crc32c_module
 
 from moorline.hashing import crc32c
 from moorline.invariant import invariant
-from moorline.storage.fsutil import ensure_dir, fsync_dir, truncate_durably, write_all, write_file_atomically
+from moorline.storage.fsutil import (
+    ensure_dir,
+    fdatasync_path,
+    fsync_dir,
+    truncate_durably,
+    write_all,
+    write_file_atomically,
+)
 from moorline.storage.ledger import SyncLedger
 
 # The same C function moorline.hashing.crc32c wraps, bound directly: it takes any buffer (no
@@ -230,14 +237,8 @@ class MessageStore:
             if seg is not last and seg.offsets and seg.offsets[-1] < persisted_next:
                 self._synced_sizes[seg.path] = seg.size
                 continue
-            fd = os.open(seg.path, os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-            finally:
-                os.close(fd)
-            self._synced_sizes[seg.path] = seg.size
-            if self._ledger is not None:
-                self._ledger.record(seg.path, seg.size)
+            fdatasync_path(seg.path)
+            self._mark_synced(seg)
 
     def _recover_segment(self, seg: _Segment, limit: int | None, prev: int, sync_point: int) -> bool:
         """Index one segment; return True if its tail was cut (later segments are then dropped)."""
@@ -365,14 +366,8 @@ class MessageStore:
         self._flush()
         for old in self._unsynced:
             if old in self._segments:
-                fd = os.open(old.path, os.O_RDONLY)
-                try:
-                    os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-                self._synced_sizes[old.path] = old.size
-                if self._ledger is not None:
-                    self._ledger.record(old.path, old.size)
+                fdatasync_path(old.path)
+                self._mark_synced(old)
         self._unsynced.clear()
         if self._segments:
             seg = self._segments[-1]
@@ -382,11 +377,15 @@ class MessageStore:
             os.fdatasync(fd)
             if fd != self._write_fd:
                 os.close(fd)
-            self._synced_sizes[seg.path] = seg.size
-            if self._ledger is not None:
-                self._ledger.record(seg.path, seg.size)
+            self._mark_synced(seg)
         if self.low_water != self._synced_low_water or self.next_offset != self._synced_next:
             self._write_meta(self.next_offset)
+
+    def _mark_synced(self, seg: _Segment) -> None:
+        """``seg`` was just fdatasynced at its current size."""
+        self._synced_sizes[seg.path] = seg.size
+        if self._ledger is not None:
+            self._ledger.record(seg.path, seg.size)
 
     def _write_meta(self, sync_point: int) -> None:
         """Persist the low-water mark and ``sync_point`` (every offset below it is durable)."""

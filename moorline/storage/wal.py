@@ -56,7 +56,7 @@ import crc32c as _crc32c_module
 
 from moorline.hashing import crc32c
 from moorline.invariant import invariant
-from moorline.storage.fsutil import ensure_dir, fsync_dir, truncate_durably, write_all
+from moorline.storage.fsutil import ensure_dir, fdatasync_path, fsync_dir, truncate_durably, write_all
 from moorline.storage.ledger import SyncLedger
 
 # The same C function moorline.hashing.crc32c wraps, bound directly: it takes any buffer (no
@@ -335,12 +335,7 @@ class WriteAheadLog:
         # the last segment can hold unsynced bytes: a rotation syncs the old segment first.
         if kept:
             path = self.directory / segment_name(kept[-1])
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fdatasync(fd)
-                size = os.fstat(fd).st_size
-            finally:
-                os.close(fd)
+            size = fdatasync_path(path)
             if self._ledger is not None:
                 self._ledger.record(path, size)
         self._disk_segments = kept

@@ -149,33 +149,12 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
     acked = msgs.where(F.col("status") == "ok")
 
     # --- deliveries and packet ids
+    pid_cols = ("run", "session", "sub", "conn", "guid", "topic", "qos", "packet_id")
     dl = sev.where((F.col("op") == "deliver") & (F.col("type") == "ok")).select(
-        "run",
-        "session",
-        "sub",
-        "conn",
-        "guid",
-        "topic",
-        "qos",
-        "packet_id",
-        F.coalesce(F.col("dup"), F.lit(False)).alias("dup"),
-        "mono_ns",
-        "index",
-        F.lit("d").alias("kind"),
+        *pid_cols, F.coalesce(F.col("dup"), F.lit(False)).alias("dup"), "mono_ns", "index", F.lit("d").alias("kind")
     )
     acks = sev.where(F.col("op") == "ack").select(
-        "run",
-        "session",
-        "sub",
-        "conn",
-        "guid",
-        "topic",
-        "qos",
-        "packet_id",
-        F.lit(False).alias("dup"),
-        "mono_ns",
-        "index",
-        F.lit("a").alias("kind"),
+        *pid_cols, F.lit(False).alias("dup"), "mono_ns", "index", F.lit("a").alias("kind")
     )
     w_pid = W.partitionBy("run", "sub", "packet_id").orderBy("mono_ns", "index")
     pid_stream = (

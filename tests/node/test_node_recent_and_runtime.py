@@ -42,7 +42,7 @@ def test_recent_messages_drop_and_oversized_and_shards_are_separate() -> None:
     assert r.get(0, 1) is None and r.get(1, 1) is not None
     r.put(0, 2, msg(3, size=10_000))  # larger than the whole bound: not kept, nothing evicted
     assert r.get(0, 2) is None and len(r) == 1
-    r.drop_shard(1)
+    r.drop(1, [1])
     assert len(r) == 0 and r.used_bytes == 0
 
 
