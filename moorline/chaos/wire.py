@@ -294,8 +294,10 @@ class Subscriber:
             self._on_publish(flags, body)
         elif kind == PUBREL:
             pid = struct.unpack_from("!H", body)[0]
-            guid = self._held.pop(pid, None)
+            # Released only once PUBCOMP is out: if the broker dies first, the send fails, the id
+            # stays held, and the PUBREL that comes again after the restart finds its guid.
             self._send(_packet(PUBCOMP, 0, struct.pack("!H", pid)))
+            guid = self._held.pop(pid, None)
             self._rec("ok", "ack", packet_id=pid, guid=guid, qos=2)
         elif kind == DISCONNECT:
             reason = f"server disconnect 0x{body[0]:02x}" if body else "server disconnect"
