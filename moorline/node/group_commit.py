@@ -1,9 +1,14 @@
 """Group commit: one fdatasync covers a batch of every shard's entries.
 
 Each pass seals the commands proposed to every shard into one entry per shard, stages them in
-the node-wide WAL, syncs once on a dedicated thread (off the event loop) and only then lets the
-shards apply — which is what releases PUBACKs. Proposals made while a sync runs form the next
-batch, so syncs pipeline back to back under load and cost nothing when idle.
+the node-wide WAL, syncs once and only then lets the shards apply — which is what releases
+PUBACKs. Proposals made while a sync runs form the next batch, so syncs pipeline back to back
+under load and cost nothing when idle.
+
+Where the sync runs is decided per pass from how long recent syncs took (``SyncTimer``): on a
+disk that syncs in a few hundred microseconds the event loop does it itself, because handing it
+to a thread (queue put, futex wake, GIL hand-back, self-pipe wake-up) costs more CPU than the
+sync; a slow sync goes to the dedicated thread so the loop keeps serving connections meanwhile.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from moorline.node.shard_host import ShardHost
@@ -21,6 +27,39 @@ from moorline.storage.wal import WriteAheadLog
 log = logging.getLogger("moorline.commit")
 
 UNSAFE_SYNC_DELAY_S = 0.25
+
+
+class SyncTimer:
+    """Decides where the next sync runs: on the event loop while recent ones were fast.
+
+    Only syncs run on the loop are timed: a thread's own timing would include its wait for the
+    GIL after each system call, which under load is far longer than the sync. So while syncs go to
+    the thread, every ``PROBE_EVERY``-th one runs on the loop to measure the disk again: a disk
+    that became fast gets its syncs back, a slow one costs the loop one sync in ``PROBE_EVERY``."""
+
+    WEIGHT = 0.2  # of the newest sample in the running mean
+    PROBE_EVERY = 32
+
+    def __init__(self, inline_max_s: float) -> None:
+        self.inline_max_s = inline_max_s
+        self.mean_s = 0.0
+        self.inline = 0  # syncs run on the event loop
+        self.threaded = 0  # syncs run on the sync thread
+        self._since_probe = 0
+
+    def use_inline(self) -> bool:
+        if self.inline_max_s <= 0:
+            return False
+        if self.mean_s <= self.inline_max_s:
+            return True
+        self._since_probe += 1
+        if self._since_probe >= self.PROBE_EVERY:
+            self._since_probe = 0
+            return True
+        return False
+
+    def note(self, seconds: float) -> None:
+        self.mean_s += self.WEIGHT * (seconds - self.mean_s)
 
 
 class SyncThread:
@@ -86,6 +125,7 @@ class GroupCommit:
         hosts: list[ShardHost],
         on_fatal: Callable[[BaseException], None],
         after_commit: Callable[[], None],
+        inline_sync_max_us: int = 0,
     ) -> None:
         self.wal = wal
         self.hosts = hosts
@@ -95,6 +135,7 @@ class GroupCommit:
         self.unsafe_ack_before_sync = os.environ.get("MOORLINE_TEST_UNSAFE_ACK_BEFORE_SYNC") == "1"
         self._wake = asyncio.Event()
         self._dirty: set[int] = set()
+        self.timer = SyncTimer(inline_sync_max_us / 1e6)
         self._sync_thread = SyncThread(wal)
         self._stopped = False
         self.syncs = 0
@@ -135,7 +176,14 @@ class GroupCommit:
                 # so the harness catches this build every time, not only when a kill is lucky.
                 await asyncio.sleep(UNSAFE_SYNC_DELAY_S)
             try:
-                await self._sync_thread.sync()
+                if self.timer.use_inline():
+                    started = time.perf_counter()
+                    self.wal.sync()  # blocks the loop for about timer.mean_s: cheaper than a hand-off
+                    self.timer.note(time.perf_counter() - started)
+                    self.timer.inline += 1
+                else:
+                    self.timer.threaded += 1
+                    await self._sync_thread.sync()
             except asyncio.CancelledError:
                 raise  # node stopping: the final sync happens in Node.stop
             except Exception as exc:  # a failed fsync leaves durability unknown: stop the node

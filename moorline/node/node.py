@@ -186,7 +186,8 @@ class Node:
             log.warning("TEST: dropped message %d/%d at restart", host.shard, offset)
 
     async def start(self) -> None:
-        self.commit = GroupCommit(self.wal, self.hosts, self._on_fatal, self._after_commit)
+        self.commit = GroupCommit(self.wal, self.hosts, self._on_fatal, self._after_commit,
+                                  self.cfg.storage.inline_sync_max_us)
         self._tasks.append(asyncio.create_task(self.commit.run(), name="group-commit"))
         await self._reconcile_after_restart()
         self._tasks.append(asyncio.create_task(self._housekeeping_loop(), name="housekeeping"))

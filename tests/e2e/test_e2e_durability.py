@@ -11,6 +11,7 @@ import os
 import random
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -254,6 +255,23 @@ def test_canary_ack_before_sync_is_detected_by_power_loss(broker_factory: Broker
         if lost:
             break
     assert lost > 0, "the unsafe build lost nothing on power loss: the durability check cannot see it"
+
+
+@pytest.mark.moorline_only
+@pytest.mark.parametrize("inline_sync_max_us", [0, 10_000_000], ids=["sync-thread", "sync-inline"])
+def test_qos1_stream_power_loss_in_each_sync_mode(broker_factory: BrokerFactory, uniq: str, tmp_path: Path,
+                                                   inline_sync_max_us: int) -> None:
+    """Group commits run on the event loop or on the sync thread, chosen by how fast the disk syncs
+    (storage.inline_sync_max_us). Both paths get the power-loss stream, each pinned by config."""
+    b = broker_factory(env={"MOORLINE_TEST_SYNC_LEDGER": str(tmp_path / "ledger.jsonl")},
+                       config_text=f"[storage]\ninline_sync_max_us = {inline_sync_max_us}\n")
+    out = run_qos1_stream_with_crash(b, uniq, "powerloss", SEED)
+    assert not out.missing, f"seed {SEED}: {len(out.missing)} of {len(out.acked)} acknowledged messages lost"
+    with urllib.request.urlopen(b.http_url + "/metrics", timeout=30) as r:
+        metrics = dict(line.split(" ", 1) for line in r.read().decode().splitlines() if not line.startswith("#"))
+    inline, total = int(metrics["moorline_wal_syncs_inline_total"]), int(metrics["moorline_wal_syncs_total"])
+    assert total > 0
+    assert inline == (total if inline_sync_max_us else 0), f"{inline} of {total} syncs ran on the event loop"
 
 
 # --------------------------------------------------------------------------- QoS 2 Method B subscriber, crash
