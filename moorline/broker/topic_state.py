@@ -26,7 +26,7 @@ from moorline.broker.commands import (
 from moorline.broker.effects import Effects
 from moorline.broker.messages import StoredMessage, encode_message
 from moorline.hashing import crc32c
-from moorline.invariant import invariant
+from moorline.invariant import invariant, violated
 from moorline.mqtt.topics import SubscriptionTrie, matches
 
 
@@ -263,7 +263,8 @@ class TopicState:
 
     def _unowe(self, offset: int) -> None:
         n = self.owed_count.get(offset, 0)
-        invariant(n > 0, f"offset {offset} was not owed")
+        if n <= 0:
+            violated(f"offset {offset} was not owed")
         if n == 1:
             del self.owed_count[offset]
             meta = self.meta.get(offset)

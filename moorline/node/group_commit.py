@@ -142,8 +142,10 @@ class GroupCommit:
         self.shard_batches_synced = 0  # (shard, sync) pairs: how many shards one sync covers on average
 
     def kick(self, shard: int) -> None:
-        self._dirty.add(shard)
-        self._wake.set()
+        dirty = self._dirty
+        if shard not in dirty:  # called once per proposal: the event is set by the first of a pass
+            dirty.add(shard)
+            self._wake.set()
 
     async def run(self) -> None:
         while not self._stopped:

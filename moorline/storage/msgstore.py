@@ -45,7 +45,7 @@ from pathlib import Path
 import crc32c as _crc32c_module
 
 from moorline.hashing import crc32c
-from moorline.invariant import invariant
+from moorline.invariant import invariant, violated
 from moorline.storage.fsutil import (
     ensure_dir,
     fdatasync_path,
@@ -301,9 +301,9 @@ class MessageStore:
 
     def append(self, offset: int, record: bytes) -> None:
         """Store ``record`` at ``offset``, which must be ``next_offset`` (buffered, not synced)."""
-        invariant(self._opened, "store not open")
-        invariant(offset == self.next_offset, f"append at {offset}, expected {self.next_offset}")
-        invariant(len(record) <= MAX_RECORD_BYTES, "record too large")
+        if offset != self.next_offset or not self._opened or len(record) > MAX_RECORD_BYTES:
+            violated(f"append at {offset} (expected {self.next_offset}) of {len(record)} bytes to a store "
+                     f"{'open' if self._opened else 'not open'} (records up to {MAX_RECORD_BYTES} bytes)")
         header = record_header(offset, record)
         size = len(header) + len(record)
         seg = self._segments[-1] if self._segments else None
@@ -475,7 +475,8 @@ class MessageStore:
         """Mark offsets as no longer kept; unknown or already gone offsets are ignored."""
         top = -1
         for offset in offsets:
-            invariant(offset < self.next_offset, f"release of unwritten offset {offset}")
+            if offset >= self.next_offset:
+                violated(f"release of unwritten offset {offset}")
             found = self._locate(offset)
             if found is None:
                 continue
