@@ -36,6 +36,10 @@ log = logging.getLogger("moorline.conn")
 
 # A User Property ("guid", 32 hex digits), so histories can match deliveries to publishes.
 _GUID_PROPERTY_HEAD = b"\x26\x00\x04guid\x00\x20"
+# A connection timer that fires this much later than due says the event loop stalled; it then
+# checks again this long after, once the socket has been read.
+LOOP_STALL_GRACE_S = 0.5
+AFTER_STALL_RECHECK_S = 0.05
 
 
 def _log_task_error(task: asyncio.Task[Any]) -> None:
@@ -97,6 +101,7 @@ class Connection(asyncio.Protocol):
         self._closing = False
         self.last_rx = time.monotonic()
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_due = 0.0  # monotonic time the timer was due: a late one means the loop stalled
         self.connected_at = time.monotonic()
 
     # --- transport callbacks --------------------------------------------------------------------
@@ -114,7 +119,7 @@ class Connection(asyncio.Protocol):
             transport.pause_reading()  # type: ignore[attr-defined]
         transport.set_write_buffer_limits(high=self.cfg.write_buffer_high_bytes)  # type: ignore[attr-defined]
         self._task = asyncio.get_running_loop().create_task(self._handle_loop())
-        self._timer = asyncio.get_running_loop().call_later(self.cfg.connect_timeout_s, self._check_timers)
+        self._arm_timer(self.cfg.connect_timeout_s)
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
@@ -236,11 +241,26 @@ class Connection(asyncio.Protocol):
         self.abort(text or f"disconnect 0x{reason:02x}")
 
     # --- timers ----------------------------------------------------------------------------------
+    def _arm_timer(self, delay_s: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_due = time.monotonic() + delay_s
+        self._timer = asyncio.get_running_loop().call_later(delay_s, self._check_timers)
+
     def _check_timers(self) -> None:
         self._timer = None
         if self._closing:
             return
         now = time.monotonic()
+        if now - self._timer_due > LOOP_STALL_GRACE_S:
+            # The event loop itself stalled (a slow inline sync, a paused process or VM): this timer
+            # runs before the packets that arrived meanwhile are read, so last_rx is stale. Judge
+            # keepalive and timeouts only after the loop has polled the socket again.
+            self._arm_timer(AFTER_STALL_RECHECK_S)
+            return
+        if self.server.reading_paused or self._paused or self._acks_paused:
+            # We are not reading this socket (back-pressure): the silence is ours, not the client's.
+            self.last_rx = now
         if self.state.awaiting_connect:
             if now - self.connected_at >= self.cfg.connect_timeout_s:
                 self.abort("no CONNECT in time")
@@ -254,7 +274,7 @@ class Connection(asyncio.Protocol):
                 # Outcome unknown: close so the client retransmits (DESIGN.md promise 6).
                 self.disconnect(RC.SERVER_BUSY, "publish outcome unknown within publish_timeout")
                 return
-        self._timer = asyncio.get_running_loop().call_later(self._timer_interval(), self._check_timers)
+        self._arm_timer(self._timer_interval())
 
     def _timer_interval(self) -> float:
         keep = self.state.keepalive
@@ -419,9 +439,7 @@ class Connection(asyncio.Protocol):
             )
         self._write(encode(p.Connack(present, 0, ack_props), self.version))
         self.live.start()
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(self._timer_interval(), self._check_timers)
+        self._arm_timer(self._timer_interval())
 
     def _connack_refuse(self, reason: int) -> None:
         # The v5 reason code; the 3.1.1 encoder maps it to the return code.

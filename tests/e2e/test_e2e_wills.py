@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import pytest
-from e2e_broker import BrokerProc
+from e2e_broker import BrokerFactory, BrokerProc
 from e2e_support import Paho
-from rawclient import P_SESSION_EXPIRY, P_WILL_DELAY, RawClient
+from rawclient import P_SESSION_EXPIRY, P_WILL_DELAY, PINGREQ_BYTES, PINGRESP, RawClient
 
 pytestmark = pytest.mark.e2e
 
@@ -122,4 +125,40 @@ def test_v5_will_sent_at_session_expiry_if_shorter_than_delay(shared_broker: Bro
     c.abort()
     m = watch.get(timeout=8)
     assert m.payload == b"expired"
+    watch.disconnect()
+
+
+@pytest.mark.moorline_only
+def test_keepalive_survives_a_stalled_broker(broker_factory: BrokerFactory, uniq: str) -> None:
+    """A client that keeps pinging is not timed out because the broker itself stalled (SIGSTOP here; a
+    slow inline sync or a paused VM alike): after the stall its keepalive timer fires before the pings
+    that arrived meanwhile are read, and must not take that for silence."""
+    b = broker_factory()
+    topic = f"{uniq}/will"
+    watch = _watch(b.mqtt_port, topic, uniq)
+    c = RawClient("127.0.0.1", b.mqtt_port, 4)
+    assert c.connect(f"{uniq}-c", keepalive=1, will=(topic, b"timed-out", 0, False)).reason == 0
+    stop = threading.Event()
+
+    def ping() -> None:
+        while not stop.wait(0.25):
+            c.send(PINGREQ_BYTES)
+
+    pinger = threading.Thread(target=ping, daemon=True)
+    pinger.start()
+    try:
+        time.sleep(0.5)
+        os.kill(b.pid, signal.SIGSTOP)  # our own broker process
+        time.sleep(3.0)  # twice 1.5 x keepalive, pings queued in the socket meanwhile
+        os.kill(b.pid, signal.SIGCONT)
+        time.sleep(2.0)
+    finally:
+        stop.set()
+        pinger.join(5)
+        os.kill(b.pid, signal.SIGCONT)
+    c.send(PINGREQ_BYTES)
+    got = [c.recv(timeout=5).type for _ in range(3)]
+    assert PINGRESP in got, f"connection gone after the stall: {got}"
+    assert watch.drain(0.5) == [], "the will was published: keepalive timed out a pinging client"
+    c.disconnect()
     watch.disconnect()
