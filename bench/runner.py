@@ -96,6 +96,8 @@ def _expect(conn: Connection, tag: str, timeout_s: float, proc: SpawnProcess) ->
 
 def _stop_clients(procs: list[SpawnProcess]) -> None:
     for proc in procs:
+        if proc.pid is None:
+            continue  # never started: an earlier client failed first
         proc.join(timeout=5)
         if proc.is_alive():
             proc.kill()  # our own child, by its handle

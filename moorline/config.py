@@ -74,7 +74,7 @@ class ShardConfig:
 @dataclass
 class DedupConfig:
     history_window_s: float = 3600.0
-    max_history: int = 1_000_000
+    max_history: int = 250_000  # per shard; about 150 bytes an entry
     producer_ttl_s: float = 7 * 24 * 3600.0
 
 

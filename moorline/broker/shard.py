@@ -6,7 +6,7 @@ replica. Cross-shard effects are returned to the host (``Effects``), never perfo
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +14,8 @@ import msgspec
 
 from moorline.broker import commands as c
 from moorline.broker.effects import Effects
+from moorline.broker.guid_history import GuidHistory
+from moorline.broker.message_index import MessageIndex
 from moorline.broker.messages import StoredMessage
 from moorline.broker.session_state import (
     InflightDelivery,
@@ -23,13 +25,12 @@ from moorline.broker.session_state import (
 )
 from moorline.broker.topic_state import (
     DropRecord,
-    MessageMeta,
     Registration,
     TopicLimits,
     TopicState,
 )
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # 2: message index and GUID history as columns
 
 
 class ShardState:
@@ -100,9 +101,9 @@ class ShardState:
             next_offset=t.next_offset,
             low_water=t.low_water,
             regs=list(t.regs.values()),
-            meta=[(o, m) for o, m in t.meta.items()],
+            meta=t.meta.to_columns(),
             retained=sorted(t.retained.values(), key=lambda m: m.topic),
-            dedup=[(k[0], k[1], v[0], v[1], v[2]) for k, v in t.dedup.items()],
+            dedup=t.dedup.to_columns(),
             producers=sorted((p, v[0], v[1], v[2]) for p, v in t.producers.items()),
             bytes_used=t.bytes_used,
             drops=list(t.drops),
@@ -131,12 +132,12 @@ class ShardState:
             t.regs[reg.reg_key] = reg
             if not reg.draining:
                 t.trie.insert(reg.filter, reg.reg_key, None)
-        t.meta = OrderedDict(snap.meta)
+        t.meta = MessageIndex.from_columns(snap.meta)
         for reg in snap.regs:
             for o in reg.owed:
                 t.owed_count[o] = t.owed_count.get(o, 0) + 1
         t.retained = {m.topic: m for m in snap.retained}
-        t.dedup = OrderedDict(((p, g), (o, ts, crc)) for p, g, o, ts, crc in snap.dedup)
+        t.dedup = GuidHistory.from_columns(snap.dedup)
         t.producers = {p: (seq, o, ts) for p, seq, o, ts in snap.producers}
         t.bytes_used = snap.bytes_used
         t.drops = deque(snap.drops, maxlen=limits.max_drop_records)
@@ -161,9 +162,9 @@ class _Snapshot:
     next_offset: int
     low_water: int
     regs: list[Registration]
-    meta: list[tuple[int, MessageMeta]]
+    meta: tuple[int, bytes, bytes, bytes, bytes, bytes, list[str]]  # MessageIndex columns
     retained: list[StoredMessage]
-    dedup: list[tuple[str, bytes, int, int, int]]
+    dedup: tuple[list[bytes], bytes, bytes, bytes]  # GuidHistory columns
     producers: list[tuple[bytes, int, int, int]]
     bytes_used: int
     drops: list[DropRecord]

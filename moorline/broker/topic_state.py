@@ -9,7 +9,7 @@ than ``retention.min_age``, or through a counted limit that records its GUID and
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from moorline.broker.commands import (
@@ -24,6 +24,8 @@ from moorline.broker.commands import (
     Unregister,
 )
 from moorline.broker.effects import Effects
+from moorline.broker.guid_history import GuidHistory
+from moorline.broker.message_index import MessageIndex
 from moorline.broker.messages import StoredMessage, encode_message
 from moorline.hashing import crc32c
 from moorline.invariant import invariant, violated
@@ -46,14 +48,10 @@ class Registration:
     claims: dict[int, str] = field(default_factory=dict)  # $share offset -> member
 
 
-@dataclass(slots=True)
-class MessageMeta:
-    ts_ms: int
-    size: int
-    guid: bytes
-    topic: str
-    qos: int
-    expires_at_ms: int | None
+# The unowed heap packs (ts_ms, offset) into one int; offsets stay far below 2**40 (a trillion
+# messages in one shard).
+OFFSET_BITS = 40
+OFFSET_MASK = (1 << OFFSET_BITS) - 1
 
 
 @dataclass(slots=True)
@@ -84,7 +82,7 @@ class TopicLimits:
     shard_max_bytes: int = 1 << 30
     reserved_headroom_bytes: int = 16 << 20
     dedup_window_ms: int = 3_600_000
-    dedup_max_history: int = 1_000_000
+    dedup_max_history: int = 250_000
     producer_ttl_ms: int = 7 * 24 * 3_600_000
     max_drop_records: int = 100_000
     max_release_per_housekeeping: int = 100_000
@@ -101,10 +99,10 @@ class TopicState:
         self.low_water = 0
         self.regs: dict[str, Registration] = {}
         self.trie: SubscriptionTrie = SubscriptionTrie()
-        self.meta: OrderedDict[int, MessageMeta] = OrderedDict()  # present messages, ascending
+        self.meta = MessageIndex()  # present messages, ascending
         self.owed_count: dict[int, int] = {}
         self.retained: dict[str, StoredMessage] = {}
-        self.dedup: OrderedDict[tuple[str, bytes], tuple[int, int, int]] = OrderedDict()  # -> offset, ts, crc
+        self.dedup = GuidHistory()  # (principal, guid) -> offset, ts, crc
         self.producers: dict[bytes, tuple[int, int, int]] = {}  # producer -> highest seq, its offset, ts
         self.bytes_used = 0
         self.drops: deque[DropRecord] = deque(maxlen=limits.max_drop_records)
@@ -112,7 +110,8 @@ class TopicState:
         self.last_ts_ms = 0
         self.max_released = -1
         # Derived indexes (rebuilt from meta/owed on restore, never snapshotted):
-        self._unowed_heap: list[tuple[int, int]] = []  # (ts_ms, offset) of messages owed to nobody
+        # Messages owed to nobody, as ts_ms << OFFSET_BITS | offset: one int per entry, not a tuple.
+        self._unowed_heap: list[int] = []
         self._expiry_heap: list[tuple[int, int]] = []  # (expires_at_ms, offset)
         self._match_cache: dict[str, list[str]] = {}  # cleared whenever the trie changes
 
@@ -120,9 +119,11 @@ class TopicState:
         self._match_cache.clear()
 
     def rebuild_indexes(self) -> None:
-        self._unowed_heap = [(m.ts_ms, o) for o, m in self.meta.items() if not self.owed_count.get(o)]
+        owed = self.owed_count
+        times = list(self.meta.times())
+        self._unowed_heap = [(ts << OFFSET_BITS) | o for o, ts, _ in times if not owed.get(o)]
         heapq.heapify(self._unowed_heap)
-        self._expiry_heap = [(m.expires_at_ms, o) for o, m in self.meta.items() if m.expires_at_ms is not None]
+        self._expiry_heap = [(exp, o) for o, _, exp in times if exp is not None]
         heapq.heapify(self._expiry_heap)
 
     # --- publish -------------------------------------------------------------------------
@@ -144,8 +145,7 @@ class TopicState:
                 next_batch = (cmd.seq >> 32) > (prev[0] >> 32) and (cmd.seq & 0xFFFFFFFF) == 0
                 if cmd.seq != prev[0] + 1 and not next_batch:
                     return PublishResult("refused", reason_code=0x97, reason=f"sequence gap after {prev[0]}")
-        key = (cmd.principal, msg.guid)
-        seen = self.dedup.get(key)
+        seen = self.dedup.get(cmd.principal, msg.guid)
         if seen is not None:
             if seen[2] != content:
                 return PublishResult("refused", reason_code=0x99, reason="GUID reused with different content")
@@ -154,12 +154,14 @@ class TopicState:
         if self.bytes_used + size > self.limits.shard_max_bytes - self.limits.reserved_headroom_bytes:
             return PublishResult("refused", reason_code=0x97, reason="shard is full")
         offset = self.next_offset
+        if offset > OFFSET_MASK:
+            violated(f"shard {self.shard}: message offset {offset} beyond {OFFSET_BITS} bits")
         self.next_offset += 1
         fx.appends.append((offset, encode_message(msg), msg))
         exp = msg.expires_at_ms()
-        self.meta[offset] = MessageMeta(ts_ms, size, msg.guid, topic, msg.qos, exp)
+        self.meta.add(offset, ts_ms, size, msg.guid, topic, msg.qos, exp)
         self.bytes_used += size
-        self.dedup[key] = (offset, ts_ms, content)
+        self.dedup.add(cmd.principal, msg.guid, offset, ts_ms, content)
         if cmd.producer is not None and cmd.seq is not None:
             self.producers[cmd.producer] = (cmd.seq, offset, ts_ms)
         if msg.retain:
@@ -178,7 +180,7 @@ class TopicState:
         if owed:
             self.owed_count[offset] = owed
         else:
-            heapq.heappush(self._unowed_heap, (ts_ms, offset))
+            heapq.heappush(self._unowed_heap, (ts_ms << OFFSET_BITS) | offset)
         if exp is not None:
             heapq.heappush(self._expiry_heap, (exp, offset))
         return PublishResult("ok", offset)
@@ -267,15 +269,14 @@ class TopicState:
             violated(f"offset {offset} was not owed")
         if n == 1:
             del self.owed_count[offset]
-            meta = self.meta.get(offset)
-            if meta is not None:
-                heapq.heappush(self._unowed_heap, (meta.ts_ms, offset))
+            ts = self.meta.ts_of(offset)
+            if ts is not None:
+                heapq.heappush(self._unowed_heap, (ts << OFFSET_BITS) | offset)
         else:
             self.owed_count[offset] = n - 1
 
     def _record_drop(self, offset: int, reg_key: str, reason: str) -> None:
-        meta = self.meta.get(offset)
-        guid = meta.guid if meta is not None else b""
+        guid = self.meta.guid_of(offset) or b""
         self.drops.append(DropRecord(guid, reason, offset, reg_key))
         self.drop_counts[reason] = self.drop_counts.get(reason, 0) + 1
 
@@ -346,24 +347,26 @@ class TopicState:
                     self._unowe(offset)
         # Release what nobody is owed once it is older than retention.min_age (and not pinned).
         released: list[int] = []
-        pinned: list[tuple[int, int]] = []
+        pinned: list[int] = []
         heap = self._unowed_heap
         cutoff = now - self.limits.retention_min_age_ms
         budget = self.limits.max_release_per_housekeeping
+        meta = self.meta
         while heap and budget > 0:
-            ts, offset = heap[0]
-            meta = self.meta.get(offset)
-            expired = meta is not None and meta.expires_at_ms is not None and meta.expires_at_ms <= now
-            if ts > cutoff and not expired:
+            item = heap[0]
+            ts, offset = item >> OFFSET_BITS, item & OFFSET_MASK
+            size = meta.size_of(offset)
+            exp_at = meta.expires_at(offset)
+            if ts > cutoff and not (exp_at is not None and exp_at <= now):
                 break
             heapq.heappop(heap)
-            if meta is None or self.owed_count.get(offset):
+            if size is None or self.owed_count.get(offset):
                 continue  # already released, or owed again (stale heap entry)
             if 0 <= cmd.pin_floor <= offset:
-                pinned.append((ts, offset))
+                pinned.append(item)
                 continue
-            del self.meta[offset]
-            self.bytes_used -= meta.size
+            meta.discard(offset)
+            self.bytes_used -= size
             released.append(offset)
             budget -= 1
         for item in pinned:
@@ -376,12 +379,7 @@ class TopicState:
             lw = self.max_released + 1
             invariant(lw >= self.low_water, "low-water mark only rises")
             self.low_water = lw
-        dcut = now - self.limits.dedup_window_ms
-        while self.dedup:
-            k, (_, ts, _) = next(iter(self.dedup.items()))
-            if ts >= dcut and len(self.dedup) <= self.limits.dedup_max_history:
-                break
-            del self.dedup[k]
+        self.dedup.evict(now - self.limits.dedup_window_ms, self.limits.dedup_max_history)
         pcut = now - self.limits.producer_ttl_ms
         if self.producers:
             for p in [p for p, v in self.producers.items() if v[2] < pcut]:

@@ -181,7 +181,7 @@ class Node:
                 if offset in reg.owed:
                     del reg.owed[offset]
             t.owed_count.pop(offset, None)
-            del t.meta[offset]
+            t.meta.discard(offset)
             host.store.release([offset])
             log.warning("TEST: dropped message %d/%d at restart", host.shard, offset)
 

@@ -21,6 +21,27 @@ def entry_bytes(size: int) -> int:
     return size + 1 + ENTRY_OVERHEAD_BYTES
 
 
+def test_recent_messages_bound_counts_what_the_entries_really_take() -> None:
+    # The byte bound is only a bound if each entry is charged what it costs: traced allocations of
+    # entries shaped like a broker's (fresh topic, GUID, payload and timestamp objects) stay under it.
+    import os
+    import tracemalloc
+
+    r = RecentMessages(1 << 40)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(5_000):
+            m = StoredMessage("".join(["bench/", "w1"]), os.urandom(100), 1, False, os.urandom(16),
+                              1_790_000_000_000 + i, None, None, "publisher-1")
+            r.put(3, 1_000 + i, m)
+            del m
+        real = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert real <= r.used_bytes * 1.05, (real / 5_000, r.used_bytes / 5_000)
+
+
 def test_recent_messages_stay_within_their_byte_bound_oldest_out_first() -> None:
     cap = 10 * entry_bytes(100)
     r = RecentMessages(cap)

@@ -28,7 +28,7 @@ def _collect(port: int, cid: str, topic: str, n: int, timeout: float = 20.0) -> 
     done = threading.Event()
 
     def on_message(_c: object, _u: object, m: mqtt.MQTTMessage) -> None:
-        got.append(m.payload)
+        got.append(bytes(m.payload))
         if len(got) >= n:
             done.set()
 

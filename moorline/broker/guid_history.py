@@ -1,0 +1,121 @@
+"""The shard's history of accepted message GUIDs, for de-duplication decided at apply (pure).
+
+Each entry is (principal, GUID) -> (offset, entry time, content CRC), oldest first, so the window
+(``dedup.history_window``, by entry time) and the count bound (``dedup.max_history``) both cut
+from the front. Kept as one bytes key per entry and columns for the rest: about 150 bytes an
+entry, where a tuple key, a tuple value and an ordered-dict node cost about 300.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections import deque
+from collections.abc import Iterator
+
+from moorline.invariant import violated
+
+GUID_BYTES = 16
+_COMPACT_MIN = 4096  # cut the evicted prefix of the columns once it is this long and half of them
+
+
+def _key(principal: str, guid: bytes) -> bytes:
+    # GUIDs are fixed-length, so GUID + principal is unambiguous; most publishers share principal "".
+    return guid + principal.encode() if principal else guid
+
+
+class GuidHistory:
+    __slots__ = ("_seq", "_keys", "_first", "_head", "_offset", "_ts", "_crc")
+
+    def __init__(self) -> None:
+        self._seq: dict[bytes, int] = {}  # key -> sequence number (position + _first - _head)
+        self._keys: deque[bytes] = deque()  # keys, oldest first
+        self._first = 0  # sequence number of the oldest entry
+        self._head = 0  # column position of the oldest entry
+        self._offset = array("q")
+        self._ts = array("q")
+        self._crc = array("q")
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def get(self, principal: str, guid: bytes) -> tuple[int, int, int] | None:
+        """(offset, entry time, content CRC) of an accepted publish, or None."""
+        seq = self._seq.get(_key(principal, guid))
+        if seq is None:
+            return None
+        i = seq - self._first + self._head
+        return self._offset[i], self._ts[i], self._crc[i]
+
+    def add(self, principal: str, guid: bytes, offset: int, ts_ms: int, crc: int) -> None:
+        key = _key(principal, guid)
+        if len(guid) != GUID_BYTES or key in self._seq:
+            violated(f"GUID history: add of a {len(guid)}-byte GUID, already present: {key in self._seq}")
+        self._seq[key] = self._first + len(self._keys)
+        self._keys.append(key)
+        self._offset.append(offset)
+        self._ts.append(ts_ms)
+        self._crc.append(crc)
+
+    def oldest_ts(self) -> int | None:
+        return self._ts[self._head] if self._keys else None
+
+    def evict(self, before_ts_ms: int, max_entries: int) -> int:
+        """Drop the oldest entries while older than ``before_ts_ms`` or more than ``max_entries``."""
+        keys = self._keys
+        ts = self._ts
+        dropped = 0
+        while keys and (ts[self._head] < before_ts_ms or len(keys) > max_entries):
+            del self._seq[keys.popleft()]
+            self._head += 1
+            self._first += 1
+            dropped += 1
+        if not keys:
+            self._head = 0
+            self._offset, self._ts, self._crc = array("q"), array("q"), array("q")
+        elif self._head >= _COMPACT_MIN and self._head * 2 >= len(self._ts):
+            h = self._head
+            del self._offset[:h], self._ts[:h], self._crc[:h]
+            self._head = 0
+        return dropped
+
+    def items(self) -> Iterator[tuple[str, bytes, int, int, int]]:
+        """(principal, GUID, offset, entry time, CRC), oldest first."""
+        h = self._head
+        for i, key in enumerate(self._keys):
+            yield key[GUID_BYTES:].decode(), key[:GUID_BYTES], self._offset[h + i], self._ts[h + i], self._crc[h + i]
+
+    # --- snapshots -------------------------------------------------------------------------------
+    def to_columns(self) -> tuple[list[bytes], bytes, bytes, bytes]:
+        h = self._head
+        cols = []
+        for col in (self._offset, self._ts, self._crc):
+            part = col[h:]
+            if sys.byteorder == "big":
+                part.byteswap()  # snapshots are little-endian on every host
+            cols.append(part.tobytes())
+        return list(self._keys), cols[0], cols[1], cols[2]
+
+    @classmethod
+    def from_columns(cls, data: tuple[list[bytes], bytes, bytes, bytes]) -> GuidHistory:
+        keys, offsets, ts, crcs = data
+        history = cls()
+        for name, raw in (("_offset", offsets), ("_ts", ts), ("_crc", crcs)):
+            col = array("q")
+            col.frombytes(raw)
+            if sys.byteorder == "big":
+                col.byteswap()
+            setattr(history, name, col)
+        if not len(history._offset) == len(history._ts) == len(history._crc) == len(keys):
+            raise ValueError("GUID history snapshot: columns of different lengths")
+        history._keys = deque(keys)
+        history._seq = {k: i for i, k in enumerate(keys)}
+        if len(history._seq) != len(keys) or any(len(k) < GUID_BYTES for k in keys):
+            raise ValueError("GUID history snapshot: duplicate or short keys")
+        return history
+
+
+__all__ = ["GuidHistory"]

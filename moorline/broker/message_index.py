@@ -1,0 +1,240 @@
+"""Per-message metadata of a shard's present messages, kept in columns by dense offset (pure).
+
+A shard keeps the metadata of every message it still stores (retention keeps unowed messages for
+``retention.min_age``, an hour by default), so its memory grows with the publish rate times the
+retention time. One object plus one dict entry per message cost about 230 bytes and the topic
+string another 60; columns cost about 45 bytes (8 time, 8 size, 8 expiry, 1 flags, 16 GUID, 8 for
+a reference to the interned topic), which is what makes an hour of retention fit in memory.
+
+Offsets are appended in increasing order and released in any order; the released prefix is cut off
+once it is long enough to be worth a copy.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from moorline.invariant import violated
+
+_PRESENT = 0x80
+_QOS_MASK = 0x03
+_NO_EXPIRY = -1
+# Cutting the released prefix copies every column: do it once the prefix is at least this long
+# and at least half of what is kept, so each entry is copied O(1) times on average.
+_COMPACT_MIN = 4096
+
+
+@dataclass(slots=True, frozen=True)
+class MessageMeta:
+    ts_ms: int
+    size: int
+    guid: bytes
+    topic: str
+    qos: int
+    expires_at_ms: int | None
+
+
+class MessageIndex:
+    """A mapping offset -> ``MessageMeta`` of present messages, ascending by offset."""
+
+    __slots__ = ("_base", "_head", "_count", "_ts", "_size", "_exp", "_flags", "_guid", "_topic")
+
+    def __init__(self) -> None:
+        self._base = 0  # offset of column position 0
+        self._head = 0  # no present entry lies before this position
+        self._count = 0
+        self._ts = array("q")
+        self._size = array("q")
+        self._exp = array("q")
+        self._flags = bytearray()
+        self._guid = bytearray()
+        self._topic: list[str] = []
+
+    # --- mapping-like reads ---------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+    def _pos(self, offset: int) -> int:
+        """Column position of a present ``offset``, or -1."""
+        i = offset - self._base
+        if self._head <= i < len(self._flags) and self._flags[i] & _PRESENT:
+            return i
+        return -1
+
+    def __contains__(self, offset: object) -> bool:
+        return isinstance(offset, int) and self._pos(offset) >= 0
+
+    def get(self, offset: int) -> MessageMeta | None:
+        i = self._pos(offset)
+        if i < 0:
+            return None
+        exp = self._exp[i]
+        return MessageMeta(self._ts[i], self._size[i], bytes(self._guid[16 * i:16 * i + 16]), self._topic[i],
+                           self._flags[i] & _QOS_MASK, None if exp == _NO_EXPIRY else exp)
+
+    def ts_of(self, offset: int) -> int | None:
+        i = self._pos(offset)
+        return None if i < 0 else self._ts[i]
+
+    def size_of(self, offset: int) -> int | None:
+        i = self._pos(offset)
+        return None if i < 0 else self._size[i]
+
+    def expires_at(self, offset: int) -> int | None:
+        """Expiry time of a present message (None when it has none or is not present)."""
+        i = self._pos(offset)
+        if i < 0:
+            return None
+        exp = self._exp[i]
+        return None if exp == _NO_EXPIRY else exp
+
+    def guid_of(self, offset: int) -> bytes | None:
+        i = self._pos(offset)
+        return None if i < 0 else bytes(self._guid[16 * i:16 * i + 16])
+
+    def __iter__(self) -> Iterator[int]:
+        flags = self._flags
+        base = self._base
+        for i in range(self._head, len(flags)):
+            if flags[i] & _PRESENT:
+                yield base + i
+
+    def __reversed__(self) -> Iterator[int]:
+        flags = self._flags
+        base = self._base
+        for i in range(len(flags) - 1, self._head - 1, -1):
+            if flags[i] & _PRESENT:
+                yield base + i
+
+    def times(self) -> Iterator[tuple[int, int, int | None]]:
+        """(offset, ts_ms, expires_at_ms) of every present message, ascending (no objects built)."""
+        flags, ts, exp, base = self._flags, self._ts, self._exp, self._base
+        for i in range(self._head, len(flags)):
+            if flags[i] & _PRESENT:
+                e = exp[i]
+                yield base + i, ts[i], None if e == _NO_EXPIRY else e
+
+    def items(self) -> Iterator[tuple[int, MessageMeta]]:
+        for offset in self:
+            meta = self.get(offset)
+            assert meta is not None
+            yield offset, meta
+
+    # --- writes ---------------------------------------------------------------------------------
+    def add(self, offset: int, ts_ms: int, size: int, guid: bytes, topic: str, qos: int,
+            expires_at_ms: int | None) -> None:
+        """Record a new message; offsets only grow (gaps are messages never present here)."""
+        end = self._base + len(self._flags)
+        if offset < end or len(guid) != 16 or not 0 <= qos <= 2:
+            violated(f"message index: add of offset {offset} (next free {end}), guid of {len(guid)} bytes, qos {qos}")
+        if self._count == 0:
+            self._reset(offset)  # nothing present: start the columns at this offset
+        elif offset > end:
+            self._pad(offset - end)
+        self._ts.append(ts_ms)
+        self._size.append(size)
+        self._exp.append(_NO_EXPIRY if expires_at_ms is None else expires_at_ms)
+        self._flags.append(_PRESENT | qos)
+        self._guid += guid
+        self._topic.append(sys.intern(topic))  # one string per distinct topic, not per message
+        self._count += 1
+
+    def discard(self, offset: int) -> bool:
+        """Forget a message; False when it was not present."""
+        i = self._pos(offset)
+        if i < 0:
+            return False
+        self._flags[i] = 0
+        self._topic[i] = ""
+        self._count -= 1
+        if self._count == 0:
+            self._reset(self._base + len(self._flags))
+            return True
+        if i == self._head:
+            flags = self._flags
+            head = i + 1
+            while not flags[head] & _PRESENT:  # count > 0: a present entry follows
+                head += 1
+            self._head = head
+            if head >= _COMPACT_MIN and head * 2 >= len(flags):
+                self._cut_prefix()
+        return True
+
+    def __delitem__(self, offset: int) -> None:
+        if not self.discard(offset):
+            raise KeyError(offset)
+
+    def _reset(self, base: int) -> None:
+        self._base = base
+        self._head = 0
+        self._count = 0
+        self._ts = array("q")
+        self._size = array("q")
+        self._exp = array("q")
+        self._flags = bytearray()
+        self._guid = bytearray()
+        self._topic = []
+
+    def _pad(self, n: int) -> None:
+        self._ts.extend([0] * n)
+        self._size.extend([0] * n)
+        self._exp.extend([_NO_EXPIRY] * n)
+        self._flags += bytes(n)
+        self._guid += bytes(16 * n)
+        self._topic.extend([""] * n)
+
+    def _cut_prefix(self) -> None:
+        h = self._head
+        del self._ts[:h], self._size[:h], self._exp[:h], self._flags[:h], self._guid[:16 * h], self._topic[:h]
+        self._base += h
+        self._head = 0
+
+    # --- snapshots (canonical: from the first present entry to the last one) --------------------
+    def to_columns(self) -> tuple[int, bytes, bytes, bytes, bytes, bytes, list[str]]:
+        if self._count == 0:
+            return (0, b"", b"", b"", b"", b"", [])
+        lo = self._head
+        hi = len(self._flags)
+        while not self._flags[hi - 1] & _PRESENT:
+            hi -= 1
+        cols = []
+        for col in (self._ts, self._size, self._exp):
+            part = col[lo:hi]
+            if sys.byteorder == "big":
+                part.byteswap()  # snapshots are little-endian on every host
+            cols.append(part.tobytes())
+        return (self._base + lo, cols[0], cols[1], cols[2], bytes(self._flags[lo:hi]),
+                bytes(self._guid[16 * lo:16 * hi]), self._topic[lo:hi])
+
+    @classmethod
+    def from_columns(cls, data: tuple[int, bytes, bytes, bytes, bytes, bytes, list[str]]) -> MessageIndex:
+        base, ts, size, exp, flags, guid, topics = data
+        index = cls()
+        n = len(flags)
+        if n == 0:
+            return index
+        index._base = base
+        for name, raw in (("_ts", ts), ("_size", size), ("_exp", exp)):
+            col = array("q")
+            col.frombytes(raw)
+            if sys.byteorder == "big":
+                col.byteswap()
+            setattr(index, name, col)
+        index._flags = bytearray(flags)
+        index._guid = bytearray(guid)
+        index._topic = [sys.intern(t) for t in topics]
+        if {len(index._ts), len(index._size), len(index._exp), len(index._topic)} != {n} or len(guid) != 16 * n:
+            raise ValueError("message index snapshot: columns of different lengths")
+        index._count = sum(1 for f in index._flags if f & _PRESENT)
+        if index._count == 0 or not flags[0] & _PRESENT or not flags[-1] & _PRESENT:
+            raise ValueError("message index snapshot: not cut to its first and last present entries")
+        return index
+
+
+__all__ = ["MessageIndex", "MessageMeta"]
