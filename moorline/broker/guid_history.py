@@ -8,11 +8,11 @@ entry, where a tuple key, a tuple value and an ordered-dict node cost about 300.
 
 from __future__ import annotations
 
-import sys
 from array import array
 from collections import deque
 from collections.abc import Iterator
 
+from moorline.broker.columns import column_bytes, column_from
 from moorline.invariant import violated
 
 GUID_BYTES = 16
@@ -91,24 +91,13 @@ class GuidHistory:
     # --- snapshots -------------------------------------------------------------------------------
     def to_columns(self) -> tuple[list[bytes], bytes, bytes, bytes]:
         h = self._head
-        cols = []
-        for col in (self._offset, self._ts, self._crc):
-            part = col[h:]
-            if sys.byteorder == "big":
-                part.byteswap()  # snapshots are little-endian on every host
-            cols.append(part.tobytes())
-        return list(self._keys), cols[0], cols[1], cols[2]
+        return list(self._keys), column_bytes(self._offset, h), column_bytes(self._ts, h), column_bytes(self._crc, h)
 
     @classmethod
     def from_columns(cls, data: tuple[list[bytes], bytes, bytes, bytes]) -> GuidHistory:
         keys, offsets, ts, crcs = data
         history = cls()
-        for name, raw in (("_offset", offsets), ("_ts", ts), ("_crc", crcs)):
-            col = array("q")
-            col.frombytes(raw)
-            if sys.byteorder == "big":
-                col.byteswap()
-            setattr(history, name, col)
+        history._offset, history._ts, history._crc = column_from(offsets), column_from(ts), column_from(crcs)
         if not len(history._offset) == len(history._ts) == len(history._crc) == len(keys):
             raise ValueError("GUID history snapshot: columns of different lengths")
         history._keys = deque(keys)

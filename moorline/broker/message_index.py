@@ -17,6 +17,7 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from moorline.broker.columns import column_bytes, column_from
 from moorline.invariant import violated
 
 _PRESENT = 0x80
@@ -203,13 +204,8 @@ class MessageIndex:
         hi = len(self._flags)
         while not self._flags[hi - 1] & _PRESENT:
             hi -= 1
-        cols = []
-        for col in (self._ts, self._size, self._exp):
-            part = col[lo:hi]
-            if sys.byteorder == "big":
-                part.byteswap()  # snapshots are little-endian on every host
-            cols.append(part.tobytes())
-        return (self._base + lo, cols[0], cols[1], cols[2], bytes(self._flags[lo:hi]),
+        return (self._base + lo, column_bytes(self._ts, lo, hi), column_bytes(self._size, lo, hi),
+                column_bytes(self._exp, lo, hi), bytes(self._flags[lo:hi]),
                 bytes(self._guid[16 * lo:16 * hi]), self._topic[lo:hi])
 
     @classmethod
@@ -220,12 +216,7 @@ class MessageIndex:
         if n == 0:
             return index
         index._base = base
-        for name, raw in (("_ts", ts), ("_size", size), ("_exp", exp)):
-            col = array("q")
-            col.frombytes(raw)
-            if sys.byteorder == "big":
-                col.byteswap()
-            setattr(index, name, col)
+        index._ts, index._size, index._exp = column_from(ts), column_from(size), column_from(exp)
         index._flags = bytearray(flags)
         index._guid = bytearray(guid)
         index._topic = [sys.intern(t) for t in topics]
