@@ -42,17 +42,18 @@ class MessageIndex:
     """A mapping offset -> ``MessageMeta`` of present messages, ascending by offset."""
 
     __slots__ = ("_base", "_head", "_count", "_ts", "_size", "_exp", "_flags", "_guid", "_topic")
+    _base: int
+    _head: int
+    _count: int
+    _ts: array
+    _size: array
+    _exp: array
+    _flags: bytearray
+    _guid: bytearray
+    _topic: list[str]
 
     def __init__(self) -> None:
-        self._base = 0  # offset of column position 0
-        self._head = 0  # no present entry lies before this position
-        self._count = 0
-        self._ts = array("q")
-        self._size = array("q")
-        self._exp = array("q")
-        self._flags = bytearray()
-        self._guid = bytearray()
-        self._topic: list[str] = []
+        self._reset(0)
 
     # --- mapping-like reads ---------------------------------------------------------------------
     def __len__(self) -> int:
@@ -167,13 +168,10 @@ class MessageIndex:
                 self._cut_prefix()
         return True
 
-    def __delitem__(self, offset: int) -> None:
-        if not self.discard(offset):
-            raise KeyError(offset)
-
     def _reset(self, base: int) -> None:
-        self._base = base
-        self._head = 0
+        """Empty columns starting at offset ``base``."""
+        self._base = base  # offset of column position 0
+        self._head = 0  # no present entry lies before this position
         self._count = 0
         self._ts = array("q")
         self._size = array("q")

@@ -355,11 +355,11 @@ class TopicState:
         while heap and budget > 0:
             item = heap[0]
             ts, offset = item >> OFFSET_BITS, item & OFFSET_MASK
-            size = meta.size_of(offset)
             exp_at = meta.expires_at(offset)
             if ts > cutoff and not (exp_at is not None and exp_at <= now):
                 break
             heapq.heappop(heap)
+            size = meta.size_of(offset)
             if size is None or self.owed_count.get(offset):
                 continue  # already released, or owed again (stale heap entry)
             if 0 <= cmd.pin_floor <= offset:
