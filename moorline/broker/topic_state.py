@@ -129,7 +129,8 @@ class TopicState:
     # --- publish -------------------------------------------------------------------------
     def apply_publish(self, cmd: Publish, fx: Effects) -> PublishResult:
         msg = cmd.msg
-        invariant(len(msg.guid) == 16, "GUIDs are 16 bytes")
+        if len(msg.guid) != 16:
+            violated(f"GUIDs are 16 bytes, not {len(msg.guid)}")
         ts_ms = msg.ts_ms
         if ts_ms > self.last_ts_ms:
             self.last_ts_ms = ts_ms

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 from moorline.broker import commands as c
 from moorline.broker.messages import MessageProps, StoredMessage
+from moorline.broker.topic_state import PublishResult
 from moorline.mqtt import packets as p
-from moorline.mqtt.codec import MQTT_5, encode, encode_properties, encode_puback
+from moorline.mqtt.codec import MQTT_5, encode, encode_properties, encode_puback, encode_publish_header
 from moorline.mqtt.errors import ProtocolError, UnsupportedProtocol
 from moorline.mqtt.protocol import SPLIT_PAYLOAD_BYTES, ProtocolState
 from moorline.mqtt.reasons import ReasonCode as RC
@@ -94,6 +95,7 @@ class Connection(asyncio.Protocol):
         self._flush_scheduled = False
         self._out_large = False  # some queued piece is at least SPLIT_PAYLOAD_BYTES
         self._acks: deque[list[Any]] = deque()
+        self._acks_waiting = 0  # PUBLISHes whose acknowledgement is queued (a group slot counts each)
         self._q2_inprogress: set[int] = set()
         self._acks_paused = False  # reading paused because too many acknowledgements are pending
         self._busy = False  # the handler task is in the middle of a packet: keep arrival order
@@ -313,17 +315,29 @@ class Connection(asyncio.Protocol):
         Returns the rest, for the handler task. Saves a task switch per packet on the hot path."""
         room = False  # window room freed: $share groups may dispatch (once per read, not per ack)
         rest: list[p.Packet] = []
-        for i, packet in enumerate(packets):
+        i = 0
+        n = len(packets)
+        while i < n:
+            packet = packets[i]
             kind = type(packet)
             try:
                 if kind is p.Publish and packet.qos < 2:  # type: ignore[union-attr]
-                    self._publish_sync(packet)  # type: ignore[arg-type]
+                    if packet.qos == 1 and packet.properties is p.NO_PROPERTIES:  # type: ignore[union-attr]
+                        i = self._publish_group(packets, i)
+                    else:
+                        self._publish_sync(packet)  # type: ignore[arg-type]
+                        i += 1
                 elif kind is p.Puback or kind is p.Pubcomp:
                     assert self.live is not None
-                    if self.live.on_puback(packet.packet_id):  # type: ignore[union-attr,arg-type]
+                    j = i + 1
+                    while j < n and type(packets[j]) is kind:
+                        j += 1
+                    if self.live.on_pubacks([pk.packet_id for pk in packets[i:j]]):  # type: ignore[union-attr,misc]
                         room = True
+                    i = j
                 elif kind is p.Pingreq:
                     self._write(b"\xd0\x00")
+                    i += 1
                 else:
                     rest = packets[i:]
                     break
@@ -338,6 +352,53 @@ class Connection(asyncio.Protocol):
         if room:
             self.node.on_ack_room(self.client_id)
         return rest
+
+    def _publish_group(self, packets: list[p.Packet], i: int) -> int:
+        """The run of QoS 1 PUBLISHes from ``packets[i]`` on that carry no properties and go to
+        one shard, proposed as one group: one acknowledgement slot, one completion when the entry
+        holding them is synced and applied, their PUBACKs written together. The common case of a
+        publishing client, with the per-message work cut to the message and its command. Returns
+        the index after the run (a PUBLISH the ACL refuses takes the general path, alone)."""
+        node = self.node
+        first = packets[i]
+        assert type(first) is p.Publish
+        topic = first.topic
+        shard = node.topic_shard(topic)
+        who = self.principal
+        can_publish = self.server.authorizer.can_publish
+        principal = who.username or ""
+        client_id = self.client_id
+        ts_ms = node.now_ms()
+        new_guid = node.new_guid
+        topic_shard = node.topic_shard
+        limit = self.cfg.max_packet_size  # keeps a group (and so its log entry) bounded in bytes
+        no_props = p.NO_PROPERTIES
+        cmds: list[c.Command] = []
+        pids: list[int] = []
+        size = 0
+        n = len(packets)
+        while i < n and size < limit:
+            pk = packets[i]
+            if type(pk) is not p.Publish or pk.qos != 1 or pk.properties is not no_props:
+                break
+            if pk.topic != topic:
+                if topic_shard(pk.topic) != shard:
+                    break
+                topic = pk.topic
+            if not can_publish(who, topic):
+                break
+            cmds.append(c.Publish(
+                StoredMessage(topic, pk.payload, 1, pk.retain, new_guid(), ts_ms, None, None, client_id), principal
+            ))
+            pids.append(pk.packet_id)  # type: ignore[arg-type]
+            size += len(pk.payload)
+            i += 1
+        if not cmds:  # refused by the ACL: answered on the general path
+            self._publish_sync(first)
+            return i + 1
+        node.stats["published"] += len(cmds)
+        node.propose_group(shard, cmds, self._queue_ack(("puback_group", pids, 0), len(pids)))
+        return i
 
     async def _handle(self, packet: p.Packet) -> None:
         if isinstance(packet, p.Publish):
@@ -415,7 +476,7 @@ class Connection(asyncio.Protocol):
         client_rm = props.receive_maximum if v5 and props.receive_maximum else self.cfg.max_inflight_out
         if not v5:
             client_rm = self.cfg.max_inflight_out
-        self.live = LiveSession(self.node, client_id, epoch, inc, client_rm, self._send_publish, self._send_pubrel)
+        self.live = LiveSession(self.node, client_id, epoch, inc, client_rm, self._send_publishes, self._send_pubrel)
         self.node.live[client_id] = self.live
         ack_props = p.NO_PROPERTIES
         if v5:
@@ -518,12 +579,14 @@ class Connection(asyncio.Protocol):
             return
         self.node.propose_cb(shard, cmd, self._queue_ack(("puback" if pk.qos == 1 else "pubrec", pk.packet_id, 0)))
 
-    def _queue_ack(self, what: tuple[str, int | None, int]) -> Callback:
-        """Queue an acknowledgement (kind, packet id, forced reason); returns the callback that
-        completes it. Acks leave in queue order, so a later one waits for an earlier one."""
+    def _queue_ack(self, what: tuple[str, Any, int], count: int = 1) -> Callback:
+        """Queue an acknowledgement (kind, packet id, forced reason) or a group of ``count`` PUBACKs
+        ("puback_group", packet ids, 0); returns the callback that completes it. Acks leave in
+        queue order, so a later one waits for an earlier one."""
         slot: list[Any] = [False, None, None, what, time.monotonic()]  # done, result, error, what, since
         self._acks.append(slot)
-        if (len(self._acks) >= self.cfg.receive_maximum and self.version != MQTT_5 and not self._acks_paused
+        self._acks_waiting += count
+        if (self._acks_waiting >= self.cfg.receive_maximum and self.version != MQTT_5 and not self._acks_paused
                 and self.transport is not None):
             # 3.1.1 has no Receive Maximum (v5 clients get 0x93 before this): stop reading instead.
             self._acks_paused = True
@@ -541,6 +604,7 @@ class Connection(asyncio.Protocol):
         acks = self._acks
         while acks and acks[0][0]:
             _, result, exc, (kind, pid, forced), _ = acks.popleft()
+            self._acks_waiting -= len(pid) if kind == "puback_group" else 1
             if self._closing:
                 continue
             reason = forced
@@ -549,6 +613,10 @@ class Connection(asyncio.Protocol):
                 self.disconnect(RC.SERVER_UNAVAILABLE if isinstance(exc, ShardUnavailable) else RC.SERVER_BUSY,
                                 "publish outcome unknown")
                 return
+            if kind == "puback_group":
+                if not self._send_group_pubacks(pid, result):
+                    return
+                continue
             if kind == "pubcomp":
                 reason = 0 if result else RC.PACKET_ID_NOT_FOUND
                 self.send_packet(p.Pubcomp(pid, reason if self.version == MQTT_5 else 0))
@@ -568,10 +636,32 @@ class Connection(asyncio.Protocol):
                 self.send_packet(p.Pubrec(pid, reason))
                 if reason >= 0x80:
                     self.state.note_inbound_acked(pid)
-        if self._acks_paused and len(self._acks) < self.cfg.receive_maximum // 2 and not self._closing:
+        if self._acks_paused and self._acks_waiting < self.cfg.receive_maximum // 2 and not self._closing:
             self._acks_paused = False
             if not self._paused and not self.server.reading_paused and self.transport is not None:
                 self.transport.resume_reading()
+
+    def _send_group_pubacks(self, pids: list[int], results: list[PublishResult]) -> bool:
+        """PUBACKs of a committed group, in order, written together. A refused message (shard
+        full, GUID reused) gets its reason code on 5.0; 3.1.1 cannot refuse, so the connection
+        closes there, after the PUBACKs before it. False when the connection was closed."""
+        out: list[bytes] = []
+        inflight_done = self.state.note_inbound_acked
+        for pid, result in zip(pids, results, strict=True):
+            if result.status != "refused":
+                inflight_done(pid)
+                out.append(encode_puback(pid))
+                continue
+            if out:
+                self._write(b"".join(out))
+                out = []
+            if self.version != MQTT_5:
+                self.abort(f"publish refused: {result.reason}")
+                return False
+            self.send_packet(p.Puback(pid, result.reason_code))
+        if out:
+            self._write(b"".join(out))
+        return True
 
     def _on_pubrel(self, pk: p.Pubrel) -> None:
         assert self.live is not None
@@ -644,6 +734,41 @@ class Connection(asyncio.Protocol):
         self.abort("client disconnected")
 
     # outbound (called by LiveSession)
+    def _send_publishes(self, outs: list[OutboundPublish]) -> None:
+        """A delivery batch, in order, in one write. The common case (3.1.1, or 5.0 with no
+        property but the GUID, no outbound topic alias, no packet size limit, a small payload) is
+        encoded right here; anything else goes through ``_send_publish``."""
+        state = self.state
+        v5 = self.version == MQTT_5
+        if (v5 and state.client_topic_alias_maximum and state.outbound_topic_aliases) or (
+                state.client_maximum_packet_size is not None):
+            for out in outs:
+                self._send_publish(out)
+            return
+        version = self.version or 4
+        stamp = v5 and self.cfg.stamp_guid_property
+        parts: list[bytes] = []
+        sent = 0
+        for out in outs:
+            msg = out.msg
+            payload = msg.payload
+            if (v5 and (msg.props is not None or msg.expiry_s is not None or out.sub_ids)) or (
+                    len(payload) >= SPLIT_PAYLOAD_BYTES):
+                if parts:
+                    self._write(b"".join(parts))
+                    parts = []
+                self._send_publish(out)
+                continue
+            props = _GUID_PROPERTY_HEAD + msg.guid.hex().encode() if stamp else b""
+            parts.append(encode_publish_header(
+                msg.topic.encode(), len(payload), out.qos, out.retain, out.dup, out.packet_id, version, props
+            ))
+            parts.append(payload)
+            sent += 1
+        if parts:
+            self._write(b"".join(parts))
+        self.node.stats["delivered"] += sent
+
     def _send_publish(self, out: OutboundPublish) -> None:
         msg = out.msg
         props = b""

@@ -56,7 +56,7 @@ class LiveSession:
         epoch: int,
         incarnation: int,
         receive_max: int,
-        send_publish: Callable[[OutboundPublish], None],
+        send_publishes: Callable[[list[OutboundPublish]], None],
         send_pubrel: Callable[[int], None],
     ) -> None:
         self.node = node
@@ -65,7 +65,7 @@ class LiveSession:
         self.epoch = epoch
         self.incarnation = incarnation
         self.receive_max = receive_max
-        self.send_publish = send_publish
+        self.send_publishes = send_publishes  # a batch, in order
         self.send_pubrel = send_pubrel
         self.closed = False
         self.writable = True  # false while the socket's write buffer is above its high-water mark
@@ -120,6 +120,7 @@ class LiveSession:
         sess = self.session()
         if sess is None:
             return
+        outs: list[OutboundPublish] = []
         for seq, d in sess.inflight.items():
             pid = packet_id_of(seq)
             self.pid_to_seq[pid] = seq
@@ -129,6 +130,9 @@ class LiveSession:
             else:
                 self.share_delivered.add((d.item.shard, d.item.offset))
             if d.state == RELEASING:
+                if outs:  # the resends keep their original order, PUBRELs included
+                    self.send_publishes(outs)
+                    outs = []
                 self.send_pubrel(pid)
                 continue
             msg = self._message(d.item)
@@ -136,7 +140,9 @@ class LiveSession:
                 log.error("session %s: message %d/%d of an unacknowledged delivery is gone",
                           self.client_id, d.item.shard, d.item.offset)
                 continue
-            self.send_publish(OutboundPublish(msg, d.item.qos, d.item.retain, True, pid, d.item.sub_ids))
+            outs.append(OutboundPublish(msg, d.item.qos, d.item.retain, True, pid, d.item.sub_ids))
+        if outs:
+            self.send_publishes(outs)
 
     def _message(self, item: c.DeliveryItem) -> StoredMessage | None:
         if item.embedded is not None:
@@ -220,8 +226,8 @@ class LiveSession:
                 while n < len(dq) and dq[n][0] == offset:
                     n += 1
                 qos = -1
-                sub_ids: list[int] = []
-                reg_keys: list[str] = []
+                sub_ids: tuple[int, ...] = ()  # tuples: almost always one registration owes an offset
+                reg_keys: tuple[str, ...] = ()
                 rap = False
                 share = False
                 for i in range(n):
@@ -241,9 +247,9 @@ class LiveSession:
                         qos = sq
                     if sub is not None:
                         if sub.sub_id:
-                            sub_ids.append(sub.sub_id)
+                            sub_ids += (sub.sub_id,)
                         rap = rap or sub.retain_as_published
-                    reg_keys.append(reg_key)
+                    reg_keys += (reg_key,)
                 if qos < 0:
                     for _ in range(n):
                         dq.popleft()
@@ -259,14 +265,13 @@ class LiveSession:
                     break
                 for _ in range(n):
                     dq.popleft()
-                exp = msg.expires_at_ms()
-                if exp is not None and exp <= now_ms:
+                if msg.expiry_s is not None and msg.expires_at_ms() <= now_ms:  # type: ignore[operator]
                     for rk in reg_keys:
                         expired.setdefault(rk, []).append(offset)
                     if not share:
                         self.cursor[shard] = max(cursor, offset)
                     continue
-                items.append(c.DeliveryItem(shard, offset, qos, msg.retain and rap, tuple(sub_ids), tuple(reg_keys)))
+                items.append(c.DeliveryItem(shard, offset, qos, msg.retain and rap, sub_ids, reg_keys))
                 msgs.append(msg)
                 if qos > 0:
                     room -= 1
@@ -294,14 +299,17 @@ class LiveSession:
     async def _commit_and_send(self, items: list[c.DeliveryItem], msgs: list[StoredMessage]) -> None:
         first = self.next_seq
         self.next_seq += len(items)
+        cursor = self.cursor
+        in_flight = 0
         for it in items:
             if it.offset >= 0:
-                if it.reg_keys and self.node.is_share_key(it.reg_keys[0]):
+                if it.reg_keys and it.reg_keys[0].startswith(c.SHARE_PREFIX):
                     self.share_delivered.add((it.shard, it.offset))
-                else:
-                    self.cursor[it.shard] = max(self.cursor.get(it.shard, -1), it.offset)
+                elif it.offset > cursor.get(it.shard, -1):
+                    cursor[it.shard] = it.offset
             if it.qos > 0:
-                self.inflight_out += 1
+                in_flight += 1
+        self.inflight_out += in_flight
         if self.ephemeral:
             for i, it in enumerate(items):
                 if it.qos > 0:
@@ -318,26 +326,46 @@ class LiveSession:
         if self.closed:
             return
         qos0_acks: dict[int, dict[str, list[int]]] = {}
-        for i, (it, msg) in enumerate(zip(items, msgs, strict=True)):
-            seq = first + i
-            pid = packet_id_of(seq) if it.qos > 0 else None
-            if pid is not None:
-                self.pid_to_seq[pid] = seq
+        outs: list[OutboundPublish] = []
+        pid_to_seq = self.pid_to_seq
+        seq = first
+        for it, msg in zip(items, msgs, strict=True):
+            pid: int | None = None
+            if it.qos > 0:
+                pid = packet_id_of(seq)
+                pid_to_seq[pid] = seq
             elif it.offset >= 0:
                 for rk in it.reg_keys:
                     qos0_acks.setdefault(it.shard, {}).setdefault(rk, []).append(it.offset)
-            self.send_publish(OutboundPublish(msg, it.qos, it.retain, False, pid, it.sub_ids))
+            outs.append(OutboundPublish(msg, it.qos, it.retain, False, pid, it.sub_ids))
+            seq += 1
+        self.send_publishes(outs)
         for shard, by_reg in qos0_acks.items():
             for rk, offs in by_reg.items():
                 self.node.propose(shard, c.AckReport(rk, tuple(offs)), want=False)
 
     # --- acknowledgements from the client ----------------------------------------------------------
     def on_puback(self, pid: int) -> bool:
-        seq = self.pid_to_seq.pop(pid, None)
-        if seq is None:
+        return self.on_pubacks([pid])
+
+    def on_pubacks(self, pids: list[int]) -> bool:
+        """PUBACKs (or PUBCOMPs) read together: ``on_puback`` for each, with one wake-up. True
+        when any of them finished a delivery of ours."""
+        pid_to_seq = self.pid_to_seq
+        acks = self._acks
+        done = 0
+        for pid in pids:
+            seq = pid_to_seq.pop(pid, None)
+            if seq is not None:
+                acks.append((seq, 1))
+                done += 1
+        if not done:
             return False
-        self.inflight_out -= 1
-        self._queue_ack(seq, 1)
+        self.inflight_out -= done
+        if self._ack_flush is None:
+            delay = self.node.cfg.session.ack_commit_interval_ms / 1000
+            self._ack_flush = asyncio.get_running_loop().call_later(delay, self._flush_acks)
+        self.wake()
         return True
 
     async def on_pubrec(self, pid: int) -> bool:
@@ -356,13 +384,6 @@ class LiveSession:
 
     def on_pubcomp(self, pid: int) -> bool:
         return self.on_puback(pid)
-
-    def _queue_ack(self, seq: int, kind: int) -> None:
-        self._acks.append((seq, kind))
-        if self._ack_flush is None:
-            delay = self.node.cfg.session.ack_commit_interval_ms / 1000
-            self._ack_flush = asyncio.get_running_loop().call_later(delay, self._flush_acks)
-        self.wake()
 
     def _flush_acks(self) -> None:
         self._ack_flush = None

@@ -241,6 +241,11 @@ class Node:
         self.hosts[shard].propose_cb(cmd, callback)
         self.commit.kick(shard)
 
+    def propose_group(self, shard: int, cmds: list[c.Command], callback: Any) -> None:
+        """Propose ``cmds`` together; ``callback(results, error)`` runs once, after the last applies."""
+        self.hosts[shard].propose_group(cmds, callback)
+        self.commit.kick(shard)
+
     def propose_cross(self, shard: int, cmd: c.Command) -> asyncio.Future[Any]:
         """A command caused by another shard. The test-only chaos switch delays and reorders them."""
         if self._chaos is None:

@@ -31,15 +31,38 @@ class ShardUnavailable(Exception):
     """The shard refuses service (e.g. corruption detected in synced data)."""
 
 
-# Who waits for a command's result: a future, a plain callback (the publish hot path: no
-# future, no extra loop hop), or nobody.
+# Who waits for a command's result: a future, a plain callback (no future, no extra loop hop),
+# one callback for a whole group of commands (the publish hot path: a read's worth of PUBLISHes),
+# or nobody.
 Callback = Callable[[Any, BaseException | None], None]
-Waiter = asyncio.Future[Any] | Callback | None
+
+
+class GroupEnd:
+    """The waiter of the last command of a group proposed together: its callback gets the list of
+    the group's results once, when the last of them is applied. The other members wait on
+    ``IN_GROUP``. A group is never split over two log entries, so its results are contiguous."""
+
+    __slots__ = ("callback", "size")
+
+    def __init__(self, callback: Callback, size: int) -> None:
+        self.callback = callback
+        self.size = size
+
+
+class _InGroup:
+    __slots__ = ()
+
+
+IN_GROUP = _InGroup()
+
+Waiter = asyncio.Future[Any] | Callback | GroupEnd | _InGroup | None
 
 
 def _resolve(waiter: Waiter, result: Any, exc: BaseException | None) -> None:
-    if waiter is None:
+    if waiter is None or waiter is IN_GROUP:
         return
+    if isinstance(waiter, GroupEnd):
+        waiter = waiter.callback
     if isinstance(waiter, asyncio.Future):
         if not waiter.done():
             if exc is not None:
@@ -48,7 +71,7 @@ def _resolve(waiter: Waiter, result: Any, exc: BaseException | None) -> None:
                 waiter.set_result(result)
         return
     try:
-        waiter(result, exc)
+        waiter(result, exc)  # type: ignore[operator]
     except Exception:
         log.exception("a command callback failed")
 
@@ -120,6 +143,22 @@ class ShardHost:
         if isinstance(cmd, c.Publish):
             self.batch_bytes += len(cmd.msg.payload) + 128
 
+    def propose_group(self, cmds: list[c.Command], callback: Callback) -> None:
+        """Propose ``cmds`` as one group: ``callback(results, error)`` runs once, when the last is applied."""
+        if self.failed is not None:
+            raise ShardUnavailable(f"shard {self.shard} unavailable: {self.failed}")
+        n = len(cmds)
+        invariant(n > 0, "a command group is not empty")
+        self._batch_cmds.extend(cmds)
+        futs = self._batch_futs
+        futs.extend([IN_GROUP] * (n - 1))
+        futs.append(GroupEnd(callback, n))
+        size = 0
+        for cmd in cmds:
+            if type(cmd) is c.Publish:
+                size += len(cmd.msg.payload) + 128
+        self.batch_bytes += size
+
     def has_batch(self) -> bool:
         return bool(self._batch_cmds)
 
@@ -133,7 +172,8 @@ class ShardHost:
             size = 0
             for i, cmd in enumerate(cmds):  # one entry per batch, split to respect max_entry_bytes
                 est = len(cmd.msg.payload) + 256 if isinstance(cmd, c.Publish) else 256
-                if size + est > self.max_entry_bytes and i > start:
+                # A group stays in one entry, so its results arrive together.
+                if size + est > self.max_entry_bytes and i > start and futs[i - 1] is not IN_GROUP:
                     self._propose_entry(cmds[start:i], futs[start:i])
                     start, size = i, 0
                 size += est
@@ -168,17 +208,24 @@ class ShardHost:
         fx = self._fx
         fx.clear()
         results: list[Any] = []
-        for cmd, fut in zip(cmds, futs, strict=True):
+        apply = self.state.apply
+        for i, (cmd, fut) in enumerate(zip(cmds, futs, strict=True)):
             try:
-                result = self.state.apply(cmd, fx)
+                result = apply(cmd, fx)
             except Exception as exc:  # an apply bug must not take the node down silently
                 log.exception("shard %d: apply of %s failed", self.shard, type(cmd).__name__)
                 self.failed = f"apply failed at index {index}: {exc}"
-                _resolve(fut, None, ShardUnavailable(self.failed))
+                end = i
+                while futs[end] is IN_GROUP:  # a group member fails: its group's waiter hears it
+                    end += 1
+                _resolve(futs[end], None, ShardUnavailable(self.failed))
                 raise
             results.append(result)
-            if fut is not None:
-                _resolve(fut, result, None)
+            if fut is not None and fut is not IN_GROUP:
+                if type(fut) is GroupEnd:
+                    _resolve(fut, results[-fut.size:], None)
+                else:
+                    _resolve(fut, result, None)
         self.state.applied_index = index
         store = self.store
         recent = self.recent

@@ -142,6 +142,29 @@ def test_publish_acl(auth_broker: BrokerProc, version: int) -> None:
     bob.disconnect()
 
 
+@pytest.mark.parametrize("version", [4, 5], ids=["v311", "v5"])
+def test_denied_publish_between_allowed_ones_in_one_write(auth_broker: BrokerProc, version: int) -> None:
+    # Publishes read together are proposed as a group; a denied one in the middle is answered on
+    # its own (0x87 on 5.0, acknowledged and dropped on 3.1.1) without reordering the PUBACKs.
+    alice = login(auth_broker, version, f"alice-w-{version}", "alice", b"wonderland")
+    alice.subscribe([("public/#", 1)])
+    bob = login(auth_broker, version, f"bob-w-{version}", "bob", b"builder")
+    topics = ["public/1", "public/2", "u/alice/forged", "public/3", "public/4"]
+    bob.send(b"".join(encode_publish(t, t.encode(), 1, pid=i, version=version) for i, t in enumerate(topics, 1)))
+    acks = [bob.expect(PUBACK, 10) for _ in topics]
+    denied = 0x87 if version == 5 else 0
+    assert [(a.pid, a.reason) for a in acks] == [(1, 0), (2, 0), (3, denied), (4, 0), (5, 0)]
+    got = []
+    for _ in range(4):
+        m = alice.next_message(10)
+        alice.ack(m)
+        got.append(m.topic)
+    assert got == ["public/1", "public/2", "public/3", "public/4"]
+    assert alice.recv_or_none(0.7) is None, "the denied publish was delivered"
+    alice.disconnect()
+    bob.disconnect()
+
+
 def test_will_to_denied_topic_refused(auth_broker: BrokerProc) -> None:
     with RawClient(HOST, auth_broker.mqtt_port, 5) as c:
         c.send(encode_connect("bob-will", 5, username="bob", password=b"builder",

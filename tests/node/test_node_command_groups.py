@@ -1,0 +1,127 @@
+"""Command groups on a shard host: one callback for a run of commands, with all their results.
+
+The publish hot path proposes the QoS 1 PUBLISHes of one read as a group and sends their PUBACKs
+when the group's callback runs. That is only correct if the callback runs exactly once, after the
+last member is applied, with every member's result in order; if a group is never split over two
+log entries; and if a failure reaches the group's waiter, so no PUBACK is sent for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from moorline.broker import commands as c
+from moorline.broker.messages import StoredMessage
+from moorline.broker.shard import ShardState
+from moorline.broker.topic_state import TopicLimits
+from moorline.node.one_voter import OneVoterRaft
+from moorline.node.shard_host import ApplyHooks, ShardHost, ShardUnavailable
+from moorline.storage.msgstore import MessageStore
+from moorline.storage.snapshots import SnapshotStore
+
+
+def make_host(tmp_path: Path, max_entry_bytes: int = 4 << 20, shard_max_bytes: int = 1 << 30) -> ShardHost:
+    limits = TopicLimits(shard_max_bytes=shard_max_bytes, reserved_headroom_bytes=0)
+    store = MessageStore(tmp_path / "store", segment_bytes=1 << 20, cache_bytes=0)
+    store.open()
+    return ShardHost(
+        0, ShardState(0, "inc", limits, 3600), OneVoterRaft(0, 0, 0), store, SnapshotStore(tmp_path / "snap"),
+        ApplyHooks(on_effects=lambda host, fx: None), snapshot_every_entries=1_000_000,
+        max_entry_bytes=max_entry_bytes,
+    )
+
+
+def publish(i: int, size: int = 100) -> c.Command:
+    return c.Publish(StoredMessage("t/a", bytes(size), 1, False, i.to_bytes(16, "big"), 1_000 + i))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, BaseException | None]] = []
+
+    def __call__(self, result: Any, exc: BaseException | None) -> None:
+        self.calls.append((result, exc))
+
+
+def commit_all(host: ShardHost) -> int:
+    entries = host.seal()
+    host.commit_upto(entries[-1].index)
+    return len(entries)
+
+
+def test_group_callback_runs_once_with_every_result_in_order(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = make_host(tmp_path)
+        before = host.propose(publish(0))
+        group = Recorder()
+        host.propose_group([publish(1), publish(2), publish(0), publish(3)], group)  # 0 again: a duplicate
+        single = Recorder()
+        host.propose_cb(publish(4), single)
+        assert commit_all(host) == 1
+        assert (await before).status == "ok"
+        assert len(group.calls) == 1, group.calls
+        results, exc = group.calls[0]
+        assert exc is None
+        assert [(r.status, r.offset) for r in results] == [("ok", 1), ("ok", 2), ("duplicate", 0), ("ok", 3)]
+        assert [(r.status, r.offset) for r, _ in single.calls] == [("ok", 4)]
+
+    asyncio.run(body())
+
+
+def test_a_group_is_never_split_over_two_entries(tmp_path: Path) -> None:
+    # Entries are cut at max_entry_bytes, but never inside a group: its results arrive together.
+    host = make_host(tmp_path, max_entry_bytes=2_000)
+    groups = [Recorder() for _ in range(4)]
+    n = 0
+    for g in groups:
+        host.propose_group([publish(n + k, 300) for k in range(5)], g)  # ~2.8 kB a group: over the limit
+        n += 5
+    entries = host.seal()
+    assert len(entries) == 4, "one entry per group: the limit cuts between groups, not inside one"
+    host.commit_upto(entries[1].index)
+    assert [len(g.calls) for g in groups] == [1, 1, 0, 0]
+    host.commit_upto(entries[-1].index)
+    for k, g in enumerate(groups):
+        (results, exc), = g.calls
+        assert exc is None and [r.offset for r in results] == list(range(5 * k, 5 * k + 5))
+
+
+def test_refusals_inside_a_group_come_back_per_message(tmp_path: Path) -> None:
+    # The shard fills up in the middle of a group: the members after that are refused, in place.
+    host = make_host(tmp_path, shard_max_bytes=3 * (100 + 3 + 64))
+    g = Recorder()
+    host.propose_group([publish(i) for i in range(5)], g)
+    commit_all(host)
+    (results, exc), = g.calls
+    assert exc is None
+    assert [r.status for r in results] == ["ok", "ok", "ok", "refused", "refused"]
+    assert results[3].reason_code == 0x97
+
+
+def test_a_failed_shard_fails_the_group_once(tmp_path: Path) -> None:
+    host = make_host(tmp_path)
+    g = Recorder()
+    host.propose_group([publish(i) for i in range(3)], g)
+    host.seal()
+    host.fail("disk gone")
+    assert len(g.calls) == 1
+    result, exc = g.calls[0]
+    assert result is None and isinstance(exc, ShardUnavailable)
+    with pytest.raises(ShardUnavailable):
+        host.propose_group([publish(9)], Recorder())
+
+
+def test_an_apply_failure_inside_a_group_reaches_its_waiter(tmp_path: Path) -> None:
+    host = make_host(tmp_path)
+    g = Recorder()
+    bad = c.Publish(StoredMessage("t/a", b"x", 1, False, b"short guid", 1))  # an apply invariant breaks
+    host.propose_group([publish(0), bad, publish(2)], g)
+    entries = host.seal()
+    with pytest.raises(Exception):  # noqa: B017 - any apply failure; the shard stops
+        host.commit_upto(entries[-1].index)
+    assert host.failed is not None
+    assert len(g.calls) == 1 and g.calls[0][0] is None and isinstance(g.calls[0][1], ShardUnavailable)
