@@ -19,15 +19,12 @@ GUID_BYTES = 16
 _COMPACT_MIN = 4096  # cut the evicted prefix of the columns once it is this long and half of them
 
 
-def _key(principal: str, guid: bytes) -> bytes:
-    # GUIDs are fixed-length, so GUID + principal is unambiguous; most publishers share principal "".
-    return guid + principal.encode() if principal else guid
-
-
 class GuidHistory:
     __slots__ = ("_seq", "_keys", "_first", "_head", "_offset", "_ts", "_crc")
 
     def __init__(self) -> None:
+        # Keys are GUID + principal: GUIDs are fixed-length, so that is unambiguous, and most publishers
+        # share principal "" (the key is then the GUID itself). Built inline in get/add: per message.
         self._seq: dict[bytes, int] = {}  # key -> sequence number (position + _first - _head)
         self._keys: deque[bytes] = deque()  # keys, oldest first
         self._first = 0  # sequence number of the oldest entry
@@ -44,14 +41,14 @@ class GuidHistory:
 
     def get(self, principal: str, guid: bytes) -> tuple[int, int, int] | None:
         """(offset, entry time, content CRC) of an accepted publish, or None."""
-        seq = self._seq.get(_key(principal, guid))
+        seq = self._seq.get(guid + principal.encode() if principal else guid)
         if seq is None:
             return None
         i = seq - self._first + self._head
         return self._offset[i], self._ts[i], self._crc[i]
 
     def add(self, principal: str, guid: bytes, offset: int, ts_ms: int, crc: int) -> None:
-        key = _key(principal, guid)
+        key = guid + principal.encode() if principal else guid
         if len(guid) != GUID_BYTES or key in self._seq:
             violated(f"GUID history: add of a {len(guid)}-byte GUID, already present: {key in self._seq}")
         self._seq[key] = self._first + len(self._keys)

@@ -152,14 +152,15 @@ class TopicState:
                 return PublishResult("refused", reason_code=0x99, reason="GUID reused with different content")
             return PublishResult("duplicate", seen[0])
         size = msg.size()
-        if self.bytes_used + size > self.limits.shard_max_bytes - self.limits.reserved_headroom_bytes:
+        limits = self.limits
+        if self.bytes_used + size > limits.shard_max_bytes - limits.reserved_headroom_bytes:
             return PublishResult("refused", reason_code=0x97, reason="shard is full")
         offset = self.next_offset
         if offset > OFFSET_MASK:
             violated(f"shard {self.shard}: message offset {offset} beyond {OFFSET_BITS} bits")
         self.next_offset += 1
         fx.appends.append((offset, encode_message(msg), msg))
-        exp = msg.expires_at_ms()
+        exp = None if msg.expiry_s is None else msg.expires_at_ms()
         self.meta.add(offset, ts_ms, size, msg.guid, topic, msg.qos, exp)
         self.bytes_used += size
         self.dedup.add(cmd.principal, msg.guid, offset, ts_ms, content)
@@ -171,13 +172,15 @@ class TopicState:
             else:
                 self.retained.pop(topic, None)
         owed = 0
+        regs = self.regs
         for reg_key in self._matching(topic):
-            reg = self.regs[reg_key]
+            reg = regs[reg_key]
             if reg.draining or (reg.no_local and reg.client_id == msg.origin):
                 continue
             reg.owed[offset] = None
             owed += 1
-            fx.owed(reg_key, offset)
+            fx.owed_regs.add(reg_key)  # fx.owed(reg_key, offset), without the call: once per message
+            fx.owed_new.append((reg_key, offset))
         if owed:
             self.owed_count[offset] = owed
         else:
