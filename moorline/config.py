@@ -94,13 +94,16 @@ class StorageConfig:
     # (queue, futex, GIL waits after each system call, wake-up) and no throughput. Slower disks get
     # the sync thread so the loop keeps serving meanwhile. 0 = always the thread.
     inline_sync_max_us: int = 5000
+    # Commands nobody waits for (ack reports, QoS 1 session acks, housekeeping) never force a sync
+    # of their own: they ride on the next sync a proposer waits for, or go after this long.
+    lazy_sync_delay_ms: int = 20
 
 
 @dataclass
 class RaftConfig:
     # A single node runs each shard as a one-voter group; election and append limits arrive with
     # replication. The entry size bound already applies (one entry holds one batch of commands).
-    max_entry_bytes: int = 4 << 20
+    max_entry_bytes: int = 1 << 20
 
 
 @dataclass
@@ -166,6 +169,8 @@ class NodeConfig:
             raise ConfigError("shard.reserved_headroom_bytes must be below shard.max_bytes")
         if self.storage.inline_sync_max_us < 0:
             raise ConfigError("storage.inline_sync_max_us must be 0 or more")
+        if not 0 <= self.storage.lazy_sync_delay_ms <= 1000:
+            raise ConfigError("storage.lazy_sync_delay_ms must be 0..1000")
         rt = self.runtime
         if rt.gc_young_threshold < 1 or min(rt.malloc_mmap_threshold_bytes, rt.malloc_trim_threshold_bytes,
                                              rt.malloc_top_pad_bytes) < 0:

@@ -15,7 +15,9 @@ class Effects:
     # (offset, encoded record, the message itself: the host may keep it for delivery)
     appends: list[tuple[int, bytes, StoredMessage]] = field(default_factory=list)
     releases: list[int] = field(default_factory=list)
-    owed_new: list[tuple[str, int]] = field(default_factory=list)  # (registration, offset) newly owed, in apply order
+    # (offset, registration) newly owed, in apply order: the shape of a session's pending index, so
+    # the host can hand runs of one registration to it without rebuilding a tuple per message.
+    owed_new: list[tuple[int, str]] = field(default_factory=list)
     owed_regs: set[str] = field(default_factory=set)  # registrations whose owed set changed (dispatch, caps)
     claims: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)  # (share reg, member, offsets)
 
@@ -25,7 +27,7 @@ class Effects:
     def owed(self, reg_key: str, offset: int = -1) -> None:
         self.owed_regs.add(reg_key)
         if offset >= 0:
-            self.owed_new.append((reg_key, offset))
+            self.owed_new.append((offset, reg_key))
 
     def claimed(self, reg_key: str, member: str, offsets: tuple[int, ...]) -> None:
         self.claims.append((reg_key, member, offsets))

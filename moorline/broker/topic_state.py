@@ -180,7 +180,7 @@ class TopicState:
             reg.owed[offset] = None
             owed += 1
             fx.owed_regs.add(reg_key)  # fx.owed(reg_key, offset), without the call: once per message
-            fx.owed_new.append((reg_key, offset))
+            fx.owed_new.append((offset, reg_key))
         if owed:
             self.owed_count[offset] = owed
         else:

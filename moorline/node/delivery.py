@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -170,10 +170,14 @@ class LiveSession:
     def notify(self, shard: int, reg_key: str, offset: int) -> None:
         """A committed apply made ``offset`` owed to (or claimed for) this session. Wakes only:
         the message itself is read from the shard's store when it is delivered."""
+        self.notify_run(shard, ((offset, reg_key),))
+
+    def notify_run(self, shard: int, run: Iterable[tuple[int, str]]) -> None:
+        """``notify`` for (offset, registration) pairs in apply order, appended as they are."""
         dq = self.pending.get(shard)
         if dq is None:
             dq = self.pending[shard] = deque()
-        dq.append((offset, reg_key))
+        dq.extend(run)
 
     def _load_pending(self, sess: Session) -> None:
         """On (re)connect: everything owed past the delivered cursor, and our undelivered claims."""
@@ -342,7 +346,7 @@ class LiveSession:
         self.send_publishes(outs)
         for shard, by_reg in qos0_acks.items():
             for rk, offs in by_reg.items():
-                self.node.propose(shard, c.AckReport(rk, tuple(offs)), want=False)
+                self.node.propose_lazy(shard, c.AckReport(rk, tuple(offs)))
 
     # --- acknowledgements from the client ----------------------------------------------------------
     def on_puback(self, pid: int) -> bool:
@@ -398,7 +402,8 @@ class LiveSession:
                     done.append(d.item)
             self._report_done(done)
             return
-        fut = self.node.propose(self.shard, c.SessionAcks(self.client_id, self.epoch, acks))
+        # QoS 1 acks may be committed late (one lost with its owner is redelivered): no sync of their own.
+        fut = self.node.propose_lazy(self.shard, c.SessionAcks(self.client_id, self.epoch, acks), want=True)
         assert fut is not None
         fut.add_done_callback(self._acks_committed)
 
@@ -418,4 +423,4 @@ class LiveSession:
                 by_shard.setdefault(it.shard, {}).setdefault(rk, []).append(it.offset)
         for shard, by_reg in by_shard.items():
             for rk, offs in by_reg.items():
-                self.node.propose(shard, c.AckReport(rk, tuple(offs)), want=False)
+                self.node.propose_lazy(shard, c.AckReport(rk, tuple(offs)))

@@ -126,6 +126,7 @@ class GroupCommit:
         on_fatal: Callable[[BaseException], None],
         after_commit: Callable[[], None],
         inline_sync_max_us: int = 0,
+        lazy_sync_delay_ms: int = 0,
     ) -> None:
         self.wal = wal
         self.hosts = hosts
@@ -135,6 +136,11 @@ class GroupCommit:
         self.unsafe_ack_before_sync = os.environ.get("MOORLINE_TEST_UNSAFE_ACK_BEFORE_SYNC") == "1"
         self._wake = asyncio.Event()
         self._dirty: set[int] = set()
+        # Whether a proposal since the last sync waits for it; lazy ones alone wait for a timer.
+        self._urgent = False
+        self.lazy_sync_delay_s = lazy_sync_delay_ms / 1000
+        self._lazy_timer: asyncio.TimerHandle | None = None
+        self.lazy_syncs = 0  # syncs that carried only lazy commands (their timer ran out)
         self.timer = SyncTimer(inline_sync_max_us / 1e6)
         self._sync_thread = SyncThread(wal)
         self._stopped = False
@@ -142,17 +148,33 @@ class GroupCommit:
         self.shard_batches_synced = 0  # (shard, sync) pairs: how many shards one sync covers on average
 
     def kick(self, shard: int) -> None:
-        dirty = self._dirty
-        if shard not in dirty:  # called once per proposal: the event is set by the first of a pass
-            dirty.add(shard)
+        self._dirty.add(shard)
+        if not self._urgent:  # called once per proposal: the event is set by the first of a pass
+            self._urgent = True
             self._wake.set()
+
+    def kick_lazy(self, shard: int) -> None:
+        """A proposal nobody waits for: synced with the next urgent one, or when the lazy timer ends."""
+        self._dirty.add(shard)
+        if not self._urgent and self._lazy_timer is None:
+            self._lazy_timer = asyncio.get_running_loop().call_later(self.lazy_sync_delay_s, self._lazy_due)
+
+    def _lazy_due(self) -> None:
+        self._lazy_timer = None
+        self.lazy_syncs += 1
+        self._urgent = True
+        self._wake.set()
 
     async def run(self) -> None:
         while not self._stopped:
             await self._wake.wait()
             self._wake.clear()
+            if self._lazy_timer is not None:
+                self._lazy_timer.cancel()  # an urgent proposal takes the lazy ones along
+                self._lazy_timer = None
             # One more loop pass lets every connection's already-read packets join this batch.
             await asyncio.sleep(0)
+            self._urgent = False  # proposals from here on wake the next pass
             dirty, self._dirty = sorted(self._dirty), set()
             staged: list[tuple[ShardHost, int]] = []
             for shard in dirty:
@@ -204,5 +226,8 @@ class GroupCommit:
 
     def stop(self) -> None:
         self._stopped = True
+        if self._lazy_timer is not None:
+            self._lazy_timer.cancel()
+            self._lazy_timer = None
         self._wake.set()
         self._sync_thread.stop()

@@ -183,6 +183,7 @@ def make_app(node: Node) -> web.Application:
             "# TYPE moorline_published_total counter", f"moorline_published_total {node.stats['published']}",
             "# TYPE moorline_delivered_total counter", f"moorline_delivered_total {node.stats['delivered']}",
             "# TYPE moorline_wal_syncs_total counter", f"moorline_wal_syncs_total {node.commit.syncs}",
+            "# TYPE moorline_wal_syncs_lazy_total counter", f"moorline_wal_syncs_lazy_total {node.commit.lazy_syncs}",
             "# TYPE moorline_wal_syncs_inline_total counter",
             f"moorline_wal_syncs_inline_total {node.commit.timer.inline}",
             "# TYPE moorline_wal_sync_seconds_mean gauge", f"moorline_wal_sync_seconds_mean {node.commit.timer.mean_s:.6f}",

@@ -15,6 +15,8 @@ import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +189,7 @@ class Node:
 
     async def start(self) -> None:
         self.commit = GroupCommit(self.wal, self.hosts, self._on_fatal, self._after_commit,
-                                  self.cfg.storage.inline_sync_max_us)
+                                  self.cfg.storage.inline_sync_max_us, self.cfg.storage.lazy_sync_delay_ms)
         self._tasks.append(asyncio.create_task(self.commit.run(), name="group-commit"))
         await self._reconcile_after_restart()
         self._tasks.append(asyncio.create_task(self._housekeeping_loop(), name="housekeeping"))
@@ -228,13 +230,21 @@ class Node:
                 if done:
                     by_reg.setdefault((shard, rk), []).extend(done)
         for (shard, rk), offsets in by_reg.items():
-            self.propose(shard, c.AckReport(rk, tuple(offsets)), want=False)
+            self.propose_lazy(shard, c.AckReport(rk, tuple(offsets)))
 
     # --- proposing -------------------------------------------------------------------------------
     def propose(self, shard: int, cmd: c.Command, want: bool = True) -> asyncio.Future[Any] | None:
         host = self.hosts[shard]
         fut = host.propose(cmd, want)
         self.commit.kick(shard)
+        return fut
+
+    def propose_lazy(self, shard: int, cmd: c.Command, want: bool = False) -> asyncio.Future[Any] | None:
+        """A command nobody waits for and whose delay costs nothing but a later release (ack
+        reports, QoS 1 session acks, housekeeping): it never forces a sync of its own, it rides on
+        the next one somebody waits for, or goes after ``storage.lazy_sync_delay_ms``."""
+        fut = self.hosts[shard].propose(cmd, want)
+        self.commit.kick_lazy(shard)
         return fut
 
     def propose_cb(self, shard: int, cmd: c.Command, callback: Any) -> None:
@@ -453,12 +463,13 @@ class Node:
     def _on_effects(self, host: ShardHost, fx: Effects) -> None:
         shard = host.shard
         woken: set[LiveSession] = set()
-        for reg_key, offset in fx.owed_new:
+        # Runs of one registration (one subscriber's messages, in apply order) go to its session at once.
+        for reg_key, run in groupby(fx.owed_new, key=itemgetter(1)):
             if reg_key.startswith(SHARE_PREFIX):
                 continue
             live = self.live.get(reg_key.partition("\x00")[0])
             if live is not None:
-                live.notify(shard, reg_key, offset)
+                live.notify_run(shard, run)
                 woken.add(live)
         for reg_key in fx.owed_regs:
             if self.is_share_key(reg_key):
@@ -568,7 +579,7 @@ class Node:
                     continue
                 t = host.state.topics
                 if t.meta or t.dedup:
-                    self.propose(host.shard, c.Housekeeping(now, self._pin_floor(host.shard, now)), want=False)
+                    self.propose_lazy(host.shard, c.Housekeeping(now, self._pin_floor(host.shard, now)))
                 if any(not s.connected for s in host.state.sessions.sessions.values()):
                     await self._session_housekeeping(host.shard)
             self._reclaim()

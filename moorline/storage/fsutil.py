@@ -49,6 +49,16 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
         view.release()
 
 
+def writev_all(fd: int, pieces: list[bytes | bytearray]) -> int:
+    """``os.writev`` of ``pieces`` until every byte is written; returns the byte count. Large
+    payloads go to the file straight from their own buffers, not copied into a joined one first."""
+    total = sum(len(piece) for piece in pieces)
+    done = os.writev(fd, pieces)
+    if done < total:  # a short write: the rest, joined (rare; only on very large writes)
+        write_all(fd, memoryview(b"".join(pieces))[done:])
+    return total
+
+
 def truncate_durably(path: Path, length: int) -> None:
     """Cut ``path`` to ``length`` bytes and make the new length durable."""
     fd = os.open(path, os.O_RDWR)

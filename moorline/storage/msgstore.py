@@ -53,6 +53,7 @@ from moorline.storage.fsutil import (
     truncate_durably,
     write_all,
     write_file_atomically,
+    writev_all,
 )
 from moorline.storage.ledger import SyncLedger
 
@@ -65,8 +66,8 @@ MAGIC = 0x534D
 _MAGIC_BYTES = struct.pack("<H", MAGIC)
 _HDR = struct.Struct("<HHIIq")
 _AFTER_CRC = struct.Struct("<Iq")  # the part of the header the CRC covers
-_CRC_PART = struct.Struct("<HHI")  # magic, flags, CRC32C
 HEADER_BYTES = _HDR.size
+WRITEV_RECORD_BYTES = 16 << 10  # records this large are written from their own buffer (no copy)
 invariant(HEADER_BYTES == 20, "store header layout changed")
 _META = struct.Struct("<qqI")  # low_water, sync point, crc of the 16 bytes before
 MAX_RECORD_BYTES = 256 << 20
@@ -88,8 +89,8 @@ class StoreCorruption(Exception):
 
 def record_header(offset: int, payload: bytes) -> bytes:
     """The 20-byte header of a record; the CRC covers the rest of the header and the payload."""
-    after = _AFTER_CRC.pack(len(payload), offset)
-    return _CRC_PART.pack(MAGIC, 0, _crc32c_module.crc32c(payload, _crc(after))) + after
+    n = len(payload)
+    return _HDR.pack(MAGIC, 0, _crc32c_module.crc32c(payload, _crc(_AFTER_CRC.pack(n, offset))), n, offset)
 
 
 def encode_record(offset: int, payload: bytes) -> bytes:
@@ -311,9 +312,17 @@ class MessageStore:
             seg = self._new_segment(offset)
         seg.add(offset, seg.size, len(record))
         seg.size += size
-        self._buffer += header
-        self._buffer += record  # copied once, straight into the write buffer
         self.next_offset = offset + 1
+        if len(record) >= WRITEV_RECORD_BYTES:
+            # A large record goes to the file from its own buffer, after what is buffered before it.
+            if self._write_fd is None:
+                self._write_fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
+            self._flushed += writev_all(self._write_fd, [self._buffer, header, record])
+            self._buffer = bytearray()
+            invariant(self._flushed == seg.size, "flushed size disagrees with the segment index")
+        else:
+            self._buffer += header
+            self._buffer += record  # copied once, straight into the write buffer
         if self.cache_bytes:
             self._cache[offset] = record
             self._cache_used += len(record)

@@ -252,9 +252,15 @@ class WriteAheadLog:
         segment_bytes: int = 64 << 20,
         max_pending_bytes: int = 64 << 20,
         ledger: Path | str | SyncLedger | None = None,
+        write_ahead_bytes: int = 256 << 10,
     ) -> None:
         invariant(256 <= segment_bytes <= MAX_SEGMENT_BYTES, "segment_bytes must be in [256 B, 2 GiB]")
         invariant(max_pending_bytes > 0, "max_pending_bytes must be positive")
+        invariant(write_ahead_bytes > 0, "write_ahead_bytes must be positive")
+        # Pending bytes past this are written at once (not synced): a batch of large payloads goes
+        # to the page cache while it is still in the CPU cache. Measured here, one 5 MB write cost
+        # three times the CPU per byte of 1 MB ones.
+        self.write_ahead_bytes = write_ahead_bytes
         self.directory = Path(directory)
         self.segment_bytes = segment_bytes
         self.max_pending_bytes = max_pending_bytes
@@ -284,6 +290,7 @@ class WriteAheadLog:
         self._fd_seq = 0
         self._fd_length = 0
         self._synced_seq = 0
+        self._written_unsynced = False  # a write-ahead put bytes in the file that no sync covers yet
         # Read by the event loop, changed by the syncer: mutated under both locks, read under _lock.
         self._disk_segments: list[int] = []
         self._durable_snapshot: dict[int, int] = {}
@@ -539,6 +546,8 @@ class WriteAheadLog:
                 chunk += data
                 seg_size += HEADER_BYTES + blen
                 expected += 1
+                if len(chunk) >= self.write_ahead_bytes:
+                    chunk = self._write_ahead_locked()
             self._pending_bytes += seg_size - self._seg_size
             self._seg_size = seg_size
             last = expected - 1
@@ -655,6 +664,28 @@ class WriteAheadLog:
         pending.append((self._seg_seq, chunk))
         return chunk
 
+    def _write_ahead_locked(self) -> bytearray:
+        """Write the pending chunks now, unsynced, unless a sync is writing (caller holds _lock);
+        returns the chunk to append to. Durability is unchanged: only ``sync`` makes bytes count."""
+        if self._fd is None or len(self._pending) != 1 or self._pending[0][0] != self._fd_seq:
+            return self._chunk_locked()  # a segment switch takes _lock itself: leave it to sync
+        if not self._sync_lock.acquire(blocking=False):
+            return self._chunk_locked()
+        try:
+            (_, chunk), = self._pending
+            self._pending = []
+            try:
+                assert self._fd is not None
+                write_all(self._fd, chunk)
+            except BaseException as exc:
+                self._failed = exc
+                raise
+            self._fd_length += len(chunk)
+            self._written_unsynced = True
+        finally:
+            self._sync_lock.release()
+        return self._chunk_locked()
+
     def _start_segment_locked(self) -> None:
         self._seg_seq += 1
         self._seg_size = 0
@@ -687,7 +718,7 @@ class WriteAheadLog:
                 snapshots = self._pending_snapshots
                 self._pending_snapshots = []
                 seq = self._appended_seq
-            if not chunks:
+            if not chunks and not self._written_unsynced:
                 invariant(not snapshots, "snapshot marks pending without bytes")
                 self._synced_seq = max(self._synced_seq, seq)
                 return self._synced_seq
@@ -700,6 +731,7 @@ class WriteAheadLog:
                     self._fd_length += len(chunk)
                 assert self._fd is not None
                 os.fdatasync(self._fd)
+                self._written_unsynced = False
             except BaseException as exc:
                 self._failed = exc
                 raise

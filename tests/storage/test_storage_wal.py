@@ -539,3 +539,45 @@ def test_remove_group_unpins_segments_and_forgets_its_past(tmp_path: Path) -> No
     rec2 = WriteAheadLog(tmp_path, segment_bytes=1024).open()
     assert [(e.term, e.index) for e in rec2.groups[2].entries] == [(7, 1), (7, 2)]
     assert rec2.corrupted == []
+
+
+def test_write_ahead_puts_large_batches_in_the_file_but_only_sync_makes_them_count(tmp_path: Path) -> None:
+    """Past ``write_ahead_bytes`` pending bytes are written at once (while still in the CPU cache),
+    unsynced: the ledger (synced lengths) does not move, a crash before ``sync`` loses them like
+    any unsynced append, and ``sync`` still fdatasyncs them although nothing is pending any more."""
+    ledger = tmp_path / "ledger.jsonl"
+    d = tmp_path / "wal"
+    w = WriteAheadLog(d, ledger=ledger, write_ahead_bytes=4096)
+    w.open()
+    w.append_entries(1, [ent(1)])
+    w.sync()
+    synced = read_ledger(ledger)
+    (seg,) = d.iterdir()
+    size_synced = seg.stat().st_size
+    w.append_entries(1, [ent(i, data=bytes([i]) * 1500) for i in range(2, 8)])
+    assert seg.stat().st_size > size_synced, "no write-ahead happened"
+    assert read_ledger(ledger) == synced  # written is not synced
+    assert w.appended_seq() > w.synced_seq()
+    crash(w)
+    # Power loss of what no sync covered: the harness cuts the file back to the ledger's length.
+    os.truncate(seg, synced[str(seg)])
+    rec = WriteAheadLog(d).open()
+    assert [e.index for e in rec.groups[1].entries] == [1]
+
+    w2 = WriteAheadLog(d, ledger=ledger, write_ahead_bytes=4096)
+    w2.open()
+    w2.append_entries(1, [ent(2, data=bytes([2]) * 1500)])
+    w2.sync()  # after recovery the first sync opens the segment it writes to
+    (seg,) = sorted(d.iterdir())[-1:]
+    synced = read_ledger(ledger)
+    w2.append_entries(1, [ent(i, data=bytes([i]) * 1500) for i in range(3, 8)])
+    written = seg.stat().st_size
+    assert written > synced[str(seg)]
+    seq = w2.sync()  # everything was written ahead: this sync must still run fdatasync
+    assert seq == w2.appended_seq() == w2.synced_seq()
+    assert read_ledger(ledger)[str(seg)] == seg.stat().st_size >= written
+    w2.close()
+    rec = WriteAheadLog(d).open()
+    got = rec.groups[1].entries
+    assert [e.index for e in got] == list(range(1, 8))
+    assert all(e.data == bytes([e.index]) * 1500 for e in got[1:])
