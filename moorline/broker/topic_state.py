@@ -12,6 +12,8 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from moorline.broker.commands import (
     AckReport,
     DropOwed,
@@ -62,8 +64,7 @@ class DropRecord:
     reg_key: str
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass costs a setattr call per field, per publish
-class PublishResult:
+class PublishResult(msgspec.Struct, gc=False):  # one per publish: a Struct costs a third of a dataclass
     status: str  # "ok" | "duplicate" | "refused"
     offset: int = -1
     reason_code: int = 0

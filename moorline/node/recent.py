@@ -19,43 +19,63 @@ from moorline.broker.messages import StoredMessage
 ENTRY_OVERHEAD_BYTES = 520
 
 
+# Keys pack (shard, offset) into one int: no tuple per put, get or drop. Offsets stay far below
+# 2**40 (see broker/topic_state.py); shards are small.
+_SHARD_SHIFT = 40
+
+
 class RecentMessages:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.used_bytes = 0
-        self._items: OrderedDict[tuple[int, int], tuple[StoredMessage, int]] = OrderedDict()
+        # (shard << 40 | offset) -> message; a message's charge is recomputed from it when it leaves.
+        self._items: OrderedDict[int, StoredMessage] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
         return len(self._items)
 
+    @staticmethod
+    def _charge(msg: StoredMessage) -> int:
+        return len(msg.payload) + len(msg.topic) + ENTRY_OVERHEAD_BYTES
+
     def put(self, shard: int, offset: int, msg: StoredMessage) -> None:
-        size = len(msg.payload) + len(msg.topic) + ENTRY_OVERHEAD_BYTES
-        if size > self.max_bytes:
-            return
+        self.put_many(shard, ((offset, b"", msg),))
+
+    def put_many(self, shard: int, appends: Iterable[tuple[int, bytes, StoredMessage]]) -> None:
+        """The messages of one apply, as ``Effects.appends`` lists them: (offset, record, message)."""
         items = self._items
-        key = (shard, offset)
-        old = items.pop(key, None)
-        if old is not None:
-            self.used_bytes -= old[1]
-        items[key] = (msg, size)
-        self.used_bytes += size
-        while self.used_bytes > self.max_bytes:
-            _, (_, dropped) = items.popitem(last=False)
-            self.used_bytes -= dropped
+        max_bytes = self.max_bytes
+        base = shard << _SHARD_SHIFT
+        used = self.used_bytes
+        for offset, _record, msg in appends:
+            size = len(msg.payload) + len(msg.topic) + ENTRY_OVERHEAD_BYTES
+            if size > max_bytes:
+                continue
+            key = base | offset
+            old = items.pop(key, None)
+            if old is not None:
+                used -= self._charge(old)
+            items[key] = msg
+            used += size
+            while used > max_bytes:
+                _, dropped = items.popitem(last=False)
+                used -= self._charge(dropped)
+        self.used_bytes = used
 
     def get(self, shard: int, offset: int) -> StoredMessage | None:
-        hit = self._items.get((shard, offset))
+        hit = self._items.get((shard << _SHARD_SHIFT) | offset)
         if hit is None:
             self.misses += 1
             return None
         self.hits += 1
-        return hit[0]
+        return hit
 
     def drop(self, shard: int, offsets: Iterable[int]) -> None:
         items = self._items
+        base = shard << _SHARD_SHIFT
         for offset in offsets:
-            old = items.pop((shard, offset), None)
+            old = items.pop(base | offset, None)
             if old is not None:
-                self.used_bytes -= old[1]
+                self.used_bytes -= self._charge(old)

@@ -229,10 +229,10 @@ class ShardHost:
         self.state.applied_index = index
         store = self.store
         recent = self.recent
-        for offset, record, msg in fx.appends:
-            store.append(offset, record)
+        if fx.appends:
+            store.append_many(fx.appends)
             if recent is not None:
-                recent.put(self.shard, offset, msg)
+                recent.put_many(self.shard, fx.appends)
         if fx.releases:
             store.release(fx.releases)
             if recent is not None:

@@ -41,6 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import crc32c as _crc32c_module
 
@@ -302,35 +303,46 @@ class MessageStore:
 
     def append(self, offset: int, record: bytes) -> None:
         """Store ``record`` at ``offset``, which must be ``next_offset`` (buffered, not synced)."""
-        if offset != self.next_offset or not self._opened or len(record) > MAX_RECORD_BYTES:
-            violated(f"append at {offset} (expected {self.next_offset}) of {len(record)} bytes to a store "
-                     f"{'open' if self._opened else 'not open'} (records up to {MAX_RECORD_BYTES} bytes)")
-        header = record_header(offset, record)
-        size = len(header) + len(record)
-        seg = self._segments[-1] if self._segments else None
-        if seg is None or (seg.offsets and seg.size + size > self.segment_bytes):
-            seg = self._new_segment(offset)
-        seg.add(offset, seg.size, len(record))
-        seg.size += size
-        self.next_offset = offset + 1
-        if len(record) >= WRITEV_RECORD_BYTES:
-            # A large record goes to the file from its own buffer, after what is buffered before it.
-            if self._write_fd is None:
-                self._write_fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
-            self._flushed += writev_all(self._write_fd, [self._buffer, header, record])
-            self._buffer = bytearray()
-            invariant(self._flushed == seg.size, "flushed size disagrees with the segment index")
-        else:
-            self._buffer += header
-            self._buffer += record  # copied once, straight into the write buffer
-        if self.cache_bytes:
-            self._cache[offset] = record
-            self._cache_used += len(record)
-            while self._cache_used > self.cache_bytes:
-                _, old = self._cache.popitem(last=False)
-                self._cache_used -= len(old)
-        if len(self._buffer) >= self.write_buffer_bytes:
-            self._flush()
+        self.append_many(((offset, record, None),))
+
+    def append_many(self, appends: Iterable[tuple[int, bytes, Any]]) -> None:
+        """Store the records of one apply, in order: (offset, record, anything) as ``Effects.appends``
+        lists them. Each offset must be the next one (buffered, not synced)."""
+        crc_more = _crc32c_module.crc32c
+        pack_after, pack_header = _AFTER_CRC.pack, _HDR.pack
+        for offset, record, _ in appends:
+            n = len(record)
+            if offset != self.next_offset or not self._opened or n > MAX_RECORD_BYTES:
+                violated(f"append at {offset} (expected {self.next_offset}) of {n} bytes to a store "
+                         f"{'open' if self._opened else 'not open'} (records up to {MAX_RECORD_BYTES} bytes)")
+            # record_header(offset, record), inlined: once per stored message
+            header = pack_header(MAGIC, 0, crc_more(record, _crc(pack_after(n, offset))), n, offset)
+            size = HEADER_BYTES + n
+            seg = self._segments[-1] if self._segments else None
+            if seg is None or (seg.offsets and seg.size + size > self.segment_bytes):
+                seg = self._new_segment(offset)
+            seg.add(offset, seg.size, n)
+            seg.size += size
+            self.next_offset = offset + 1
+            if n >= WRITEV_RECORD_BYTES:
+                # A large record goes to the file from its own buffer, after what is buffered before it.
+                if self._write_fd is None:
+                    self._write_fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
+                self._flushed += writev_all(self._write_fd, [self._buffer, header, record])
+                self._buffer = bytearray()
+                invariant(self._flushed == seg.size, "flushed size disagrees with the segment index")
+            else:
+                buffer = self._buffer
+                buffer += header
+                buffer += record  # copied once, straight into the write buffer
+                if len(buffer) >= self.write_buffer_bytes:
+                    self._flush()
+            if self.cache_bytes:
+                self._cache[offset] = record
+                self._cache_used += n
+                while self._cache_used > self.cache_bytes:
+                    _, old = self._cache.popitem(last=False)
+                    self._cache_used -= len(old)
 
     def _new_segment(self, first_offset: int) -> _Segment:
         if self._segments and self._segments[-1].size > self._synced_size(self._segments[-1]):
