@@ -141,6 +141,7 @@ class GroupCommit:
         self.lazy_sync_delay_s = lazy_sync_delay_ms / 1000
         self._lazy_timer: asyncio.TimerHandle | None = None
         self.lazy_syncs = 0  # syncs that carried only lazy commands (their timer ran out)
+        self._flush_waiters: list[asyncio.Future[None]] = []  # woken when the next pass is done
         self.timer = SyncTimer(inline_sync_max_us / 1e6)
         self._sync_thread = SyncThread(wal)
         self._stopped = False
@@ -159,6 +160,21 @@ class GroupCommit:
         if not self._urgent and self._lazy_timer is None:
             self._lazy_timer = asyncio.get_running_loop().call_later(self.lazy_sync_delay_s, self._lazy_due)
 
+    async def flush(self, timeout_s: float) -> bool:
+        """Sync and apply everything proposed so far, lazy commands included (at shutdown), waiting
+        at most ``timeout_s``. False when that was not done in time."""
+        if self._stopped or (not self._dirty and not self._urgent):
+            return True
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append(done)
+        self._urgent = True
+        self._wake.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     def _lazy_due(self) -> None:
         self._lazy_timer = None
         self.lazy_syncs += 1
@@ -176,53 +192,66 @@ class GroupCommit:
             await asyncio.sleep(0)
             self._urgent = False  # proposals from here on wake the next pass
             dirty, self._dirty = sorted(self._dirty), set()
-            staged: list[tuple[ShardHost, int]] = []
-            for shard in dirty:
-                host = self.hosts[shard]
-                if host.failed is not None or not (host.has_batch() or host.raft.has_ready()):
-                    continue
-                if staged and self.wal.pending_bytes() + host.batch_bytes > self.max_stage_bytes:
-                    self._dirty.add(shard)  # over the staging budget: this shard joins the next sync
-                    self._wake.set()
-                    continue
-                entries = host.seal()
-                if entries:
-                    self.wal.append_entries(shard, [(e.term, e.index, e.type, e.data) for e in entries])
-                    self.wal.set_hard_state(shard, host.raft.term, b"", host.raft.commit)
-                    staged.append((host, entries[-1].index))
-            if not staged and self.wal.pending_bytes() == 0:
-                continue
-            if self.unsafe_ack_before_sync:  # deliberately broken build for the crash harness
-                for host, index in staged:
-                    host.commit_upto(index)
-                # Acknowledged, then synced only a while later (like a periodic flush): the window
-                # in which a kill plus power loss loses acknowledged messages is most of the run,
-                # so the harness catches this build every time, not only when a kill is lucky.
-                await asyncio.sleep(UNSAFE_SYNC_DELAY_S)
+            flushed, self._flush_waiters = self._flush_waiters, []
             try:
-                if self.timer.use_inline():
-                    started = time.perf_counter()
-                    self.wal.sync()  # blocks the loop for about timer.mean_s: cheaper than a hand-off
-                    self.timer.note(time.perf_counter() - started)
-                    self.timer.inline += 1
-                else:
-                    self.timer.threaded += 1
-                    await self._sync_thread.sync()
-            except asyncio.CancelledError:
-                raise  # node stopping: the final sync happens in Node.stop
-            except Exception as exc:  # a failed fsync leaves durability unknown: stop the node
-                log.critical("WAL sync failed: %s; stopping without acknowledging", exc)
-                for host, _ in staged:
-                    host.fail(f"WAL sync failed: {exc}")
-                self.on_fatal(exc)
+                alive = await self._commit(dirty)
+            finally:
+                for fut in flushed:
+                    if not fut.done():
+                        fut.set_result(None)
+            if not alive:
                 return
-            self.syncs += 1
-            self.shard_batches_synced += len(staged)
-            if not self.unsafe_ack_before_sync:
-                for host, index in staged:
-                    if host.failed is None:
-                        host.commit_upto(index)
-            self.after_commit()
+
+    async def _commit(self, dirty: list[int]) -> bool:
+        """One pass: seal, stage, sync once, apply. False when a failed sync stopped the node."""
+        staged: list[tuple[ShardHost, int]] = []
+        for shard in dirty:
+            host = self.hosts[shard]
+            if host.failed is not None or not (host.has_batch() or host.raft.has_ready()):
+                continue
+            if staged and self.wal.pending_bytes() + host.batch_bytes > self.max_stage_bytes:
+                self._dirty.add(shard)  # over the staging budget: this shard joins the next sync
+                self._wake.set()
+                continue
+            entries = host.seal()
+            if entries:
+                self.wal.append_entries(shard, [(e.term, e.index, e.type, e.data) for e in entries])
+                self.wal.set_hard_state(shard, host.raft.term, b"", host.raft.commit)
+                staged.append((host, entries[-1].index))
+        if not staged and self.wal.pending_bytes() == 0:
+            return True
+        if self.unsafe_ack_before_sync:  # deliberately broken build for the crash harness
+            for host, index in staged:
+                host.commit_upto(index)
+            # Acknowledged, then synced only a while later (like a periodic flush): the window
+            # in which a kill plus power loss loses acknowledged messages is most of the run,
+            # so the harness catches this build every time, not only when a kill is lucky.
+            await asyncio.sleep(UNSAFE_SYNC_DELAY_S)
+        try:
+            if self.timer.use_inline():
+                started = time.perf_counter()
+                self.wal.sync()  # blocks the loop for about timer.mean_s: cheaper than a hand-off
+                self.timer.note(time.perf_counter() - started)
+                self.timer.inline += 1
+            else:
+                self.timer.threaded += 1
+                await self._sync_thread.sync()
+        except asyncio.CancelledError:
+            raise  # node stopping: the final sync happens in Node.stop
+        except Exception as exc:  # a failed fsync leaves durability unknown: stop the node
+            log.critical("WAL sync failed: %s; stopping without acknowledging", exc)
+            for host, _ in staged:
+                host.fail(f"WAL sync failed: {exc}")
+            self.on_fatal(exc)
+            return False
+        self.syncs += 1
+        self.shard_batches_synced += len(staged)
+        if not self.unsafe_ack_before_sync:
+            for host, index in staged:
+                if host.failed is None:
+                    host.commit_upto(index)
+        self.after_commit()
+        return True
 
     def stop(self) -> None:
         self._stopped = True

@@ -632,6 +632,8 @@ class Node:
     async def stop(self) -> None:
         for live in list(self.live.values()):
             await live.close()
+        if not await self.commit.flush(timeout_s=1.0):  # acks and reports proposed lazily, too
+            log.warning("stopping: the last proposals were not synced within 1 s")
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

@@ -62,3 +62,24 @@ def test_an_urgent_proposal_takes_the_lazy_ones_along_in_order(tmp_path: Path) -
         runner.cancel()
 
     asyncio.run(body())
+
+
+def test_flush_syncs_lazy_commands_at_once(tmp_path: Path) -> None:
+    """Shutdown does not wait for the lazy timer, nor lose what rides on it: Node.stop flushes."""
+
+    async def body() -> None:
+        gc, _ = _commit(tmp_path)
+        host = gc.hosts[0]
+        runner = asyncio.create_task(gc.run())
+        assert await gc.flush(1.0)  # nothing proposed: nothing to wait for
+        host.propose(c.Housekeeping(1_000, -1), False)
+        gc.kick_lazy(0)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await gc.flush(DELAY_MS / 1000 * 5)
+        assert loop.time() - started < DELAY_MS / 1000 / 2, "flush waited for the lazy timer"
+        assert gc.syncs == 1 and gc.lazy_syncs == 0 and host.state.applied_index == 1
+        gc.stop()
+        runner.cancel()
+
+    asyncio.run(body())
