@@ -667,15 +667,15 @@ class WriteAheadLog:
     def _write_ahead_locked(self) -> bytearray:
         """Write the pending chunks now, unsynced, unless a sync is writing (caller holds _lock);
         returns the chunk to append to. Durability is unchanged: only ``sync`` makes bytes count."""
-        if self._fd is None or len(self._pending) != 1 or self._pending[0][0] != self._fd_seq:
-            return self._chunk_locked()  # a segment switch takes _lock itself: leave it to sync
         if not self._sync_lock.acquire(blocking=False):
-            return self._chunk_locked()
+            return self._chunk_locked()  # a sync (on the thread) is writing: it takes the rest
         try:
-            (_, chunk), = self._pending
+            # Checked under both locks: the syncer changes the file only while holding _sync_lock.
+            if self._fd is None or len(self._pending) != 1 or self._pending[0][0] != self._fd_seq:
+                return self._chunk_locked()  # a segment switch takes _lock itself: leave it to sync
+            ((_, chunk),) = self._pending
             self._pending = []
             try:
-                assert self._fd is not None
                 write_all(self._fd, chunk)
             except BaseException as exc:
                 self._failed = exc
