@@ -536,16 +536,9 @@ def _expect_end(pos: int, end: int, what: str) -> None:
         raise MalformedPacket(_MALFORMED, f"{end - pos} unexpected bytes at end of {what}")
 
 
-# Publish is built the same way as Properties (see _make_properties).
-_pub_slots = tuple(P.Publish.__dict__[f].__set__ for f in (  # type: ignore[attr-defined]
-    "topic", "payload", "qos", "retain", "dup", "packet_id", "properties"))
-_set_topic, _set_payload, _set_qos, _set_retain, _set_dup, _set_pid, _set_props = _pub_slots
-
-# First byte of the 4-byte acks -> (class, slot setters for packet_id, reason_code, properties).
-_FAST_ACKS: Final[dict[int, tuple[type, Any, Any, Any]]] = {
-    first: (cls, cls.__dict__["packet_id"].__set__, cls.__dict__["reason_code"].__set__,
-            cls.__dict__["properties"].__set__)
-    for first, cls in ((0x40, Puback), (0x50, Pubrec), (0x62, Pubrel), (0x70, Pubcomp))
+# First byte of the 4-byte acks -> their class.
+_FAST_ACKS: Final[dict[int, type[Puback | Pubrec | Pubrel | Pubcomp]]] = {
+    0x40: Puback, 0x50: Pubrec, 0x62: Pubrel, 0x70: Pubcomp,
 }
 
 # Which packet types each side may receive. Index = packet type.
@@ -697,26 +690,13 @@ class Decoder:
                             raise ProtocolError(_PROTOCOL, "client PUBLISH with subscription identifier")
                 else:
                     props = NO_PROPERTIES
-                pub = _new(Publish)
-                _set_topic(pub, topic)
-                _set_payload(pub, buf[p:end])
-                _set_qos(pub, qos)
-                _set_retain(pub, bool(flags & 1))
-                _set_dup(pub, bool(flags & 8))
-                _set_pid(pub, pid)
-                _set_props(pub, props)
-                out.append(pub)
+                out.append(Publish(topic, buf[p:end], qos, bool(flags & 1), bool(flags & 8), pid, props))
             elif rl == 2 and first in _FAST_ACKS and version is not None:
                 # Hot path: PUBACK/PUBREC/PUBREL/PUBCOMP with success and no properties.
                 pid = (buf[start] << 8) | buf[start + 1]
                 if not pid:
                     raise MalformedPacket(_MALFORMED, "packet identifier 0")
-                cls, set_pid, set_rc, set_ack_props = _FAST_ACKS[first]
-                ack: Packet = _new(cls)
-                set_pid(ack, pid)
-                set_rc(ack, 0)
-                set_ack_props(ack, NO_PROPERTIES)
-                out.append(ack)
+                out.append(_FAST_ACKS[first](pid, 0, NO_PROPERTIES))
             else:
                 out.append(self._decode_other(ptype, first & 0x0F, buf, start, end))
             pos = end

@@ -20,8 +20,6 @@ DISCONNECT(reason) on v5 or a plain close on 3.1.1.
 
 from __future__ import annotations
 
-import dataclasses
-
 from moorline.invariant import invariant
 from moorline.mqtt.codec import (
     DEFAULT_MAX_PACKET_SIZE,
@@ -43,6 +41,7 @@ from moorline.mqtt.packets import (
     Publish,
     Pubrec,
     Subscribe,
+    replace,
 )
 from moorline.mqtt.reasons import ReasonCode
 from moorline.mqtt.topics import is_shared, validate_topic_name
@@ -162,7 +161,7 @@ class ProtocolState:
                     raise ProtocolError(RC.PROTOCOL_ERROR, f"unknown topic alias {alias}")
                 topic = known
             # The broker sees the full topic and never forwards the sender's alias.
-            p = dataclasses.replace(p, topic=topic, properties=dataclasses.replace(p.properties, topic_alias=None))
+            p = replace(p, topic=topic, properties=replace(p.properties, topic_alias=None))
         elif not topic and self.decoder.version == MQTT_5:
             raise ProtocolError(RC.PROTOCOL_ERROR, "empty topic without topic alias")
         if not validate_topic_name(topic):
@@ -223,10 +222,10 @@ class ProtocolState:
         # MQTT-3.1.2-25: first drop what is optional (reason string, user properties) ...
         props: Properties = getattr(packet, "properties", NO_PROPERTIES)
         if props.reason_string is not None or props.user_properties:
-            slim = dataclasses.replace(props, reason_string=None, user_properties=())
+            slim = replace(props, reason_string=None, user_properties=())
             if slim == NO_PROPERTIES:
                 slim = NO_PROPERTIES
-            slim_packet: Packet = dataclasses.replace(packet, properties=slim)  # type: ignore[arg-type]
+            slim_packet: Packet = replace(packet, properties=slim)
             data = encode(slim_packet, version)
             if len(data) <= limit:
                 return data

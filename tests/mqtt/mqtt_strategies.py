@@ -30,6 +30,7 @@ from moorline.mqtt.packets import (
     Unsuback,
     Unsubscribe,
     Will,
+    replace,
 )
 from moorline.mqtt.properties import (
     ALLOWED_NAMES,
@@ -176,7 +177,7 @@ def normalise(packet: Packet, version: int) -> Packet:
     if isinstance(packet, Connack):
         return Connack(packet.session_present, connack_v3_to_v5(connack_v5_to_v3(packet.reason_code)))
     if isinstance(packet, Publish):
-        return dataclasses.replace(packet, properties=np)
+        return replace(packet, properties=np)
     if isinstance(packet, (Puback, Pubrec, Pubrel, Pubcomp)):
         return type(packet)(packet.packet_id)
     if isinstance(packet, Subscribe):
