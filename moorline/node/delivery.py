@@ -385,7 +385,7 @@ class LiveSession:
         seq = first
         for it, msg in zip(items, msgs, strict=True):
             if it.qos > 0:
-                pid = seq % 65535 + 1  # packet_id_of(seq), inlined: once per delivered message
+                pid = packet_id_of(seq)
                 pid_to_seq[pid] = seq
                 outs.append(OutboundPublish(msg, it.qos, it.retain, False, pid, it.sub_ids))
             else:

@@ -50,7 +50,7 @@ class RecentMessages:
         base = shard << _SHARD_SHIFT
         used = self.used_bytes
         for offset, _record, msg in appends:
-            size = len(msg.payload) + len(msg.topic) + ENTRY_OVERHEAD_BYTES
+            size = len(msg.payload) + len(msg.topic) + ENTRY_OVERHEAD_BYTES  # _charge(msg), inlined
             if size > max_bytes:
                 continue
             key = base | offset

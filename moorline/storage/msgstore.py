@@ -325,12 +325,7 @@ class MessageStore:
             seg.size += size
             self.next_offset = offset + 1
             if n >= WRITEV_RECORD_BYTES:
-                # A large record goes to the file from its own buffer, after what is buffered before it.
-                if self._write_fd is None:
-                    self._write_fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
-                self._flushed += writev_all(self._write_fd, [self._buffer, header, record])
-                self._buffer = bytearray()
-                invariant(self._flushed == seg.size, "flushed size disagrees with the segment index")
+                self._flush(header, record)  # from its own buffer, after what is buffered before it
             else:
                 buffer = self._buffer
                 buffer += header
@@ -367,14 +362,19 @@ class MessageStore:
             os.close(self._write_fd)
             self._write_fd = None
 
-    def _flush(self) -> None:
-        if not self._buffer:
+    def _flush(self, *tail: bytes) -> None:
+        """Write the buffer, then ``tail`` (a large record's header and body, written from their own
+        buffers by one writev instead of being copied into the buffer first)."""
+        if not self._buffer and not tail:
             return
         seg = self._segments[-1]
         if self._write_fd is None:
             self._write_fd = os.open(seg.path, os.O_WRONLY | os.O_APPEND)
-        write_all(self._write_fd, self._buffer)
-        self._flushed += len(self._buffer)
+        if tail:
+            self._flushed += writev_all(self._write_fd, [self._buffer, *tail])
+        else:
+            write_all(self._write_fd, self._buffer)
+            self._flushed += len(self._buffer)
         self._buffer = bytearray()
         invariant(self._flushed == seg.size, "flushed size disagrees with the segment index")
 
