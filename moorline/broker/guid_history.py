@@ -23,8 +23,7 @@ class GuidHistory:
     __slots__ = ("_seq", "_keys", "_first", "_head", "_offset", "_ts", "_crc")
 
     def __init__(self) -> None:
-        # Keys are GUID + principal: GUIDs are fixed-length, so that is unambiguous, and most publishers
-        # share principal "" (the key is then the GUID itself). Built inline in get/add: per message.
+        # Keys are ``key_of(principal, GUID)``.
         self._seq: dict[bytes, int] = {}  # key -> sequence number (position + _first - _head)
         self._keys: deque[bytes] = deque()  # keys, oldest first
         self._first = 0  # sequence number of the oldest entry
@@ -41,21 +40,42 @@ class GuidHistory:
 
     def get(self, principal: str, guid: bytes) -> tuple[int, int, int] | None:
         """(offset, entry time, content CRC) of an accepted publish, or None."""
-        seq = self._seq.get(guid + principal.encode() if principal else guid)
+        return self.get_key(self.key_of(principal, guid))
+
+    def get_key(self, key: bytes) -> tuple[int, int, int] | None:
+        """``get`` by a ``key_of`` key."""
+        seq = self._seq.get(key)
         if seq is None:
             return None
         i = seq - self._first + self._head
         return self._offset[i], self._ts[i], self._crc[i]
 
+    @staticmethod
+    def key_of(principal: str, guid: bytes) -> bytes:
+        """GUIDs are fixed-length, so GUID + principal is unambiguous; most publishers share
+        principal "", whose key is the GUID itself."""
+        return guid + principal.encode() if principal else guid
+
     def add(self, principal: str, guid: bytes, offset: int, ts_ms: int, crc: int) -> None:
-        key = guid + principal.encode() if principal else guid
-        if len(guid) != GUID_BYTES or key in self._seq:
-            violated(f"GUID history: add of a {len(guid)}-byte GUID, already present: {key in self._seq}")
-        self._seq[key] = self._first + len(self._keys)
-        self._keys.append(key)
-        self._offset.append(offset)
-        self._ts.append(ts_ms)
-        self._crc.append(crc)
+        if len(guid) != GUID_BYTES:
+            violated(f"GUID history: add of a {len(guid)}-byte GUID")
+        self.add_run([self.key_of(principal, guid)], [offset], [ts_ms], [crc])
+
+    def add_run(self, keys: list[bytes], offsets: list[int], ts_ms: list[int], crcs: list[int]) -> None:
+        """Add entries (``key_of`` keys, none present yet, newest last): one ``fromlist`` per column, for a
+        run of publishes applied at once."""
+        count = len(keys)
+        seq = self._seq
+        before = len(seq)
+        first_seq = self._first + len(self._keys)
+        seq.update(zip(keys, range(first_seq, first_seq + count), strict=True))
+        if (len(seq) != before + count or not len(offsets) == len(ts_ms) == len(crcs) == count
+                or (count and min(map(len, keys)) < GUID_BYTES)):
+            violated(f"GUID history: add of {count} keys, {len(seq) - before} of them new")
+        self._keys.extend(keys)
+        self._offset.fromlist(offsets)
+        self._ts.fromlist(ts_ms)
+        self._crc.fromlist(crcs)
 
     def oldest_ts(self) -> int | None:
         return self._ts[self._head] if self._keys else None

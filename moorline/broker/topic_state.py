@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -27,7 +28,7 @@ from moorline.broker.commands import (
 )
 from moorline.broker.effects import Effects
 from moorline.broker.guid_history import GuidHistory
-from moorline.broker.message_index import MessageIndex
+from moorline.broker.message_index import NO_EXPIRY, MessageIndex
 from moorline.broker.messages import StoredMessage, encode_message
 from moorline.hashing import crc32c
 from moorline.invariant import invariant, violated
@@ -129,66 +130,131 @@ class TopicState:
 
     # --- publish -------------------------------------------------------------------------
     def apply_publish(self, cmd: Publish, fx: Effects) -> PublishResult:
-        msg = cmd.msg
-        if len(msg.guid) != 16:
-            violated(f"GUIDs are 16 bytes, not {len(msg.guid)}")
-        ts_ms = msg.ts_ms
-        if ts_ms > self.last_ts_ms:
-            self.last_ts_ms = ts_ms
-        topic = msg.topic
-        content = crc32c(msg.payload, crc32c(topic.encode() + b"\0"))  # no copy of the payload
-        if cmd.producer is not None and cmd.seq is not None:
-            prev = self.producers.get(cmd.producer)
-            if prev is not None:
-                if cmd.seq <= prev[0]:
-                    return PublishResult("duplicate", prev[1] if cmd.seq == prev[0] else -1)
-                # The next sequence, or the first row of a later batch (high 32 bits: batch), is
-                # accepted; a gap means an earlier one is missing: refused, retriable, never applied.
-                next_batch = (cmd.seq >> 32) > (prev[0] >> 32) and (cmd.seq & 0xFFFFFFFF) == 0
-                if cmd.seq != prev[0] + 1 and not next_batch:
-                    return PublishResult("refused", reason_code=0x97, reason=f"sequence gap after {prev[0]}")
-        seen = self.dedup.get(cmd.principal, msg.guid)
-        if seen is not None:
-            if seen[2] != content:
-                return PublishResult("refused", reason_code=0x99, reason="GUID reused with different content")
-            return PublishResult("duplicate", seen[0])
-        size = msg.size()
+        return self.apply_publishes((cmd,), fx)[0]
+
+    def apply_publishes(self, cmds: Sequence[Publish], fx: Effects) -> list[PublishResult]:
+        """Apply a run of consecutive ``Publish`` commands, in order; one result each.
+
+        Exactly ``apply_publish`` once per command (nothing else can run between them within one
+        log entry), written as one loop because it runs once per message: what is the same for a
+        run (the limits, the matching registrations and the CRC of a repeated topic) is looked up
+        once, and the accepted messages enter the message index and the GUID history together at
+        the end (their offsets are dense). A GUID seen earlier in the same run is found in the
+        run's own columns, so de-duplication is what it would be one command at a time."""
+        results: list[PublishResult] = []
         limits = self.limits
-        if self.bytes_used + size > limits.shard_max_bytes - limits.reserved_headroom_bytes:
-            return PublishResult("refused", reason_code=0x97, reason="shard is full")
-        offset = self.next_offset
-        if offset > OFFSET_MASK:
-            violated(f"shard {self.shard}: message offset {offset} beyond {OFFSET_BITS} bits")
-        self.next_offset += 1
-        fx.appends.append((offset, encode_message(msg), msg))
-        exp = None if msg.expiry_s is None else msg.expires_at_ms()
-        self.meta.add(offset, ts_ms, size, msg.guid, topic, msg.qos, exp)
-        self.bytes_used += size
-        self.dedup.add(cmd.principal, msg.guid, offset, ts_ms, content)
-        if cmd.producer is not None and cmd.seq is not None:
-            self.producers[cmd.producer] = (cmd.seq, offset, ts_ms)
-        if msg.retain:
-            if msg.payload:
-                self.retained[topic] = msg
-            else:
-                self.retained.pop(topic, None)
-        owed = 0
+        max_used = limits.shard_max_bytes - limits.reserved_headroom_bytes
+        dedup_get = self.dedup.get_key
+        producers = self.producers
+        appends = fx.appends
+        owed_regs = fx.owed_regs
+        owed_new = fx.owed_new
+        owed_count = self.owed_count
         regs = self.regs
-        for reg_key in self._matching(topic):
-            reg = regs[reg_key]
-            if reg.draining or (reg.no_local and reg.client_id == msg.origin):
+        unowed_heap = self._unowed_heap
+        heappush = heapq.heappush
+        first_offset = self.next_offset
+        # The accepted messages' columns, in offset order from first_offset.
+        keys: list[bytes] = []
+        run_seen: dict[bytes, int] = {}  # GUID history key -> position in these columns
+        times: list[int] = []
+        sizes: list[int] = []
+        guids: list[bytes] = []
+        topics: list[str] = []
+        qoss: list[int] = []
+        expiries: list[int] = []
+        crcs: list[int] = []
+        last_topic: str | None = None
+        topic_crc = 0
+        matching: list[str] = []
+        for cmd in cmds:
+            msg = cmd.msg
+            guid = msg.guid
+            if len(guid) != 16:
+                violated(f"GUIDs are 16 bytes, not {len(guid)}")
+            ts_ms = msg.ts_ms
+            if ts_ms > self.last_ts_ms:
+                self.last_ts_ms = ts_ms
+            topic = msg.topic
+            if topic != last_topic:
+                last_topic = topic
+                topic_crc = crc32c(topic.encode() + b"\0")
+                matching = self._matching(topic)
+            content = crc32c(msg.payload, topic_crc)  # no copy of the payload
+            producer, seq = cmd.producer, cmd.seq
+            if producer is not None and seq is not None:
+                prev = producers.get(producer)
+                if prev is not None:
+                    if seq <= prev[0]:
+                        results.append(PublishResult("duplicate", prev[1] if seq == prev[0] else -1))
+                        continue
+                    # The next sequence, or the first row of a later batch (high 32 bits: batch), is
+                    # accepted; a gap means an earlier one is missing: refused, retriable, never applied.
+                    next_batch = (seq >> 32) > (prev[0] >> 32) and (seq & 0xFFFFFFFF) == 0
+                    if seq != prev[0] + 1 and not next_batch:
+                        results.append(PublishResult("refused", reason_code=0x97,
+                                                     reason=f"sequence gap after {prev[0]}"))
+                        continue
+            principal = cmd.principal
+            key = guid + principal.encode() if principal else guid  # GuidHistory.key_of, inlined
+            seen = dedup_get(key)
+            if seen is None and key in run_seen:
+                i = run_seen[key]
+                seen = (first_offset + i, times[i], crcs[i])
+            if seen is not None:
+                if seen[2] != content:
+                    results.append(PublishResult("refused", reason_code=0x99,
+                                                 reason="GUID reused with different content"))
+                else:
+                    results.append(PublishResult("duplicate", seen[0]))
                 continue
-            reg.owed[offset] = None
-            owed += 1
-            fx.owed_regs.add(reg_key)  # fx.owed(reg_key, offset), without the call: once per message
-            fx.owed_new.append((offset, reg_key))
-        if owed:
-            self.owed_count[offset] = owed
-        else:
-            heapq.heappush(self._unowed_heap, (ts_ms << OFFSET_BITS) | offset)
-        if exp is not None:
-            heapq.heappush(self._expiry_heap, (exp, offset))
-        return PublishResult("ok", offset)
+            size = len(msg.payload) + len(topic) + 64  # msg.size(), inlined: once per message
+            if self.bytes_used + size > max_used:
+                results.append(PublishResult("refused", reason_code=0x97, reason="shard is full"))
+                continue
+            offset = self.next_offset
+            if offset > OFFSET_MASK:
+                violated(f"shard {self.shard}: message offset {offset} beyond {OFFSET_BITS} bits")
+            self.next_offset = offset + 1
+            appends.append((offset, encode_message(msg), msg))
+            exp = None if msg.expiry_s is None else msg.expires_at_ms()
+            run_seen[key] = len(keys)
+            keys.append(key)
+            times.append(ts_ms)
+            sizes.append(size)
+            guids.append(guid)
+            topics.append(topic)
+            qoss.append(msg.qos)
+            expiries.append(NO_EXPIRY if exp is None else exp)
+            crcs.append(content)
+            self.bytes_used += size
+            if producer is not None and seq is not None:
+                producers[producer] = (seq, offset, ts_ms)
+            if msg.retain:
+                if msg.payload:
+                    self.retained[topic] = msg
+                else:
+                    self.retained.pop(topic, None)
+            owed = 0
+            for reg_key in matching:
+                reg = regs[reg_key]
+                if reg.draining or (reg.no_local and reg.client_id == msg.origin):
+                    continue
+                reg.owed[offset] = None
+                owed += 1
+                owed_regs.add(reg_key)  # fx.owed(reg_key, offset), without the call: once per message
+                owed_new.append((offset, reg_key))
+            if owed:
+                owed_count[offset] = owed
+            else:
+                heappush(unowed_heap, (ts_ms << OFFSET_BITS) | offset)
+            if exp is not None:
+                heappush(self._expiry_heap, (exp, offset))
+            results.append(PublishResult("ok", offset))
+        if keys:
+            self.meta.add_run(first_offset, times, sizes, b"".join(guids), topics, qoss, expiries)
+            self.dedup.add_run(keys, list(range(first_offset, first_offset + len(keys))), times, crcs)
+        return results
 
     def _matching(self, topic: str) -> list[str]:
         """Registration keys whose filter matches ``topic``, sorted (a cache over the trie)."""

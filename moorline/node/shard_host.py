@@ -208,24 +208,37 @@ class ShardHost:
         fx = self._fx
         fx.clear()
         results: list[Any] = []
-        apply = self.state.apply
-        for i, (cmd, fut) in enumerate(zip(cmds, futs, strict=True)):
+        state = self.state
+        apply = state.apply
+        publish = c.Publish
+        n = len(cmds)
+        i = 0
+        while i < n:
+            cmd = cmds[i]
             try:
-                result = apply(cmd, fx)
+                if type(cmd) is publish:  # a run of PUBLISHes (a client's read's worth): one call
+                    j = i + 1
+                    while j < n and type(cmds[j]) is publish:
+                        j += 1
+                    results += state.apply_publishes(cmds[i:j], fx)  # type: ignore[arg-type]
+                else:
+                    j = i + 1
+                    results.append(apply(cmd, fx))
             except Exception as exc:  # an apply bug must not take the node down silently
                 log.exception("shard %d: apply of %s failed", self.shard, type(cmd).__name__)
                 self.failed = f"apply failed at index {index}: {exc}"
-                end = i
-                while futs[end] is IN_GROUP:  # a group member fails: its group's waiter hears it
-                    end += 1
-                _resolve(futs[end], None, ShardUnavailable(self.failed))
+                failure = ShardUnavailable(self.failed)
+                for fut in futs[i:]:  # nothing from here on was answered: every waiter hears it
+                    _resolve(fut, None, failure)
                 raise
-            results.append(result)
-            if fut is not None and fut is not IN_GROUP:
-                if type(fut) is GroupEnd:
-                    _resolve(fut, results[-fut.size:], None)
-                else:
-                    _resolve(fut, result, None)
+            for k in range(i, j):
+                fut = futs[k]
+                if fut is not None and fut is not IN_GROUP:
+                    if type(fut) is GroupEnd:
+                        _resolve(fut, results[k + 1 - fut.size:k + 1], None)
+                    else:
+                        _resolve(fut, results[k], None)
+            i = j
         self.state.applied_index = index
         store = self.store
         recent = self.recent

@@ -130,6 +130,17 @@ class _Segment:
         self.kept_count += 1
         self.kept_bytes += HEADER_BYTES + length
 
+    def add_run(self, first_offset: int, positions: list[int], lengths: list[int]) -> None:
+        """``add`` of the records ``first_offset``, ``first_offset + 1``, ... at once (one call
+        per column instead of an append per record and column)."""
+        count = len(positions)
+        self.offsets.fromlist(list(range(first_offset, first_offset + count)))
+        self.positions.fromlist(positions)
+        self.lengths.fromlist(lengths)
+        self.released.extend(bytes(count))
+        self.kept_count += count
+        self.kept_bytes += HEADER_BYTES * count + sum(lengths)
+
 
 class MessageStore:
     def __init__(
@@ -310,6 +321,12 @@ class MessageStore:
         lists them. Each offset must be the next one (buffered, not synced)."""
         crc_more = _crc32c_module.crc32c
         pack_after, pack_header = _AFTER_CRC.pack, _HDR.pack
+        seg = self._segments[-1] if self._segments else None
+        # The index entries of the records added to ``seg`` by this call, added at once at the end
+        # (or when a new segment starts): records from ``first`` on, dense.
+        first = -1
+        positions: list[int] = []
+        lengths: list[int] = []
         for offset, record, _ in appends:
             n = len(record)
             if offset != self.next_offset or not self._opened or n > MAX_RECORD_BYTES:
@@ -318,10 +335,16 @@ class MessageStore:
             # record_header(offset, record), inlined: once per stored message
             header = pack_header(MAGIC, 0, crc_more(record, _crc(pack_after(n, offset))), n, offset)
             size = HEADER_BYTES + n
-            seg = self._segments[-1] if self._segments else None
-            if seg is None or (seg.offsets and seg.size + size > self.segment_bytes):
+            if seg is None or ((seg.offsets or positions) and seg.size + size > self.segment_bytes):
+                if positions:
+                    assert seg is not None
+                    seg.add_run(first, positions, lengths)
+                    positions, lengths = [], []
                 seg = self._new_segment(offset)
-            seg.add(offset, seg.size, n)
+            if not positions:
+                first = offset
+            positions.append(seg.size)
+            lengths.append(n)
             seg.size += size
             self.next_offset = offset + 1
             if n >= WRITEV_RECORD_BYTES:
@@ -338,6 +361,9 @@ class MessageStore:
                 while self._cache_used > self.cache_bytes:
                     _, old = self._cache.popitem(last=False)
                     self._cache_used -= len(old)
+        if positions:
+            assert seg is not None
+            seg.add_run(first, positions, lengths)
 
     def _new_segment(self, first_offset: int) -> _Segment:
         if self._segments and self._segments[-1].size > self._synced_size(self._segments[-1]):

@@ -1,5 +1,5 @@
-"""GuidHistory against an ordered-dict model: lookups, eviction by time and by count, compaction,
-principals kept apart, and snapshot columns."""
+"""GuidHistory against an ordered-dict model: lookups, adds one at a time and in runs, eviction by
+time and by count, compaction, principals kept apart, and snapshot columns."""
 
 from __future__ import annotations
 
@@ -34,6 +34,13 @@ def test_history_matches_an_ordered_dict(ops: list[tuple[int, str, int, int]]) -
         model: Model = OrderedDict()
         ts = 0
         probes: list[tuple[str, bytes]] = []
+        run: list[tuple[bytes, int, int, int]] = []  # kind 1 adds, made by one add_run
+
+        def flush() -> None:
+            if run:
+                h.add_run(*(list(col) for col in zip(*run, strict=True)))  # type: ignore[arg-type]
+                run.clear()
+
         for kind, principal, n, arg in ops:
             guid = n.to_bytes(16, "big")
             probes.append((principal, guid))
@@ -41,15 +48,21 @@ def test_history_matches_an_ordered_dict(ops: list[tuple[int, str, int, int]]) -
                 if (principal, guid) in model:
                     continue
                 ts += arg % 3
-                h.add(principal, guid, len(probes), ts, n * 7)
+                if kind == 0:
+                    flush()
+                    h.add(principal, guid, len(probes), ts, n * 7)
+                else:
+                    run.append((GuidHistory.key_of(principal, guid), len(probes), ts, n * 7))
                 model[(principal, guid)] = (len(probes), ts, n * 7)
             else:
+                flush()
                 cutoff, cap = ts - arg % 10, arg
                 expect = 0
                 while model and (next(iter(model.values()))[1] < cutoff or len(model) > cap):
                     model.popitem(last=False)
                     expect += 1
                 assert h.evict(cutoff, cap) == expect
+        flush()
         _check(h, model, probes)
         _check(GuidHistory.from_columns(h.to_columns()), model, probes)
 
@@ -66,6 +79,8 @@ def test_same_guid_from_two_principals_are_two_entries() -> None:
         h.add("alice", g, 3, 12, 97)
     with pytest.raises(InvariantViolation):
         h.add("", b"short", 3, 12, 97)
+    with pytest.raises(InvariantViolation):  # a run that repeats a key
+        h.add_run([bytes(16), bytes(16)], [5, 6], [1, 1], [0, 0])
 
 
 def test_from_columns_refuses_inconsistent_columns() -> None:

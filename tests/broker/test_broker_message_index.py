@@ -49,9 +49,18 @@ def test_index_matches_a_dict_model(ops: list[tuple[bool, int, int]]) -> None:
         for is_add, gap, pick in ops:
             if is_add or not model:
                 next_offset += gap
-                _add(index, next_offset)
-                model[next_offset] = _meta(next_offset)
-                next_offset += 1
+                if pick % 3:
+                    _add(index, next_offset)
+                    model[next_offset] = _meta(next_offset)
+                    next_offset += 1
+                else:  # a run of consecutive offsets, added by one add_run
+                    run = [_meta(o) for o in range(next_offset, next_offset + 1 + pick % 5)]
+                    index.add_run(next_offset, [m.ts_ms for m in run], [m.size for m in run],
+                                  b"".join(m.guid for m in run), [m.topic for m in run], [m.qos for m in run],
+                                  [mi.NO_EXPIRY if m.expires_at_ms is None else m.expires_at_ms for m in run])
+                    for m in run:
+                        model[next_offset] = m
+                        next_offset += 1
             else:
                 victim = sorted(model)[pick % len(model)]
                 assert index.discard(victim)

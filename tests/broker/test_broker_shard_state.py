@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moorline.broker import commands as c
 from moorline.broker.effects import Effects
@@ -296,3 +298,49 @@ def test_replicas_agree_byte_for_byte_and_snapshots_round_trip(seed: int) -> Non
 def test_entries_round_trip() -> None:
     cmds: list[c.Command] = [c.Publish(msg("t")), c.AckReport("k", (1, 2)), c.Housekeeping(5, -1)]
     assert c.decode_entry(c.encode_entry(cmds)) == cmds
+
+
+_GUIDS = [bytes([i]) * 16 for i in range(4)]
+
+
+@st.composite
+def _publish_runs(draw: st.DrawFn) -> list[c.Publish]:
+    """Publishes that collide: few GUIDs (same or other content), two principals, a sequenced
+    producer with repeats and gaps, retained set and cleared, expiry, several topics."""
+    cmds: list[c.Publish] = []
+    for i in range(draw(st.integers(1, 40))):
+        guid = draw(st.sampled_from([*_GUIDS, None]))
+        topic = draw(st.sampled_from(["a", "a/b", "z"]))
+        payload = draw(st.sampled_from([b"", b"one", b"two"]))
+        retain = draw(st.booleans())
+        expiry = draw(st.sampled_from([None, 5]))
+        m = StoredMessage(topic, payload, draw(st.integers(0, 2)), retain, guid or (16 + i).to_bytes(16, "big"),
+                          1000 + i, expiry, None, draw(st.sampled_from(["pub", "c1"])))
+        principal = draw(st.sampled_from(["", "alice"]))
+        if draw(st.booleans()):
+            cmds.append(c.Publish(m, principal, b"producer", draw(st.integers(0, 12))))
+        else:
+            cmds.append(c.Publish(m, principal))
+    return cmds
+
+
+@settings(max_examples=200, deadline=None)
+@given(_publish_runs(), st.integers(1, 8), st.sampled_from([1 << 30, 16 << 20 | 700]))
+def test_a_run_of_publishes_applies_exactly_as_one_at_a_time(cmds: list[c.Publish], cut: int, max_bytes: int) -> None:
+    # The host applies a log entry's consecutive PUBLISHes with one apply_publishes call: results,
+    # effects and the snapshot must be those of apply() per command. max_bytes leaves room for a
+    # few messages only, so "shard is full" happens inside runs too.
+    limits = {"shard_max_bytes": max_bytes, "retention_min_age_ms": 10}
+    one, run = new_shard(**limits), new_shard(**limits)
+    for s in (one, run):
+        s.apply(reg("c1\0a/+", "a/+", no_local=True), Effects())
+        s.apply(reg("c2\0#", "#", client="c2"), Effects())
+    fx_one, fx_run = Effects(), Effects()
+    expected = [one.apply(cmd, fx_one) for cmd in cmds]
+    got = []
+    for start in range(0, len(cmds), cut):
+        got += run.apply_publishes(cmds[start:start + cut], fx_run)
+    assert got == expected
+    assert fx_run.appends == fx_one.appends
+    assert fx_run.owed_new == fx_one.owed_new and fx_run.owed_regs == fx_one.owed_regs
+    assert run.snapshot() == one.snapshot()
