@@ -377,25 +377,23 @@ class Connection(asyncio.Protocol):
         pids: list[int] = []
         size = 0
         n = len(packets)
+        if not can_publish(who, topic):  # asked again only when the topic changes: same answer
+            self._publish_sync(first)  # refused by the ACL: answered on the general path
+            return i + 1
         while i < n and size < limit:
             pk = packets[i]
             if type(pk) is not p.Publish or pk.qos != 1 or pk.properties is not no_props:
                 break
             if pk.topic != topic:
-                if topic_shard(pk.topic) != shard:
+                if topic_shard(pk.topic) != shard or not can_publish(who, pk.topic):
                     break
                 topic = pk.topic
-            if not can_publish(who, topic):
-                break
             cmds.append(c.Publish(
                 StoredMessage(topic, pk.payload, 1, pk.retain, new_guid(), ts_ms, None, None, client_id), principal
             ))
             pids.append(pk.packet_id)  # type: ignore[arg-type]
             size += len(pk.payload)
             i += 1
-        if not cmds:  # refused by the ACL: answered on the general path
-            self._publish_sync(first)
-            return i + 1
         node.stats["published"] += len(cmds)
         node.propose_group(shard, cmds, self._queue_ack(("puback_group", pids, 0), len(pids)))
         return i

@@ -29,7 +29,6 @@ from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage
 from moorline.broker.session_state import (
     RELEASING,
-    InflightDelivery,
     Session,
     SubscriptionState,
     packet_id_of,
@@ -85,7 +84,10 @@ class LiveSession:
         sess = self.session()
         # Expiry 0 never becomes non-zero later (MQTT 5 3.14.2.2.2: a protocol error on DISCONNECT).
         self.ephemeral = sess is not None and sess.expiry_s == 0
-        self.local_inflight: dict[int, InflightDelivery] = {}  # seqno -> delivery, ephemeral sessions only
+        # Ephemeral sessions only: seqno -> delivery not yet finished (the item itself: no wrapper
+        # object per message), and the seqnos of those whose PUBREC came (PUBREL sent).
+        self.local_inflight: dict[int, c.DeliveryItem] = {}
+        self.local_releasing: set[int] = set()
         self.next_seq = sess.next_seq if sess else 0
         self.cursor: dict[int, int] = dict(sess.last_delivered) if sess else {}
         self.pid_to_seq: dict[int, int] = {}
@@ -365,7 +367,7 @@ class LiveSession:
             if it.qos > 0:
                 in_flight += 1
                 if local is not None:
-                    local[seq] = InflightDelivery(it)
+                    local[seq] = it
             seq += 1
         self.inflight_out += in_flight
         if local is None:
@@ -428,9 +430,8 @@ class LiveSession:
         if seq is None:
             return False
         if self.ephemeral:
-            d = self.local_inflight.get(seq)
-            if d is not None:
-                d.state = RELEASING
+            if seq in self.local_inflight:
+                self.local_releasing.add(seq)
             return True
         fut = self.node.propose(self.shard, c.SessionAcks(self.client_id, self.epoch, ((seq, 2),)))
         assert fut is not None
@@ -447,10 +448,13 @@ class LiveSession:
         acks, self._acks = tuple(self._acks), []
         if self.ephemeral:
             done: list[c.DeliveryItem] = []
+            local, releasing = self.local_inflight, self.local_releasing
             for seq, _kind in acks:  # kind 1 only: PUBREC (kind 2) never queues here
-                d = self.local_inflight.pop(seq, None)
-                if d is not None:
-                    done.append(d.item)
+                it = local.pop(seq, None)
+                if it is not None:
+                    done.append(it)
+                    if releasing:
+                        releasing.discard(seq)
             self._report_done(done)
             return
         # QoS 1 acks may be committed late (one lost with its owner is redelivered): no sync of their own.

@@ -25,7 +25,7 @@ import msgspec
 from moorline.broker import commands as c
 from moorline.broker.effects import Effects
 from moorline.broker.messages import MessageProps, StoredMessage
-from moorline.broker.session_state import Session, SubscriptionState
+from moorline.broker.session_state import SENT, Session, SubscriptionState
 from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import PublishResult
 from moorline.config import NodeConfig
@@ -409,10 +409,13 @@ class Node:
         its $share claims return to the group except unreceived QoS 2, which are dropped. An
         expiry-0 session's deliveries were logged only by its ``live`` driver, if any."""
         qos2_unreceived: dict[tuple[str, int], list[int]] = {}
-        inflight = live.local_inflight if live is not None and live.ephemeral else sess.inflight
-        for d in inflight.values():
-            it = d.item
-            if it.offset >= 0 and it.qos == 2 and d.state == 0:
+        if live is not None and live.ephemeral:
+            releasing = live.local_releasing
+            unreceived = [it for seq, it in live.local_inflight.items() if seq not in releasing]
+        else:
+            unreceived = [d.item for d in sess.inflight.values() if d.state == SENT]
+        for it in unreceived:
+            if it.offset >= 0 and it.qos == 2:
                 for rk in it.reg_keys:
                     if self.is_share_key(rk):
                         qos2_unreceived.setdefault((rk, it.shard), []).append(it.offset)
