@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from collections import Counter
 
 import pytest
 from e2e_broker import BrokerProc
-from e2e_support import Paho, collect_group
+from e2e_support import Paho, collect_group, wait_until
+from rawclient import PUBREC, PUBREL, RawClient, encode_ack
 
 pytestmark = pytest.mark.e2e
 N = 60
+HOST = "127.0.0.1"
 
 
 @pytest.mark.parametrize("version", [4, 5], ids=["v311", "v5"])
@@ -70,3 +74,43 @@ def test_shared_group_member_leaving_keeps_group_whole(shared_broker: BrokerProc
     assert [m.payload for m in a.collect(10, timeout=10)] == [f"y{i}".encode() for i in range(10)]
     a.disconnect()
     pub.disconnect()
+
+
+@pytest.mark.moorline_only
+def test_member_gone_returns_qos1_and_pubrecd_qos2_and_drops_unreceived_qos2(
+        shared_broker: BrokerProc, uniq: str) -> None:
+    """MQTT-4.8.2-5 for a member whose session ends with its connection (clean start, expiry 0):
+    what it had not acknowledged goes to another member, except QoS 2 messages it never
+    PUBREC'd, which are dropped and counted. A PUBREC'd one is the member's receipt: it returns."""
+    port, topic, group = shared_broker.mqtt_port, f"{uniq}/q", f"$share/g{uniq}/{uniq}/q"
+    a = RawClient(HOST, port, 5)
+    assert a.connect(f"{uniq}-a", clean=True).reason == 0
+    a.subscribe([(group, 2)])
+    pub = RawClient(HOST, port, 5)
+    assert pub.connect(f"{uniq}-p").reason == 0
+    sent = {b"q1-0": 1, b"q2-unreceived": 2, b"q2-pubrecd": 2, b"q1-1": 1}
+    for payload, qos in sent.items():
+        assert pub.publish_and_wait(topic, payload, qos).reason < 0x80
+    got = {m.payload: m for m in (a.next_message(10) for _ in sent)}  # a is the only member: all its own
+    assert set(got) == set(sent)
+    rec = got[b"q2-pubrecd"]
+    a.send(encode_ack(PUBREC, rec.pid, 5))  # type: ignore[arg-type]
+    assert a.expect(PUBREL, 10).pid == rec.pid  # and never PUBCOMP'd
+    b = RawClient(HOST, port, 5)
+    assert b.connect(f"{uniq}-b", clean=True).reason == 0
+    b.subscribe([(group, 2)])
+    drops_before = _drops(shared_broker, "share_qos2_member_gone")
+    a.abort()  # its session ends: its claims return, except the QoS 2 it never received
+    returned = sorted(b.next_message(10).payload for _ in range(3))
+    assert returned == [b"q1-0", b"q1-1", b"q2-pubrecd"]
+    assert b.recv_or_none(1.0) is None  # nothing else: the unreceived QoS 2 is gone, not redelivered
+    assert wait_until(lambda: _drops(shared_broker, "share_qos2_member_gone") == drops_before + 1)
+    b.disconnect()
+    pub.disconnect()
+
+
+def _drops(b: BrokerProc, reason: str) -> int:
+    with urllib.request.urlopen(b.http_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = re.search(rf'^moorline_dropped_total{{reason="{reason}"}} (\d+)$', text, re.M)
+    return int(m.group(1)) if m else 0
