@@ -212,6 +212,7 @@ class ShardHost:
         apply = state.apply
         publish = c.Publish
         n = len(cmds)
+        invariant(len(futs) == n, f"shard {self.shard}: {n} commands with {len(futs)} waiters")
         i = 0
         while i < n:
             cmd = cmds[i]
