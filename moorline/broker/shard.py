@@ -91,7 +91,7 @@ class ShardState:
 
     def apply_publishes(self, cmds: list[c.Publish], fx: Effects) -> list[Any]:
         """``apply`` of each command of a run of ``Publish`` commands, in one call (the hot path)."""
-        return self.topics.apply_publishes(cmds, fx)  # type: ignore[return-value]
+        return self.topics.apply_publishes(cmds, fx)
 
     # --- snapshots (canonical encoding) ----------------------------------------------------
     def snapshot(self) -> bytes:

@@ -145,6 +145,7 @@ class TopicState:
         limits = self.limits
         max_used = limits.shard_max_bytes - limits.reserved_headroom_bytes
         dedup_get = self.dedup.get_key
+        key_of = GuidHistory.key_of
         producers = self.producers
         appends = fx.appends
         owed_regs = fx.owed_regs
@@ -154,8 +155,8 @@ class TopicState:
         unowed_heap = self._unowed_heap
         heappush = heapq.heappush
         first_offset = self.next_offset
-        # The accepted messages' columns, in offset order from first_offset.
-        keys: list[bytes] = []
+        # The accepted messages' columns, in offset order from first_offset. Their GUID history
+        # keys are those of run_seen, which keeps them in the same order (each accepted once).
         run_seen: dict[bytes, int] = {}  # GUID history key -> position in these columns
         times: list[int] = []
         sizes: list[int] = []
@@ -195,12 +196,12 @@ class TopicState:
                         results.append(PublishResult("refused", reason_code=0x97,
                                                      reason=f"sequence gap after {prev[0]}"))
                         continue
-            principal = cmd.principal
-            key = guid + principal.encode() if principal else guid  # GuidHistory.key_of, inlined
+            key = key_of(cmd.principal, guid)
             seen = dedup_get(key)
-            if seen is None and key in run_seen:
-                i = run_seen[key]
-                seen = (first_offset + i, times[i], crcs[i])
+            if seen is None:
+                i = run_seen.get(key, -1)
+                if i >= 0:
+                    seen = (first_offset + i, times[i], crcs[i])
             if seen is not None:
                 if seen[2] != content:
                     results.append(PublishResult("refused", reason_code=0x99,
@@ -218,8 +219,7 @@ class TopicState:
             self.next_offset = offset + 1
             appends.append((offset, encode_message(msg), msg))
             exp = None if msg.expiry_s is None else msg.expires_at_ms()
-            run_seen[key] = len(keys)
-            keys.append(key)
+            run_seen[key] = len(times)
             times.append(ts_ms)
             sizes.append(size)
             guids.append(guid)
@@ -251,9 +251,9 @@ class TopicState:
             if exp is not None:
                 heappush(self._expiry_heap, (exp, offset))
             results.append(PublishResult("ok", offset))
-        if keys:
+        if times:
             self.meta.add_run(first_offset, times, sizes, b"".join(guids), topics, qoss, expiries)
-            self.dedup.add_run(keys, list(range(first_offset, first_offset + len(keys))), times, crcs)
+            self.dedup.add_run(list(run_seen), list(range(first_offset, self.next_offset)), times, crcs)
         return results
 
     def _matching(self, topic: str) -> list[str]:
