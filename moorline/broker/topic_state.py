@@ -326,25 +326,39 @@ class TopicState:
         reg = self.regs.get(cmd.reg_key)
         if reg is None:
             return
-        for offset in cmd.offsets:
-            if offset in reg.owed:
-                del reg.owed[offset]
-                reg.claims.pop(offset, None)
-                self._unowe(offset)
-        if reg.draining and not reg.owed:
+        owed, claims = reg.owed, reg.claims
+        acked: list[int] = []
+        for offset in cmd.offsets:  # once per acknowledged message: no call per offset
+            if offset in owed:
+                del owed[offset]
+                if claims:
+                    claims.pop(offset, None)
+                acked.append(offset)
+        if acked:
+            self._unowe_run(acked)
+        if reg.draining and not owed:
             self._forget(reg)
 
     def _unowe(self, offset: int) -> None:
-        n = self.owed_count.get(offset, 0)
-        if n <= 0:
-            violated(f"offset {offset} was not owed")
-        if n == 1:
-            del self.owed_count[offset]
-            ts = self.meta.ts_of(offset)
-            if ts is not None:
-                heapq.heappush(self._unowed_heap, (ts << OFFSET_BITS) | offset)
-        else:
-            self.owed_count[offset] = n - 1
+        self._unowe_run((offset,))
+
+    def _unowe_run(self, offsets: Sequence[int]) -> None:
+        """One registration fewer owes each of ``offsets``; those owed to nobody now join the unowed heap."""
+        owed_count = self.owed_count
+        free: list[int] = []
+        for offset in offsets:
+            n = owed_count.get(offset, 0)
+            if n <= 0:
+                violated(f"offset {offset} was not owed")
+            if n == 1:
+                del owed_count[offset]
+                free.append(offset)
+            else:
+                owed_count[offset] = n - 1
+        if free:
+            heap = self._unowed_heap
+            for key in self.meta.time_keys(free, OFFSET_BITS):
+                heapq.heappush(heap, key)
 
     def _record_drop(self, offset: int, reg_key: str, reason: str) -> None:
         guid = self.meta.guid_of(offset) or b""

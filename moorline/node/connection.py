@@ -19,7 +19,7 @@ from moorline.broker import commands as c
 from moorline.broker.messages import MessageProps, StoredMessage
 from moorline.broker.topic_state import PublishResult
 from moorline.mqtt import packets as p
-from moorline.mqtt.codec import MQTT_5, encode, encode_properties, encode_puback, encode_publish_header
+from moorline.mqtt.codec import MQTT_5, PublishBatchEncoder, encode, encode_properties, encode_puback
 from moorline.mqtt.errors import ProtocolError, UnsupportedProtocol
 from moorline.mqtt.protocol import SPLIT_PAYLOAD_BYTES, ProtocolState
 from moorline.mqtt.reasons import ReasonCode as RC
@@ -743,28 +743,24 @@ class Connection(asyncio.Protocol):
             for out in outs:
                 self._send_publish(out)
             return
-        version = self.version or 4
         stamp = v5 and self.cfg.stamp_guid_property
-        parts: list[bytes] = []
+        batch = PublishBatchEncoder(self.version or 4)
+        add = batch.add
         sent = 0
         for out in outs:
             msg = out.msg
             payload = msg.payload
             if (v5 and (msg.props is not None or msg.expiry_s is not None or out.sub_ids)) or (
                     len(payload) >= SPLIT_PAYLOAD_BYTES):
-                if parts:
-                    self._write(b"".join(parts))
-                    parts = []
+                if len(batch):
+                    self._write(batch.take())
                 self._send_publish(out)
                 continue
-            props = _GUID_PROPERTY_HEAD + msg.guid.hex().encode() if stamp else b""
-            parts.append(encode_publish_header(
-                msg.topic.encode(), len(payload), out.qos, out.retain, out.dup, out.packet_id, version, props
-            ))
-            parts.append(payload)
+            add(msg.topic, payload, out.qos, out.retain, out.dup, out.packet_id,
+                _GUID_PROPERTY_HEAD + msg.guid.hex().encode() if stamp else b"")
             sent += 1
-        if parts:
-            self._write(b"".join(parts))
+        if len(batch):
+            self._write(batch.take())
         self.node.stats["delivered"] += sent
 
     def _send_publish(self, out: OutboundPublish) -> None:

@@ -34,6 +34,7 @@ from moorline.broker.session_state import (
     packet_id_of,
 )
 from moorline.broker.topic_state import Registration, TopicState
+from moorline.node.recent import SHARD_SHIFT
 
 if TYPE_CHECKING:
     from moorline.node.node import Node
@@ -95,7 +96,7 @@ class LiveSession:
         self.share_delivered: set[tuple[int, int]] = set()  # (shard, offset) of share claims in flight
         self.pending: dict[int, deque[tuple[int, str]]] = {}  # shard -> (offset, registration), arrival order
         self._acks: list[tuple[int, int]] = []
-        self._ack_flush: asyncio.TimerHandle | None = None
+        self._ack_flush: asyncio.Handle | None = None
 
     def session(self) -> Session | None:
         return self.node.hosts[self.shard].state.sessions.sessions.get(self.client_id)
@@ -229,11 +230,15 @@ class LiveSession:
         msgs: list[StoredMessage] = []
         more = False
         now_ms = int(time.time() * 1000)
+        recent = self.node.recent
+        recent_get = recent.by_key.get
+        hits = 0
         for shard, dq in self.pending.items():
             if not dq:
                 continue
             host = self.node.hosts[shard]
             topics = host.state.topics
+            key_base = shard << SHARD_SHIFT
             cursor = self.cursor.get(shard, -1)
             expired: dict[str, list[int]] = {}
             # Per registration, what a plain (non-$share) one of this incarnation gives every offset
@@ -262,17 +267,25 @@ class LiveSession:
                     for _ in range(n):
                         dq.popleft()
                     continue
-                msg = host.message(offset)
+                msg = recent_get(key_base | offset)  # host.message(offset), inlined for a recent one
                 if msg is None:
-                    for _ in range(n):
-                        dq.popleft()
-                    continue
-                qos = min(qos, msg.qos)
+                    msg = host.message(offset)
+                    if msg is None:
+                        for _ in range(n):
+                            dq.popleft()
+                        continue
+                else:
+                    hits += 1
+                if msg.qos < qos:
+                    qos = msg.qos
                 if qos > 0 and room <= 0:
                     more = False  # woken again by acknowledgements
                     break
-                for _ in range(n):
+                if n == 1:
                     dq.popleft()
+                else:
+                    for _ in range(n):
+                        dq.popleft()
                 if msg.expiry_s is not None and msg.expires_at_ms() <= now_ms:  # type: ignore[operator]
                     for rk in reg_keys:
                         expired.setdefault(rk, []).append(offset)
@@ -291,6 +304,7 @@ class LiveSession:
                 self.node.propose(shard, c.DropOwed(rk, tuple(offs), "message_expiry"), want=False)
             if more:
                 break
+        recent.count_hits(hits)
         if not items:
             return False
         await self._commit_and_send(items, msgs)
@@ -421,7 +435,10 @@ class LiveSession:
         self.inflight_out -= done
         if self._ack_flush is None:
             delay = self.node.cfg.session.ack_commit_interval_ms / 1000
-            self._ack_flush = asyncio.get_running_loop().call_later(delay, self._flush_acks)
+            loop = asyncio.get_running_loop()
+            # 0: after the rest of this loop pass (every ack read in it), with no timer to wake the loop.
+            self._ack_flush = (loop.call_soon(self._flush_acks) if delay <= 0
+                               else loop.call_later(delay, self._flush_acks))
         self.wake()
         return True
 

@@ -21,20 +21,22 @@ ENTRY_OVERHEAD_BYTES = 520
 
 # Keys pack (shard, offset) into one int: no tuple per put, get or drop. Offsets stay far below
 # 2**40 (see broker/topic_state.py); shards are small.
-_SHARD_SHIFT = 40
+SHARD_SHIFT = 40
 
 
 class RecentMessages:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.used_bytes = 0
-        # (shard << 40 | offset) -> message; a message's charge is recomputed from it when it leaves.
-        self._items: OrderedDict[int, StoredMessage] = OrderedDict()
+        # (shard << SHARD_SHIFT | offset) -> message; a message's charge is recomputed from it when it
+        # leaves. Read-only outside this class: the delivery loop looks messages up in it directly
+        # (once per delivered message) and reports its hits with ``count_hits``.
+        self.by_key: OrderedDict[int, StoredMessage] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self.by_key)
 
     @staticmethod
     def _charge(msg: StoredMessage) -> int:
@@ -45,9 +47,9 @@ class RecentMessages:
 
     def put_many(self, shard: int, appends: Iterable[tuple[int, bytes, StoredMessage]]) -> None:
         """The messages of one apply, as ``Effects.appends`` lists them: (offset, record, message)."""
-        items = self._items
+        items = self.by_key
         max_bytes = self.max_bytes
-        base = shard << _SHARD_SHIFT
+        base = shard << SHARD_SHIFT
         used = self.used_bytes
         for offset, _record, msg in appends:
             size = len(msg.payload) + len(msg.topic) + ENTRY_OVERHEAD_BYTES  # _charge(msg), inlined
@@ -65,16 +67,19 @@ class RecentMessages:
         self.used_bytes = used
 
     def get(self, shard: int, offset: int) -> StoredMessage | None:
-        hit = self._items.get((shard << _SHARD_SHIFT) | offset)
+        hit = self.by_key.get((shard << SHARD_SHIFT) | offset)
         if hit is None:
             self.misses += 1
             return None
         self.hits += 1
         return hit
 
+    def count_hits(self, n: int) -> None:
+        self.hits += n
+
     def drop(self, shard: int, offsets: Iterable[int]) -> None:
-        items = self._items
-        base = shard << _SHARD_SHIFT
+        items = self.by_key
+        base = shard << SHARD_SHIFT
         for offset in offsets:
             old = items.pop(base | offset, None)
             if old is not None:
