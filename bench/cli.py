@@ -21,7 +21,7 @@ def bench(
     json_out: Path = Path("bench-results.json"),
 ) -> None:
     """Side-by-side benchmark: W1 (QoS 1, 100 B x 20,000), W2 (64 KiB x 2,000), a saturation sweep with a lean
-    load generator, and the cost of moorline's strict packet ids. Each broker is started fresh on loopback and
+    load generator, a shallow pipeline (one pair, 16 in flight), and the cost of moorline's strict packet ids. Each broker is started fresh on loopback and
     stopped after. --quick: few messages, one repetition (smoke test)."""
     console = Console()
     if not console.is_terminal:

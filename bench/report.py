@@ -13,7 +13,7 @@ def _num(value: Any, fmt: str) -> str:
 
 
 def _row_figures(block: dict[str, Any]) -> dict[str, Any] | None:
-    return block.get("median") or block.get("max")
+    return block.get("median") or block.get("max") or block.get("run")
 
 
 def print_report(console: Console, report: dict[str, Any]) -> None:
@@ -26,6 +26,8 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
         f"median of {config['reps']}",
         "saturation": "Saturation: lean load generator (pre-encoded QoS 1, windowed), best of pair counts "
         f"{tuple(config['saturation']['pair_counts'])}",
+        "shallow": f"Shallow pipeline: 1 pair, {config['shallow']['window']} QoS 1 in flight (latency-bound: "
+        "CPU per message shows what a round trip costs)",
     }
     for workload, title in titles.items():
         table = Table(title=title, title_justify="left")
@@ -91,6 +93,7 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
             "w2_msgs_per_s",
             "w2_cpu_s_per_10k",
             "saturation_msgs_per_s",
+            "shallow_cpu_s_per_10k",
         )
         for key in keys:
             table.add_column(key.replace("_per_", "/").replace("_s/10k", "-s/10k"), justify="right")

@@ -32,6 +32,9 @@ class PahoWorkload:
     persistent_subscriber: bool = False  # the subscriber's session outlives its connection
 
 
+SHALLOW_WINDOW = 16  # QoS 1 messages in flight in the shallow run
+
+
 @dataclass(frozen=True)
 class SaturationWorkload:
     """Lean load generator: ``pairs`` processes, each a windowed QoS 1 publisher + subscriber on its own topic."""
@@ -51,6 +54,9 @@ class BenchConfig:
     w1: PahoWorkload
     w2: PahoWorkload
     saturation: SaturationWorkload
+    # One pair with few messages in flight: latency-bound, so each round trip carries a handful of
+    # messages and CPU per message shows what a round costs (wake-ups, syscalls, a sync, fixed work).
+    shallow: SaturationWorkload
     client_timeout_s: float = 180.0
     targets: dict[str, float] = field(
         default_factory=lambda: {"w1_cpu_s_per_10k": 0.15, "w2_cpu_s_per_10k": 2.0}
@@ -64,6 +70,7 @@ def full_config(brokers: tuple[str, ...], reps: int) -> BenchConfig:
         w1=PahoWorkload("w1", 100, 20_000, 1_000),
         w2=PahoWorkload("w2", 64 * 1024, 2_000, 1_000),
         saturation=SaturationWorkload(pair_counts=(1, 2), warm_s=1.5, measure_s=5.0),
+        shallow=SaturationWorkload(pair_counts=(1,), warm_s=1.0, measure_s=4.0, window=SHALLOW_WINDOW),
     )
 
 
@@ -74,6 +81,7 @@ def quick_config(brokers: tuple[str, ...]) -> BenchConfig:
         w1=PahoWorkload("w1", 100, 2_000, 200),
         w2=PahoWorkload("w2", 64 * 1024, 200, 50),
         saturation=SaturationWorkload(pair_counts=(1,), warm_s=0.5, measure_s=1.5),
+        shallow=SaturationWorkload(pair_counts=(1,), warm_s=0.3, measure_s=1.0, window=SHALLOW_WINDOW),
         client_timeout_s=60.0,
     )
 
@@ -341,6 +349,17 @@ def _saturation_sweep(kind: Broker, config: BenchConfig, log: Log) -> dict[str, 
     return {"max": best, "steps": steps, "still_rising": still_rising}
 
 
+def _shallow(kind: Broker, config: BenchConfig, log: Log) -> dict[str, Any]:
+    """One run of the shallow pipeline (one pair, ``config.shallow.window`` in flight)."""
+    result = _guarded(log, f"{kind.name} shallow",
+                      lambda: run_saturation_once(kind, config.shallow, 1, config.client_timeout_s))
+    if "error" in result:
+        return result
+    log(f"{kind.name} shallow ({config.shallow.window} in flight): {result['msgs_per_s']:,.0f} msgs/s, "
+        f"{result['cpu_s_per_10k']:.3f} CPU-s/10k")
+    return {"run": result}
+
+
 def run(config: BenchConfig, log: Log) -> dict[str, Any]:
     """Every requested broker through W1, W2, the saturation sweep (and for moorline the loose packet-id W1)."""
     brokers: dict[str, Any] = {}
@@ -374,6 +393,7 @@ def run(config: BenchConfig, log: Log) -> dict[str, Any]:
             "w1": w1["w1"],
             "w2": _paho_reps(kind, config, log, {"w2": (config.w2, None)})["w2"],
             "saturation": _saturation_sweep(kind, config, log),
+            "shallow": _shallow(kind, config, log),
         }
         for extra in ("w1_persistent", "w1_persistent_loose_packet_ids"):
             if extra in w1:
@@ -389,7 +409,7 @@ def run(config: BenchConfig, log: Log) -> dict[str, Any]:
 
 def _fig(results: dict[str, Any], broker: str, workload: str, key: str) -> float | None:
     block = results.get(broker, {}).get(workload, {})
-    figures = block.get("median") or block.get("max") or {}
+    figures = block.get("median") or block.get("max") or block.get("run") or {}
     value = figures.get(key)
     return float(value) if isinstance(value, int | float) else None
 
@@ -417,7 +437,7 @@ def compare(results: dict[str, Any], config: BenchConfig) -> dict[str, Any]:
         if peer == "moorline":
             continue
         ratios: dict[str, float | None] = {}
-        for workload in ("w1", "w2", "saturation"):
+        for workload in ("w1", "w2", "saturation", "shallow"):
             for key in ("msgs_per_s", "cpu_s_per_10k"):
                 mine, theirs = _fig(results, "moorline", workload, key), _fig(results, peer, workload, key)
                 ratios[f"{workload}_{key}"] = mine / theirs if mine is not None and theirs else None

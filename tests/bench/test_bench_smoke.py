@@ -57,6 +57,10 @@ def test_bench_quick_mode_against_mosquitto_writes_sane_json(tmp_path: Path) -> 
         saturation["max"]["delivered"] / saturation["max"]["measure_s"]
     )
     assert saturation["max"]["cpu_s"] > 0  # a saturated broker burns CPU; 0 would mean /proc was not read
+    shallow = mosquitto["shallow"]["run"]  # one pair, a few messages in flight
+    assert shallow["pairs"] == 1 and report["config"]["shallow"]["window"] == 16
+    assert shallow["delivered"] > 0 and shallow["cpu_s"] > 0
+    assert "Shallow pipeline" in proc.stdout
     # moorline was not requested: no targets, ratios or packet-id line.
     assert report["comparison"] == {"targets": [], "ratios": {}, "strict_packet_ids": None}
     assert "W1:" in proc.stdout and "mosquitto" in proc.stdout
