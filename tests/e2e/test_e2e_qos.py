@@ -4,10 +4,11 @@ mosquitto_pub / mosquitto_sub binaries."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiomqtt
 import pytest
-from e2e_broker import BrokerProc
+from e2e_broker import BrokerFactory, BrokerProc
 from e2e_support import (
     LiveMosquittoSub,
     Paho,
@@ -158,3 +159,29 @@ def test_anonymous_allowed_on_loopback_by_default(shared_broker: BrokerProc) -> 
         assert c.connect(f"anon-{v}").reason == 0  # no username, no password, default configuration
         c.ping()
         c.disconnect()
+
+
+@pytest.mark.moorline_only
+@pytest.mark.parametrize("interval_ms", [0, 2], ids=["per-loop-pass", "2ms"])
+def test_subscriber_acks_are_committed_while_it_stays_connected(
+        broker_factory: BrokerFactory, uniq: str, interval_ms: int) -> None:
+    """Acks are committed in batches (per loop pass, or per session.ack_commit_interval_ms) while the
+    subscriber stays connected, not only when its session stops: after a SIGKILL the acknowledged
+    messages of a persistent session are not delivered again."""
+    b = broker_factory(config_text=f"[session]\nack_commit_interval_ms = {interval_ms}\n")
+    port, topic, cid = b.mqtt_port, f"{uniq}/acks", f"{uniq}-sub"
+    sub = Paho(port, cid, version=4, clean=False)
+    sub.connect()
+    sub.subscribe(topic, 1)
+    pub = Paho(port, f"{uniq}-pub")
+    pub.connect()
+    for i in range(50):
+        pub.publish(topic, f"m{i:02d}", qos=1)
+    assert [m.payload.decode() for m in sub.collect(50)] == [f"m{i:02d}" for i in range(50)]
+    time.sleep(0.5)  # paho has acked everything; the ack commands' lazy sync is due after 20 ms
+    b.kill9()  # while the subscriber is connected: a session that stops flushes its acks anyway
+    sub.client.loop_stop()  # no reconnect: mosquitto_sub resumes the session below
+    pub.client.loop_stop()
+    b.start()
+    again = sub_lines(mosquitto_sub(port, topic, 1, qos=1, client_id=cid, persistent=True, timeout_s=2))
+    assert again == [], f"acknowledged messages delivered again after a crash: {again}"
