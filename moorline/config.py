@@ -100,6 +100,10 @@ class StorageConfig:
     # Commands nobody waits for (ack reports, QoS 1 session acks, housekeeping) never force a sync
     # of their own: they ride on the next sync a proposer waits for, or go after this long.
     lazy_sync_delay_ms: int = 20
+    # A busy WAL writes into segments a thread zero-filled ahead, so a group commit's fdatasync
+    # writes data blocks only, not the file's size too (storage/prealloc.py). Costs one extra
+    # segment of disk while a node is busy.
+    wal_preallocate: bool = True
 
 
 @dataclass

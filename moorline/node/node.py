@@ -101,6 +101,7 @@ class Node:
         self.wal = WriteAheadLog(
             self.data_dir / "wal", segment_bytes=self.cfg.storage.wal_segment_bytes,
             max_pending_bytes=self.cfg.storage.max_pending_bytes, ledger=self.ledger,
+            preallocate=self.cfg.storage.wal_preallocate,
         )
         rec = self.wal.open()  # WalCorruption here refuses to start, naming file and offset
         for path, off in rec.torn_tail_truncated:

@@ -49,6 +49,18 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
         view.release()
 
 
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """``os.pwrite`` at ``offset`` until every byte is written (the file position is not used)."""
+    view = memoryview(data)
+    try:
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view = view[n:]
+            offset += n
+    finally:
+        view.release()
+
+
 def writev_all(fd: int, pieces: list[bytes | bytearray]) -> int:
     """``os.writev`` of ``pieces`` until every byte is written; returns the byte count. Large
     payloads go to the file straight from their own buffers, not copied into a joined one first."""

@@ -36,6 +36,12 @@ last recovered entry.
 
 Every ``open`` starts a new segment (with checkpoints) rather than appending to the last one.
 
+Preallocation (``preallocate=True``, the node's default): a busy log switches to segments that a
+thread zero-filled and synced beforehand (``prealloc.py`` says why), and records overwrite the
+zeros. A segment is cut to its records' length before the next one is used and on ``close``, so
+only the last segment can end in zeros, and only after a crash: recovery takes an all-zero tail
+for unused space, cuts it and does not report it as torn.
+
 Threads: ``append_*``/``set_hard_state``/``mark_snapshot``/``truncate`` may run on one thread (the
 event loop) while ``sync``/``reclaim`` run on another. Appends only encode into an in-memory buffer
 under a short lock; ``sync`` swaps the buffer out and does the IO without holding that lock.
@@ -56,8 +62,9 @@ import crc32c as _crc32c_module
 
 from moorline.hashing import crc32c
 from moorline.invariant import invariant
-from moorline.storage.fsutil import ensure_dir, fdatasync_path, fsync_dir, truncate_durably, write_all
+from moorline.storage.fsutil import ensure_dir, fdatasync_path, fsync_dir, pwrite_all, truncate_durably
 from moorline.storage.ledger import SyncLedger
+from moorline.storage.prealloc import SegmentPreparer
 
 # The same C function moorline.hashing.crc32c wraps, bound directly: it takes any buffer (no
 # copy) and skips one Python call per record on the hot path. Checked equal at import.
@@ -104,6 +111,9 @@ _SNAP = struct.Struct("<QQ")
 _CKPT = struct.Struct("<BQQQQQ")
 
 MAX_BODY_BYTES = 1 << 30
+# A segment that has seen this many syncs belongs to a busy log: only then is the next segment
+# zero-filled ahead (64 MiB of writes that a node syncing now and then should not pay).
+PREPARE_AFTER_SYNCS = 256
 MAX_SEGMENT_BYTES = 2 << 30  # positions are u32
 _SEGMENT_RE = re.compile(r"^wal-(\d+)\.log$")
 
@@ -253,6 +263,8 @@ class WriteAheadLog:
         max_pending_bytes: int = 64 << 20,
         ledger: Path | str | SyncLedger | None = None,
         write_ahead_bytes: int = 256 << 10,
+        preallocate: bool = False,
+        prepare_after_syncs: int = PREPARE_AFTER_SYNCS,
     ) -> None:
         invariant(256 <= segment_bytes <= MAX_SEGMENT_BYTES, "segment_bytes must be in [256 B, 2 GiB]")
         invariant(max_pending_bytes > 0, "max_pending_bytes must be positive")
@@ -291,6 +303,11 @@ class WriteAheadLog:
         self._fd_length = 0
         self._synced_seq = 0
         self._written_unsynced = False  # a write-ahead put bytes in the file that no sync covers yet
+        self._fd_size = 0  # the file's size: above _fd_length while preallocated zeros are left
+        self._syncs_in_segment = 0
+        self._preparer = SegmentPreparer(self.directory, segment_bytes) if preallocate else None
+        invariant(prepare_after_syncs >= 1, "prepare_after_syncs must be at least 1")
+        self.prepare_after_syncs = prepare_after_syncs
         # Read by the event loop, changed by the syncer: mutated under both locks, read under _lock.
         self._disk_segments: list[int] = []
         self._durable_snapshot: dict[int, int] = {}
@@ -301,6 +318,8 @@ class WriteAheadLog:
         invariant(not self._opened, "WAL opened twice")
         self._opened = True
         ensure_dir(self.directory)
+        if self._preparer is not None:
+            self._preparer.discard_leftover()
         files = self._list_segments()
         for (a, _), (b, path) in zip(files, files[1:], strict=False):
             if b != a + 1:
@@ -316,8 +335,10 @@ class WriteAheadLog:
             kept.append(seq)
             if stop:
                 for _later_seq, later_path in files[i + 1 :]:
+                    unused = not later_path.read_bytes().strip(b"\0")  # a preallocated segment never written
                     later_path.unlink()
-                    torn.append((later_path, 0))
+                    if not unused:
+                        torn.append((later_path, 0))
                     if self._ledger is not None:
                         self._ledger.forget(later_path)
                 fsync_dir(self.directory)
@@ -439,7 +460,8 @@ class WriteAheadLog:
             truncate_durably(path, p)
             if self._ledger is not None:
                 self._ledger.record(path, p)
-            torn.append((path, p))
+            if data.count(0, p) != n - p:  # all zeros: preallocated space never written, not damage
+                torn.append((path, p))
             return True
         return False
 
@@ -676,11 +698,10 @@ class WriteAheadLog:
             ((_, chunk),) = self._pending
             self._pending = []
             try:
-                write_all(self._fd, chunk)
+                self._write_at_end(chunk)
             except BaseException as exc:
                 self._failed = exc
                 raise
-            self._fd_length += len(chunk)
             self._written_unsynced = True
         finally:
             self._sync_lock.release()
@@ -712,6 +733,12 @@ class WriteAheadLog:
                     self._emit(T_HARD_STATE, group, _HARD.pack(hs.term, hs.commit) + hs.vote)
                 self._pending_hard.clear()
                 self._pending_hard_bytes = 0
+                preparer = self._preparer
+                if (preparer is not None and self._fd is not None and self._fd_seq == self._seg_seq
+                        and self._fd_size <= self._fd_length and preparer.ready()):
+                    # A busy log still appending (its first segment, or preallocation was late):
+                    # move to the zero-filled segment now rather than when this one is full.
+                    self._start_segment_locked()
                 chunks = self._pending
                 self._pending = []
                 self._pending_bytes = 0
@@ -726,12 +753,13 @@ class WriteAheadLog:
                 for seg_seq, chunk in chunks:
                     if seg_seq != self._fd_seq:
                         self._switch_segment(seg_seq)
-                    assert self._fd is not None
-                    write_all(self._fd, chunk)
-                    self._fd_length += len(chunk)
+                    self._write_at_end(chunk)
                 assert self._fd is not None
                 os.fdatasync(self._fd)
                 self._written_unsynced = False
+                self._syncs_in_segment += 1
+                if self._syncs_in_segment == self.prepare_after_syncs and self._preparer is not None:
+                    self._preparer.start()
             except BaseException as exc:
                 self._failed = exc
                 raise
@@ -753,11 +781,27 @@ class WriteAheadLog:
                 self._ledger.record(self.directory / segment_name(self._fd_seq), self._fd_length)
             return seq
 
+    def _write_at_end(self, chunk: bytearray) -> None:
+        """Write ``chunk`` after the segment's records (over preallocated zeros, if any are left)."""
+        assert self._fd is not None
+        pwrite_all(self._fd, chunk, self._fd_length)
+        self._fd_length += len(chunk)
+        self._fd_size = max(self._fd_size, self._fd_length)
+
+    def _cut_zero_tail(self) -> None:
+        """Cut unused preallocated zeros off the segment being written (the caller syncs it): only
+        the last segment may end in anything but a record (recovery)."""
+        assert self._fd is not None
+        if self._fd_size > self._fd_length:
+            os.ftruncate(self._fd, self._fd_length)
+            self._fd_size = self._fd_length
+
     def _switch_segment(self, seg_seq: int) -> None:
         invariant(seg_seq > self._fd_seq, "segments are written in order")
         if self._fd is not None:
             # The old segment must be complete on disk before the new one holds anything: a
             # valid record in a later segment then proves the earlier ones whole (recovery).
+            self._cut_zero_tail()
             os.fdatasync(self._fd)
             os.close(self._fd)
             # Ledger lines are written as soon as each fact is durable: a harness that cuts files
@@ -765,10 +809,20 @@ class WriteAheadLog:
             if self._ledger is not None:
                 self._ledger.record(self.directory / segment_name(self._fd_seq), self._fd_length)
         path = self.directory / segment_name(seg_seq)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        prepared = self._preparer.take() if self._preparer is not None else None
+        if prepared is not None:
+            invariant(not path.exists(), f"segment {path} exists already")
+            os.rename(prepared, path)  # zeros and size were synced before it was handed over
+            self._fd = os.open(path, os.O_WRONLY)
+            self._fd_size = self._preparer.size if self._preparer is not None else 0
+        else:
+            # O_APPEND as well: writes go to the end whatever the offset says (pwrite on Linux).
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+            self._fd_size = 0
         fsync_dir(self.directory)
         self._fd_seq = seg_seq
         self._fd_length = 0
+        self._syncs_in_segment = 0
         with self._lock:
             self._disk_segments.append(seg_seq)
         if self._ledger is not None:
@@ -835,5 +889,10 @@ class WriteAheadLog:
         with self._sync_lock:
             self._closed = True
             if self._fd is not None:
+                if self._fd_size > self._fd_length:
+                    self._cut_zero_tail()  # a clean close leaves exact files
+                    os.fdatasync(self._fd)
                 os.close(self._fd)
                 self._fd = None
+        if self._preparer is not None:
+            self._preparer.close()

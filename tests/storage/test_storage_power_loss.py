@@ -16,23 +16,35 @@ from moorline.storage.snapshots import SnapshotStore
 from moorline.storage.wal import WriteAheadLog
 
 
-def power_loss(ledger: Path, rng: random.Random) -> None:
-    """Keep each file's synced prefix plus 0..all of its unsynced bytes (never more than was written)."""
+def power_loss(ledger: Path, rng: random.Random, keep_size: bool = False) -> None:
+    """Keep each file's synced prefix plus 0..all of its unsynced bytes (never more than was written).
+    ``keep_size``: half the time the file keeps its size and the lost bytes read as zeros instead,
+    as in a preallocated segment whose overwrites never reached the disk."""
     for file, synced in read_ledger(ledger).items():
         p = Path(file)
         if not p.exists():
             continue
         size = p.stat().st_size
         if size > synced:
-            os.truncate(p, synced + rng.randint(0, min(size - synced, 64)))
+            keep = synced + rng.randint(0, min(size - synced, 64))
+            if keep_size and rng.random() < 0.5:
+                with open(p, "r+b") as f:
+                    f.seek(keep)
+                    f.write(bytes(size - keep))
+            else:
+                os.truncate(p, keep)
 
 
+@pytest.mark.parametrize("preallocate", [False, True], ids=["appending", "preallocated"])
 @pytest.mark.parametrize("seed", range(12))
-def test_node_shaped_power_loss(tmp_path: Path, seed: int) -> None:
+def test_node_shaped_power_loss(tmp_path: Path, seed: int, preallocate: bool) -> None:
     rng = random.Random(seed)
     ledger_path = tmp_path / "ledger.jsonl"
     ledger = SyncLedger(ledger_path)
-    wal = WriteAheadLog(tmp_path / "wal", segment_bytes=2048, ledger=ledger)
+    # Preallocated: the next segment is zero-filled after 3 syncs, and waited for (threads would
+    # make the run depend on timing), so most segments are prepared ones, cut when left.
+    wal = WriteAheadLog(tmp_path / "wal", segment_bytes=2048, ledger=ledger, preallocate=preallocate,
+                        prepare_after_syncs=3)
     wal.open()
     store = MessageStore(
         tmp_path / "store" / "shard-0", segment_bytes=700, ledger=ledger, write_buffer_bytes=64
@@ -50,6 +62,8 @@ def test_node_shaped_power_loss(tmp_path: Path, seed: int) -> None:
         if rng.random() < 0.5 or i == total:
             wal.sync()
             acked = i
+            if wal._preparer is not None:
+                wal._preparer.wait(10)
         store.append(i - 1, f"msg{i}".encode() * 5)  # apply
         if i % 40 == 0 and acked == i:
             store.sync()
@@ -61,9 +75,11 @@ def test_node_shaped_power_loss(tmp_path: Path, seed: int) -> None:
         wal.append_entries(0, [(1, i, 0, f"msg{i}".encode())])
         store.append(i - 1, f"msg{i}".encode() * 5)
     store._flush()  # written to the page cache, not synced
-    if wal._fd is not None:
-        os.write(wal._fd, bytes(wal._pending[0][1]) if wal._pending else b"")  # written, not synced
-    power_loss(ledger_path, rng)
+    if wal._fd is not None and wal._pending:  # written after the segment's records, not synced
+        os.pwrite(wal._fd, bytes(wal._pending[0][1]), wal._fd_length)
+    if preallocate:
+        assert wal._preparer is not None and wal._preparer.prepared >= 2  # the test reached the feature
+    power_loss(ledger_path, rng, keep_size=preallocate)
 
     # Recovery, as the node does it.
     rec = WriteAheadLog(tmp_path / "wal", segment_bytes=2048).open()
