@@ -8,6 +8,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -60,8 +61,9 @@ def test_wal_matches_model(ops: list[tuple]) -> None:
         shutil.rmtree(d)
 
 
-def _open(d: Path) -> tuple[WriteAheadLog, dict[int, ModelGroup]]:
-    w = WriteAheadLog(d, segment_bytes=400)
+def _open(d: Path, preallocate: bool = False) -> tuple[WriteAheadLog, dict[int, ModelGroup]]:
+    # Preallocated: the next segment is zero-filled after every sync of a segment's first.
+    w = WriteAheadLog(d, segment_bytes=400, preallocate=preallocate, prepare_after_syncs=1)
     rec = w.open()
     assert rec.corrupted == []
     got: dict[int, ModelGroup] = {}
@@ -84,8 +86,10 @@ def _check(durable: dict[int, ModelGroup], got: dict[int, ModelGroup]) -> None:
         assert have.entries == want_entries, g
 
 
-def _run(d: Path, ops: list[tuple]) -> None:
-    w, _ = _open(d)
+def _run(d: Path, ops: list[tuple], preallocate: bool = False) -> int:
+    """Returns how many zero-filled segments were prepared."""
+    prepared = 0
+    w, _ = _open(d, preallocate)
     live: dict[int, ModelGroup] = {g: ModelGroup() for g in GROUPS}
     durable: dict[int, ModelGroup] = {g: ModelGroup() for g in GROUPS}
     term = 1
@@ -129,13 +133,16 @@ def _run(d: Path, ops: list[tuple]) -> None:
             live[o[1]] = ModelGroup()
         elif kind == "sync":
             w.sync()
+            if w._preparer is not None:
+                w._preparer.wait(10)  # not left to thread timing: the walk replays exactly
             durable = {g: m.copy() for g, m in live.items()}
         elif kind == "reclaim":
             w.reclaim()
         elif kind == "restart":
+            prepared += w._preparer.prepared if w._preparer is not None else 0
             w.close()
             durable = {g: m.copy() for g, m in live.items()}
-            w, got = _open(d)
+            w, got = _open(d, preallocate)
             _check(durable, got)
             live = {g: m.copy() for g, m in durable.items()}
         elif kind == "crash":
@@ -143,24 +150,33 @@ def _run(d: Path, ops: list[tuple]) -> None:
             # segment being written (an interrupted write).
             _, garbage = o
             fd_seq = w._fd_seq
+            end = w._fd_length
+            if w._preparer is not None:
+                prepared += w._preparer.prepared
+                w._preparer.close()
             if w._fd is not None:
                 os.close(w._fd)
                 w._fd = None
             w._closed = True
             if fd_seq and garbage:
-                with open(d / f"wal-{fd_seq:016d}.log", "ab") as f:
+                with open(d / f"wal-{fd_seq:016d}.log", "r+b") as f:  # over zeros, if preallocated
+                    f.seek(end)
                     f.write(bytes((i * 37 + 0x4C) % 256 for i in range(garbage)))
-            w, got = _open(d)
+            w, got = _open(d, preallocate)
             _check(durable, got)
             live = {g: m.copy() for g, m in durable.items()}
+    prepared += w._preparer.prepared if w._preparer is not None else 0
     w.close()
     durable = {g: m.copy() for g, m in live.items()}
     _, got = _open(d)
     _check(durable, got)
+    return prepared
 
 
-def test_wal_seeded_random_walks(monkeypatch: object) -> None:
-    """Longer seeded walks than hypothesis tends to draw; asserts rotation and reclaim really ran."""
+@pytest.mark.parametrize("preallocate", [False, True], ids=["appending", "preallocated"])
+def test_wal_seeded_random_walks(monkeypatch: object, preallocate: bool) -> None:
+    """Longer seeded walks than hypothesis tends to draw; asserts rotation and reclaim really ran
+    (and, preallocated, that zero-filled segments were used)."""
     import random
 
     removed: list[int] = []
@@ -172,6 +188,7 @@ def test_wal_seeded_random_walks(monkeypatch: object) -> None:
         return out
 
     monkeypatch.setattr(WriteAheadLog, "reclaim", reclaim)  # type: ignore[attr-defined]
+    prepared = 0
     for seed in range(4):
         r = random.Random(seed)
         ops: list[tuple] = []
@@ -199,7 +216,8 @@ def test_wal_seeded_random_walks(monkeypatch: object) -> None:
                 ops.append((k,))
         d = Path(tempfile.mkdtemp(prefix="walwalk-"))
         try:
-            _run(d, ops)
+            prepared += _run(d, ops, preallocate)
         finally:
             shutil.rmtree(d)
     assert sum(removed) > 0
+    assert (prepared > 0) == preallocate
