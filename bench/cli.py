@@ -10,8 +10,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from bench import machine, runner
 from bench import report as report_mod
-from bench import runner
 
 
 def bench(
@@ -30,6 +30,9 @@ def bench(
     config = runner.quick_config(names) if quick else runner.full_config(names, max(1, reps))
     started = time.time()
     load_at_start = os.getloadavg()
+    speed = machine.probe()
+    console.print(f"machine: 10M Python loop iterations {speed['python_loop_10m_s']:.3f} s, "
+                  f"one system call from Python {speed['syscall_us']:.2f} µs")
     result = runner.run(config, log=console.print)
     result["meta"] = {
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
@@ -39,6 +42,8 @@ def bench(
         # Other work on the machine moves msgs/s a lot (CPU-s/10k much less): keep it next to the figures.
         "load_average_at_start": load_at_start,
         "load_average_at_end": os.getloadavg(),
+        # Interpreted code and system calls drift apart between VMs and days: read ratios against these.
+        "machine_speed": speed,
         "python": platform.python_version(),
         "machine": platform.machine(),
     }

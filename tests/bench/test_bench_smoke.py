@@ -38,6 +38,8 @@ def test_bench_quick_mode_against_mosquitto_writes_sane_json(tmp_path: Path) -> 
 
     assert report["brokers"]["mosquitto"]["status"] == "ok"
     assert report["meta"]["quick"] is True
+    speed = report["meta"]["machine_speed"]
+    assert 0 < speed["python_loop_10m_s"] < 60 and 0 < speed["syscall_us"] < 1000
     mosquitto = report["results"]["mosquitto"]
     for workload in ("w1", "w2"):
         assert "error" not in mosquitto[workload], mosquitto[workload]
