@@ -98,6 +98,8 @@ class SegmentPreparer:
                     if self._stop.is_set():
                         return
                     pos += _pwrite(fd, zeros[: min(len(zeros), self.size - pos)], pos)
+                if self._stop.is_set():
+                    return
                 # Its size and zeros durable now: the WAL's later syncs then write data blocks only.
                 os.fdatasync(fd)
             finally:
