@@ -151,3 +151,19 @@ def test_quiet_log_prepares_nothing(tmp_path: Path) -> None:
     assert w._preparer is not None and w._preparer.prepared == 0
     assert not (tmp_path / PREPARED_NAME).exists()
     w.close()
+
+
+def test_log_of_large_syncs_keeps_appending(tmp_path: Path) -> None:
+    """Zero-filling costs per byte and saves per sync: a log whose syncs average more than
+    PREALLOCATE_MAX_SYNC_BYTES (batches of large payloads) never prepares a segment."""
+    w = WriteAheadLog(tmp_path, segment_bytes=1 << 20, preallocate=True, prepare_after_syncs=2)
+    w.open()
+    big = bytes(range(256)) * 400  # 100 KiB an entry, one entry a sync
+    for i in range(1, 12):
+        w.append_entries(3, [(1, i, 0, big)])
+        w.sync()
+        assert w._preparer is not None
+        w._preparer.wait(10)
+    assert w._preparer.prepared == 0 and not (tmp_path / PREPARED_NAME).exists()
+    w.close()
+    assert [e.index for e in WriteAheadLog(tmp_path).open().groups[3].entries] == list(range(1, 12))
