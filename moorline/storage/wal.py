@@ -111,13 +111,15 @@ _SNAP = struct.Struct("<QQ")
 _CKPT = struct.Struct("<BQQQQQ")
 
 MAX_BODY_BYTES = 1 << 30
-# A segment that has seen this many syncs belongs to a busy log: only then is the next segment
-# zero-filled ahead (64 MiB of writes that a node syncing now and then should not pay) ...
-PREPARE_AFTER_SYNCS = 256
-# ... and only when its syncs were small. Zero-filling costs per byte (here 20 ms of CPU per
-# 64 MiB), preallocation saves per sync (about 23 µs): it pays below about 77 KB per sync. A log
-# of large batches (64 KiB payloads) keeps appending.
+# When the next segment is zero-filled ahead. Zero-filling costs per byte (here 20 ms of CPU per
+# 64 MiB segment); preallocation saves per sync (about 37 µs at 20 KB a sync). So only a busy log
+# of small syncs gets it: a segment that has seen this many syncs (the fill is repaid after about
+# 540) ...
+PREPARE_AFTER_SYNCS = 1024
+# ... whose syncs averaged at most this (it pays below about 77 KB a sync; a log of 64 KiB payloads
+# keeps appending) ...
 PREALLOCATE_MAX_SYNC_BYTES = 64 << 10
+# ... and, when it is itself a prepared one, that is half full: one fill per segment really used.
 MAX_SEGMENT_BYTES = 2 << 30  # positions are u32
 _SEGMENT_RE = re.compile(r"^wal-(\d+)\.log$")
 
@@ -762,9 +764,12 @@ class WriteAheadLog:
                 os.fdatasync(self._fd)
                 self._written_unsynced = False
                 self._syncs_in_segment += 1
-                if (self._syncs_in_segment == self.prepare_after_syncs and self._preparer is not None
-                        and self._fd_length <= self._syncs_in_segment * PREALLOCATE_MAX_SYNC_BYTES):
-                    self._preparer.start()
+                syncs = self._syncs_in_segment
+                if (self._preparer is not None and syncs >= self.prepare_after_syncs
+                        and not self._preparer.ready()
+                        and self._fd_length <= syncs * PREALLOCATE_MAX_SYNC_BYTES
+                        and (self._fd_size <= self._fd_length or 2 * self._fd_length >= self.segment_bytes)):
+                    self._preparer.start()  # returns at once while a preparation runs
             except BaseException as exc:
                 self._failed = exc
                 raise
