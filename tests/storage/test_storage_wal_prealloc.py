@@ -11,7 +11,7 @@ import pytest
 
 from moorline.storage import prealloc
 from moorline.storage.prealloc import PREPARED_NAME
-from moorline.storage.wal import WriteAheadLog, segment_name
+from moorline.storage.wal import WalRecovery, WriteAheadLog, segment_name
 
 SEGMENT = 4096
 
@@ -40,6 +40,16 @@ def segment_sizes(path: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(path.glob("wal-*.log"))}
 
 
+def recovered(path: Path, last_index: int) -> WalRecovery:
+    """Recovery by a plain WAL: nothing corrupted, and entries 1..last_index of group 3 all there."""
+    w = WriteAheadLog(path, segment_bytes=SEGMENT)
+    rec = w.open()
+    assert rec.corrupted == []
+    assert [e.index for e in rec.groups[3].entries] == list(range(1, last_index + 1))
+    w.close()
+    return rec
+
+
 def crash(w: WriteAheadLog) -> None:
     if w._fd is not None:
         os.close(w._fd)
@@ -61,13 +71,9 @@ def test_busy_log_moves_to_zero_filled_segments_and_leaves_exact_files(tmp_path:
     sizes = segment_sizes(tmp_path)
     assert len(sizes) >= 4 and max(sizes.values()) < SEGMENT  # every one was cut to its records
 
-    w2 = WriteAheadLog(tmp_path, segment_bytes=SEGMENT)
-    rec = w2.open()
-    assert rec.corrupted == [] and rec.torn_tail_truncated == []
-    assert [e.index for e in rec.groups[3].entries] == list(range(1, 121))
+    assert recovered(tmp_path, 120).torn_tail_truncated == []
     # Recovery cut nothing (it would cut a zero tail quietly): every file ended with its last record.
     assert {k: v for k, v in segment_sizes(tmp_path).items() if k in sizes} == sizes
-    w2.close()
 
 
 def test_crash_leaves_a_zero_tail_that_recovery_cuts_without_calling_it_torn(tmp_path: Path) -> None:
@@ -78,12 +84,8 @@ def test_crash_leaves_a_zero_tail_that_recovery_cuts_without_calling_it_torn(tmp
     assert last.stat().st_size == SEGMENT > records
     crash(w)
 
-    w2 = WriteAheadLog(tmp_path, segment_bytes=SEGMENT)
-    rec = w2.open()
-    assert rec.corrupted == [] and rec.torn_tail_truncated == []
-    assert [e.index for e in rec.groups[3].entries] == list(range(1, 61))
+    assert recovered(tmp_path, 60).torn_tail_truncated == []
     assert last.stat().st_size == records  # the zeros are gone
-    w2.close()
 
 
 def test_torn_record_before_the_zeros_is_still_reported(tmp_path: Path) -> None:
@@ -95,10 +97,7 @@ def test_torn_record_before_the_zeros_is_still_reported(tmp_path: Path) -> None:
     with open(last, "r+b") as f:  # half a record was written over the zeros before the crash
         f.seek(end)
         f.write(b"\x57\x4c\x01\x00garbage")
-    rec = WriteAheadLog(tmp_path, segment_bytes=SEGMENT).open()
-    assert rec.corrupted == []
-    assert rec.torn_tail_truncated == [(last, end)]
-    assert [e.index for e in rec.groups[3].entries] == list(range(1, 41))
+    assert recovered(tmp_path, 40).torn_tail_truncated == [(last, end)]
 
 
 def test_zero_filled_segment_that_never_got_a_record_is_dropped_quietly(tmp_path: Path) -> None:
@@ -108,9 +107,7 @@ def test_zero_filled_segment_that_never_got_a_record_is_dropped_quietly(tmp_path
     crash(w)
     # A crash right after the rename: the next segment exists and holds only zeros.
     (tmp_path / segment_name(seq + 1)).write_bytes(bytes(SEGMENT))
-    rec = WriteAheadLog(tmp_path, segment_bytes=SEGMENT).open()
-    assert rec.corrupted == [] and rec.torn_tail_truncated == []
-    assert [e.index for e in rec.groups[3].entries] == list(range(1, 31))
+    assert recovered(tmp_path, 30).torn_tail_truncated == []
     assert not (tmp_path / segment_name(seq + 1)).exists()
 
 
@@ -123,8 +120,7 @@ def test_unfinished_preparation_is_never_taken_for_a_segment(tmp_path: Path) -> 
     assert not (tmp_path / PREPARED_NAME).exists()
     write_synced(w2, 11, 20)
     w2.close()
-    rec = WriteAheadLog(tmp_path, segment_bytes=SEGMENT).open()
-    assert [e.index for e in rec.groups[3].entries] == list(range(1, 21))
+    recovered(tmp_path, 20)
 
 
 def test_full_disk_while_preparing_falls_back_to_appending(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,9 +133,7 @@ def test_full_disk_while_preparing_falls_back_to_appending(tmp_path: Path, monke
     assert w._preparer is not None and w._preparer.failed is not None and w._preparer.prepared == 0
     assert not (tmp_path / PREPARED_NAME).exists()
     w.close()
-    rec = WriteAheadLog(tmp_path, segment_bytes=SEGMENT).open()
-    assert rec.corrupted == [] and rec.torn_tail_truncated == []
-    assert [e.index for e in rec.groups[3].entries] == list(range(1, 61))
+    assert recovered(tmp_path, 60).torn_tail_truncated == []
 
 
 def test_quiet_log_prepares_nothing(tmp_path: Path) -> None:
