@@ -40,13 +40,15 @@ def segment_sizes(path: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(path.glob("wal-*.log"))}
 
 
-def recovered(path: Path, last_index: int) -> WalRecovery:
-    """Recovery by a plain WAL: nothing corrupted, and entries 1..last_index of group 3 all there."""
+def recovered(path: Path, last_index: int, close: bool = True) -> WalRecovery:
+    """Recovery by a plain WAL: nothing corrupted, and entries 1..last_index of group 3 all there.
+    ``close=False`` leaves the directory as recovery left it (a close writes a new segment)."""
     w = WriteAheadLog(path, segment_bytes=SEGMENT)
     rec = w.open()
     assert rec.corrupted == []
     assert [e.index for e in rec.groups[3].entries] == list(range(1, last_index + 1))
-    w.close()
+    if close:
+        w.close()
     return rec
 
 
@@ -107,7 +109,7 @@ def test_zero_filled_segment_that_never_got_a_record_is_dropped_quietly(tmp_path
     crash(w)
     # A crash right after the rename: the next segment exists and holds only zeros.
     (tmp_path / segment_name(seq + 1)).write_bytes(bytes(SEGMENT))
-    assert recovered(tmp_path, 30).torn_tail_truncated == []
+    assert recovered(tmp_path, 30, close=False).torn_tail_truncated == []
     assert not (tmp_path / segment_name(seq + 1)).exists()
 
 
