@@ -198,6 +198,11 @@ def _parse(mv: memoryview, p: int, seq: int) -> tuple[int, int, int, int, int]:
     return (_OK, rtype, group, start, end)
 
 
+def _zeros_from(data: bytes, start: int) -> bool:
+    """Is everything from ``start`` on a zero byte? (Preallocated space no record was written to.)"""
+    return data.count(0, start) == len(data) - start
+
+
 def _has_valid_record(mv: memoryview, start: int, seq: int) -> bool:
     """Is there any valid record of segment ``seq`` starting at or after ``start``?"""
     data = mv.obj
@@ -341,7 +346,7 @@ class WriteAheadLog:
             kept.append(seq)
             if stop:
                 for _later_seq, later_path in files[i + 1 :]:
-                    unused = not later_path.read_bytes().strip(b"\0")  # a preallocated segment never written
+                    unused = _zeros_from(later_path.read_bytes(), 0)  # a preallocated segment never written
                     later_path.unlink()
                     if not unused:
                         torn.append((later_path, 0))
@@ -466,7 +471,7 @@ class WriteAheadLog:
             truncate_durably(path, p)
             if self._ledger is not None:
                 self._ledger.record(path, p)
-            if data.count(0, p) != n - p:  # all zeros: preallocated space never written, not damage
+            if not _zeros_from(data, p):  # all zeros: preallocated space never written, not damage
                 torn.append((path, p))
             return True
         return False
@@ -819,12 +824,13 @@ class WriteAheadLog:
             if self._ledger is not None:
                 self._ledger.record(self.directory / segment_name(self._fd_seq), self._fd_length)
         path = self.directory / segment_name(seg_seq)
-        prepared = self._preparer.take() if self._preparer is not None else None
-        if prepared is not None:
+        preparer = self._preparer
+        prepared = preparer.take() if preparer is not None else None
+        if preparer is not None and prepared is not None:
             invariant(not path.exists(), f"segment {path} exists already")
             os.rename(prepared, path)  # zeros and size were synced before it was handed over
             self._fd = os.open(path, os.O_WRONLY)
-            self._fd_size = self._preparer.size if self._preparer is not None else 0
+            self._fd_size = preparer.size
         else:
             # O_APPEND as well: writes go to the end whatever the offset says (pwrite on Linux).
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
