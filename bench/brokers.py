@@ -299,7 +299,10 @@ class Moorline(Broker):
     def start(self, workdir: Path, env: Mapping[str, str] | None = None) -> RunningBroker:
         data = workdir / "data"
         data.mkdir()
-        argv = [*self._argv(), "--data-dir", str(data), "--mqtt", "127.0.0.1:0", "--http", "127.0.0.1:0"]
+        env = dict(env or {})
+        faults = env.pop("__faults__", None)  # a comparison variant: the test entry point, never `moorline run`
+        head = [sys.executable, "-m", "moorline.testing.faulty_node", "--faults", faults, "run"] if faults else self._argv()
+        argv = [*head, "--data-dir", str(data), "--mqtt", "127.0.0.1:0", "--http", "127.0.0.1:0"]
         proc = _spawn(argv, workdir, self._checkout_env(env), stdout_pipe=True)
         assert proc.stdout is not None
         port = _read_ready_line(proc, READY_TIMEOUT_S)

@@ -16,7 +16,8 @@ from typing import Any
 from bench import loadgen, paho_clients
 from bench.brokers import ALL_BROKERS, Broker, BrokerUnavailable, RunningBroker
 
-LOOSE_PACKET_IDS_ENV = "MOORLINE_BENCH_LOOSE_PACKET_IDS"
+# A deliberately loosened build, started through the test entry point (moorline/testing/faulty_node.py).
+LOOSE_PACKET_IDS_FAULTS = {"__faults__": '{"loose_packet_ids": true}'}
 Log = Callable[[str], None]
 
 
@@ -387,7 +388,7 @@ def run(config: BenchConfig, log: Log) -> dict[str, Any]:
             # session has nothing to resume), so strict vs loose packet ids is measured with such a subscriber.
             persistent = replace(config.w1, name="w1", persistent_subscriber=True)
             w1_variants["w1_persistent"] = (persistent, None)
-            w1_variants["w1_persistent_loose_packet_ids"] = (persistent, {LOOSE_PACKET_IDS_ENV: "1"})
+            w1_variants["w1_persistent_loose_packet_ids"] = (persistent, LOOSE_PACKET_IDS_FAULTS)
         w1 = _paho_reps(kind, config, log, w1_variants)
         per: dict[str, Any] = {
             "w1": w1["w1"],

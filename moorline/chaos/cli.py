@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -22,8 +22,10 @@ def chaos(
     ),
     master: Annotated[str, typer.Option(help="Spark master for verify.")] = "local[*]",
     broker: Annotated[str, typer.Option(help="moorline, or mosquitto to develop the harness.")] = "moorline",
-    node_env: Annotated[
-        list[str] | None, typer.Option(help="KEY=VALUE for the node (e.g. MOORLINE_TEST_DROP_ON_RESTART=1).")
+    fault: Annotated[
+        list[str] | None,
+        typer.Option(help="A deliberately broken build to prove the checks can fail: drop_on_restart, "
+                          "unsafe_ack_before_sync (repeatable)."),
     ] = None,
     verify: Annotated[bool, typer.Option(help="Run verify on the histories at the end.")] = True,
 ) -> None:
@@ -35,18 +37,17 @@ def chaos(
 
     if nodes != 1:
         raise typer.BadParameter("only --nodes 1 is supported by this harness so far")
-    env: dict[str, str] = {}
-    for item in node_env or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise typer.BadParameter(f"--node-env wants KEY=VALUE, got {item!r}")
-        env[key] = value
+    broken: dict[str, Any] = {}
+    for name in fault or []:
+        if name not in ("drop_on_restart", "unsafe_ack_before_sync"):
+            raise typer.BadParameter(f"--fault must be drop_on_restart or unsafe_ack_before_sync, not {name!r}")
+        broken[name] = True
     fault_set = frozenset(f.strip() for f in faults.split(",") if f.strip())
     if fault_set & {"truncate", "bitflip"}:
         fault_set |= {"kill"}  # damage happens while the node is down
     try:
         cfg = ChaosConfig(
-            duration_s=duration, faults=fault_set, seed=seed, kills_per_run=kills, broker=broker, node_env=env
+            duration_s=duration, faults=fault_set, seed=seed, kills_per_run=kills, broker=broker, node_faults=broken
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

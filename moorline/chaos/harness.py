@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from moorline.chaos.node import (
     CORRUPTION_RE,
@@ -28,6 +29,7 @@ from moorline.chaos.node import (
 )
 from moorline.chaos.wire import Subscriber, Subscription
 from moorline.chaos.workload import AckTrigger, Publisher
+from moorline.testing.faults import Faults
 from moorline.verify.history import HistoryWriter
 
 FAULT_KINDS = frozenset({"kill", "truncate", "bitflip"})
@@ -50,7 +52,7 @@ class ChaosConfig:
     sleeper_lead_s: float = 1.0  # the sleeper subscriber leaves this long before each kill
     ack_wait_s: float = 2.0  # how long an armed kill waits for an acknowledgement to fire inside
     broker: str = "moorline"  # or "mosquitto" (client-side development only)
-    node_env: dict[str, str] = field(default_factory=dict)
+    node_faults: dict[str, Any] = field(default_factory=dict)  # testing.Faults fields (broken builds)
     shards: int | None = None
 
     def __post_init__(self) -> None:
@@ -96,8 +98,8 @@ def _fault_times(cfg: ChaosConfig, rng: random.Random) -> list[float]:
 def _make_broker(cfg: ChaosConfig, work: Path, ledger: Path) -> Broker:
     if cfg.broker == "mosquitto":
         return MosquittoProcess(work / "mosquitto")
-    env = {"MOORLINE_TEST_SYNC_LEDGER": str(ledger), **cfg.node_env}
-    return NodeProcess(data_dir=work / "data", env=env, shards=cfg.shards)
+    faults = Faults(**{**cfg.node_faults, "sync_ledger": str(ledger)})
+    return NodeProcess(data_dir=work / "data", faults=faults, shards=cfg.shards)
 
 
 def run_once(

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from moorline.testing.faults import NO_FAULTS, Faults
+
 READY_RE = re.compile(r"moorline ready mqtt=([\d.]+):(\d+) http=([\d.]+):(\d+)")
 LOG_LINES_KEPT = 2000
 CORRUPTION_RE = re.compile(r"corrupt|checksum fail|fails its checksum", re.IGNORECASE)
@@ -103,10 +105,11 @@ class _Child:
 
 @dataclass
 class NodeProcess(_Child):
-    """One ``moorline run`` child. ``env`` adds test-only variables (ledger, broken builds)."""
+    """One node child. With ``faults`` (the ledger, broken builds) it starts through the test entry
+    point (moorline/testing/faulty_node.py), since ``moorline run`` never takes such switches."""
 
     data_dir: Path
-    env: dict[str, str]
+    faults: Faults = NO_FAULTS
     start_timeout_s: float = 30.0
     stop_timeout_s: float = 10.0
     shards: int | None = None
@@ -120,10 +123,11 @@ class NodeProcess(_Child):
     def start(self) -> None:
         if self._pump is not None:
             self._all_logs += "\n".join(self._pump.lines) + "\n"
+        head = ["-m", "moorline"] if self.faults == NO_FAULTS else [
+            "-m", "moorline.testing.faulty_node", "--faults", self.faults.to_json()]
         cmd = [
             sys.executable,
-            "-m",
-            "moorline",
+            *head,
             "run",
             "--data-dir",
             str(self.data_dir),
@@ -134,7 +138,7 @@ class NodeProcess(_Child):
         ]
         if self.shards is not None:
             cmd += ["--shards", str(self.shards)]
-        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )

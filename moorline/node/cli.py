@@ -11,6 +11,15 @@ from typing import Annotated
 import typer
 
 from moorline.config import ConfigError, load_config
+from moorline.testing.faults import NO_FAULTS, Faults
+
+# Set only by the test entry point (moorline/testing/faulty_node.py), never from the environment.
+_injected_faults: Faults = NO_FAULTS
+
+
+def inject_faults(faults: Faults) -> None:
+    global _injected_faults
+    _injected_faults = faults
 
 
 def run(
@@ -48,7 +57,7 @@ def run(
     from moorline.storage.wal import WalCorruption
 
     try:
-        code = asyncio.run(serve(cfg))
+        code = asyncio.run(serve(cfg, _injected_faults))
     except WalCorruption as exc:
         typer.echo(f"moorline: refusing to start: WAL corruption in {exc.path} at offset {exc.offset}: {exc}", err=True)
         raise typer.Exit(3) from exc

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -41,7 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("moorline.delivery")
 
-LOOSE_PACKET_IDS = os.environ.get("MOORLINE_BENCH_LOOSE_PACKET_IDS") == "1"
 _UNSEEN: Any = object()
 
 
@@ -387,7 +385,7 @@ class LiveSession:
         if local is None:
             fut = self.node.propose(self.shard, c.Deliver(self.client_id, self.epoch, first, tuple(items)))
             self.node.stats["delivery_batches_committed"] += 1
-            if not LOOSE_PACKET_IDS:
+            if not self.node.faults.loose_packet_ids:
                 assert fut is not None
                 ok = await fut  # the batch is durable before any PUBLISH of it leaves
                 if not ok:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
@@ -127,13 +126,14 @@ class GroupCommit:
         after_commit: Callable[[], None],
         inline_sync_max_us: int = 0,
         lazy_sync_delay_ms: int = 0,
+        unsafe_ack_before_sync: bool = False,  # deliberately broken build (testing.Faults)
     ) -> None:
         self.wal = wal
         self.hosts = hosts
         self.on_fatal = on_fatal
         self.after_commit = after_commit
         self.max_stage_bytes = max(1 << 20, wal.max_pending_bytes // 2)
-        self.unsafe_ack_before_sync = os.environ.get("MOORLINE_TEST_UNSAFE_ACK_BEFORE_SYNC") == "1"
+        self.unsafe_ack_before_sync = unsafe_ack_before_sync
         self._wake = asyncio.Event()
         self._dirty: set[int] = set()
         # Whether a proposal since the last sync waits for it; lazy ones alone wait for a timer.

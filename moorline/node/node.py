@@ -41,6 +41,7 @@ from moorline.storage.ledger import SyncLedger
 from moorline.storage.msgstore import MessageStore
 from moorline.storage.snapshots import SnapshotStore
 from moorline.storage.wal import WriteAheadLog
+from moorline.testing.faults import NO_FAULTS, Faults
 
 log = logging.getLogger("moorline.node")
 
@@ -70,8 +71,9 @@ class _SessionViews:
 
 
 class Node:
-    def __init__(self, cfg: NodeConfig) -> None:
+    def __init__(self, cfg: NodeConfig, faults: Faults = NO_FAULTS) -> None:
         self.cfg = cfg
+        self.faults = faults
         self.data_dir = Path(cfg.data_dir)
         self.shard_count = cfg.shard.count
         self.hosts: list[ShardHost] = []
@@ -88,10 +90,9 @@ class Node:
         self._tasks: list[asyncio.Task[Any]] = []
         self.fatal: BaseException | None = None
         self.stopping = asyncio.Event()
-        ledger_path = os.environ.get("MOORLINE_TEST_SYNC_LEDGER")
-        self.ledger = SyncLedger(Path(ledger_path)) if ledger_path else None
-        chaos = os.environ.get("MOORLINE_TEST_CROSS_SHARD_CHAOS")
-        self._chaos = random.Random(int(chaos)) if chaos else None
+        self.ledger = SyncLedger(Path(faults.sync_ledger)) if faults.sync_ledger else None
+        seed = faults.cross_shard_chaos_seed
+        self._chaos = random.Random(seed) if seed is not None else None
         self.stats = {"published": 0, "delivered": 0, "refused": 0, "delivery_batches_committed": 0}
 
     # --- startup / recovery ----------------------------------------------------------------------
@@ -141,7 +142,7 @@ class Node:
                 r = corrupted[shard]
                 host.fail(f"checksum failure in synced data: {r.path} at offset {r.offset}: {r.message}")
                 log.error("shard %d refuses service: %s", shard, host.failed)
-        if os.environ.get("MOORLINE_TEST_DROP_ON_RESTART") == "1":
+        if self.faults.drop_on_restart:
             self._test_drop_last_messages()
 
     def _cluster_meta(self) -> dict[str, Any]:
@@ -174,7 +175,7 @@ class Node:
         return meta
 
     def _test_drop_last_messages(self) -> None:
-        """Deliberately broken build (MOORLINE_TEST_DROP_ON_RESTART): lose each shard's newest message."""
+        """Deliberately broken build (Faults.drop_on_restart): lose each shard's newest message."""
         for host in self.hosts:
             t = host.state.topics
             if not t.meta:
@@ -190,7 +191,8 @@ class Node:
 
     async def start(self) -> None:
         self.commit = GroupCommit(self.wal, self.hosts, self._on_fatal, self._after_commit,
-                                  self.cfg.storage.inline_sync_max_us, self.cfg.storage.lazy_sync_delay_ms)
+                                  self.cfg.storage.inline_sync_max_us, self.cfg.storage.lazy_sync_delay_ms,
+                                  unsafe_ack_before_sync=self.faults.unsafe_ack_before_sync)
         self._tasks.append(asyncio.create_task(self.commit.run(), name="group-commit"))
         await self._reconcile_after_restart()
         self._tasks.append(asyncio.create_task(self._housekeeping_loop(), name="housekeeping"))

@@ -17,6 +17,7 @@ from moorline.node.auth import Authorizer
 from moorline.node.connection import Connection
 from moorline.node.node import Node
 from moorline.node.runtime import tune_allocator, tune_gc
+from moorline.testing.faults import NO_FAULTS, Faults
 
 log = logging.getLogger("moorline.server")
 
@@ -68,12 +69,12 @@ class MqttServer:
                     conn.set_reading(True)
 
 
-async def serve(cfg: NodeConfig) -> int:
+async def serve(cfg: NodeConfig, faults: Faults = NO_FAULTS) -> int:
     mqtt_host, mqtt_port = parse_hostport(cfg.listeners.mqtt, "--mqtt")
     http_host, http_port = parse_hostport(cfg.listeners.http, "--http")
     loopback = is_loopback(mqtt_host) and is_loopback(http_host)
     authorizer = Authorizer(cfg.auth, loopback_only=loopback)
-    node = Node(cfg)
+    node = Node(cfg, faults)
     node.open()
     await node.start()
     tune_gc(cfg.runtime)

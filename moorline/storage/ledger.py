@@ -2,7 +2,7 @@
 
 The crash harness kills a node with SIGKILL, then truncates every file named here back to its
 last recorded synced length plus a few random bytes: that is what power loss would have left.
-The node passes a ledger only when ``MOORLINE_TEST_SYNC_LEDGER`` is set; production code never
+The node passes a ledger only when a test harness injects ``Faults.sync_ledger``; production code never
 pays for it.
 
 One JSON object per line: ``{"file": "<absolute path>", "synced_length": N}``. Later lines win.

@@ -13,7 +13,7 @@ def node_available() -> None:
     from moorline.chaos.node import NodeProcess, NodeStartError
 
     with tempfile.TemporaryDirectory(prefix="moorline-chaos-probe-") as tmp:
-        node = NodeProcess(data_dir=Path(tmp) / "data", env={})
+        node = NodeProcess(data_dir=Path(tmp) / "data")
         try:
             node.start()
         except (NodeStartError, OSError) as exc:

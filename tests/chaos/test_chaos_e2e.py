@@ -26,14 +26,14 @@ def verdict(node_available: None, tmp_path_factory: pytest.TempPathFactory) -> A
             faults=frozenset({"kill"}),
             kills_per_run=2,
             seed=12,
-            node_env={"MOORLINE_TEST_DROP_ON_RESTART": "1"},
+            node_faults={"drop_on_restart": True},
         ),
         "unsafe-ack": ChaosConfig(
             duration_s=6,
             faults=frozenset({"kill", "truncate"}),
             kills_per_run=3,
             seed=13,
-            node_env={"MOORLINE_TEST_UNSAFE_ACK_BEFORE_SYNC": "1"},
+            node_faults={"unsafe_ack_before_sync": True},
         ),
         "bitflip": ChaosConfig(duration_s=5, faults=frozenset({"kill", "bitflip"}), kills_per_run=1, seed=14),
     }

@@ -41,8 +41,9 @@ def broker_factory(tmp_path: Path) -> Iterator[BrokerFactory]:
     made: list[BrokerProc] = []
 
     def make(env: dict[str, str] | None = None, config_text: str | None = None,
-             extra_args: list[str] | None = None, kind: str | None = None, start: bool = True) -> BrokerProc:
-        b = BrokerProc(kind or BROKER_KIND, tmp_path / f"broker{len(made)}", env, config_text, extra_args)
+             extra_args: list[str] | None = None, kind: str | None = None, start: bool = True,
+             faults: dict[str, object] | None = None) -> BrokerProc:
+        b = BrokerProc(kind or BROKER_KIND, tmp_path / f"broker{len(made)}", env, config_text, extra_args, faults)
         made.append(b)
         if start:
             b.start()

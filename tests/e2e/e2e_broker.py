@@ -44,8 +44,11 @@ class BrokerProc:
     """One broker process on one data dir. restart() keeps the data dir and the ports."""
 
     def __init__(self, kind: str, data_dir: Path, env: dict[str, str] | None = None,
-                 config_text: str | None = None, extra_args: list[str] | None = None) -> None:
+                 config_text: str | None = None, extra_args: list[str] | None = None,
+                 faults: dict[str, object] | None = None) -> None:
         self.kind = kind
+        # testing.Faults fields: the node then starts through the test entry point, never `moorline run`.
+        self.faults = dict(faults or {})
         self.host = "127.0.0.1"
         self.data_dir = data_dir
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +82,9 @@ class BrokerProc:
             self._start_mosquitto()
 
     def _start_moorline(self) -> None:
-        cmd = [sys.executable, "-m", "moorline.cli", "run", "--data-dir", str(self.data_dir),
+        head = ["-m", "moorline.cli"] if not self.faults else [
+            "-m", "moorline.testing.faulty_node", "--faults", json.dumps(self.faults)]
+        cmd = [sys.executable, *head, "run", "--data-dir", str(self.data_dir),
                "--mqtt", f"127.0.0.1:{self.mqtt_port}", "--http", f"127.0.0.1:{self.http_port}"]
         if self.config_text is not None:
             cfg = self.data_dir.parent / f"{self.data_dir.name}.toml"
@@ -185,12 +190,12 @@ class BrokerProc:
 
     def power_loss(self, seed: int) -> dict[str, tuple[int, int]]:
         """SIGKILL, then cut every data file back to its last fsynced length plus a few random bytes, as a
-        power loss would (moorline started with MOORLINE_TEST_SYNC_LEDGER), then start again.
+        power loss would (moorline started with the sync_ledger instrument), then start again.
 
         Returns {file: (size at kill, size after the cut)} for the files that were cut.
         """
-        ledger = self.env.get("MOORLINE_TEST_SYNC_LEDGER")
-        assert self.is_moorline and ledger, "power_loss needs moorline with MOORLINE_TEST_SYNC_LEDGER"
+        ledger = self.faults.get("sync_ledger")
+        assert self.is_moorline and isinstance(ledger, str), "power_loss needs moorline with faults={'sync_ledger': ...}"
         self.kill9()
         rng = random.Random(seed)
         synced: dict[str, int] = {}
@@ -247,9 +252,9 @@ BrokerFactory = Callable[..., BrokerProc]
 
 @contextmanager
 def running_broker(base: Path, env: dict[str, str] | None = None, config_text: str | None = None,
-                   kind: str | None = None) -> Iterator[BrokerProc]:
+                   kind: str | None = None, faults: dict[str, object] | None = None) -> Iterator[BrokerProc]:
     """A broker for a block (e.g. a module fixture); at the end it must stop cleanly (SIGTERM -> exit 0)."""
-    b = BrokerProc(kind or BROKER_KIND, base / "broker", env, config_text)
+    b = BrokerProc(kind or BROKER_KIND, base / "broker", env, config_text, faults=faults)
     b.start()
     try:
         yield b

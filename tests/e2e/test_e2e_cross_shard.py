@@ -1,6 +1,6 @@
 """Cross-shard cases: wildcard filters spanning every shard, and SUBSCRIBE racing PUBLISH.
 
-On moorline each case runs twice: plainly and with MOORLINE_TEST_CROSS_SHARD_CHAOS=<seed>, which delays
+On moorline each case runs twice: plainly and with the cross_shard_chaos_seed test switch, which delays
 and reorders the node's cross-shard commands (register in all shards, ack reports, ...).
 """
 
@@ -43,8 +43,8 @@ def xbroker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     seed = request.param
     if seed is not None and BROKER_KIND != "moorline":
         pytest.skip("cross-shard chaos is a moorline test switch")
-    env = {"MOORLINE_TEST_CROSS_SHARD_CHAOS": seed} if seed is not None else None
-    with running_broker(tmp_path_factory.mktemp("xshard"), env=env) as b:
+    faults = {"cross_shard_chaos_seed": int(seed)} if seed is not None else None
+    with running_broker(tmp_path_factory.mktemp("xshard"), faults=faults) as b:
         yield b
 
 

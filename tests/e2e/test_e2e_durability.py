@@ -51,8 +51,8 @@ RESTARTS = [
 def shared_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProc]:
     """This module's broker; on moorline it records fsynced lengths so a power loss can be simulated."""
     base = tmp_path_factory.mktemp("durable")
-    env = {"MOORLINE_TEST_SYNC_LEDGER": str(base / "sync-ledger.jsonl")} if BROKER_KIND == "moorline" else None
-    with running_broker(base, env=env) as b:
+    faults = {"sync_ledger": str(base / "sync-ledger.jsonl")} if BROKER_KIND == "moorline" else None
+    with running_broker(base, faults=faults) as b:
         yield b
 
 
@@ -131,9 +131,9 @@ def test_persistent_mosquitto_sub_gets_everything_after_crash(shared_broker: Bro
 
 @pytest.mark.moorline_only
 def test_canary_drop_on_restart_is_detected(broker_factory: BrokerFactory, uniq: str) -> None:
-    """With the deliberately broken MOORLINE_TEST_DROP_ON_RESTART build the same check must see a loss:
+    """With the deliberately broken drop_on_restart build the same check must see a loss:
     proof that the durability check above can fail."""
-    b = broker_factory(env={"MOORLINE_TEST_DROP_ON_RESTART": "1"})
+    b = broker_factory(faults={"drop_on_restart": True})
     port, topic, cid, n = b.mqtt_port, f"{uniq}/d", f"{uniq}-sub", 50
     mosquitto_presubscribe(port, topic, cid, qos=1)
     assert mosquitto_pub(port, topic, None, qos=1, stdin_lines=[f"m{i}" for i in range(n)]).returncode == 0
@@ -244,10 +244,9 @@ def test_qos1_stream_crash_loses_no_acked_message(shared_broker: BrokerProc, uni
 @pytest.mark.moorline_only
 def test_canary_ack_before_sync_is_detected_by_power_loss(broker_factory: BrokerFactory, uniq: str,
                                                           tmp_path: Path) -> None:
-    """The deliberately broken MOORLINE_TEST_UNSAFE_ACK_BEFORE_SYNC build acknowledges before fsync: a
+    """The deliberately broken unsafe_ack_before_sync build acknowledges before fsync: a
     simulated power loss must then cost acknowledged messages, and the stream check must see it."""
-    b = broker_factory(env={"MOORLINE_TEST_UNSAFE_ACK_BEFORE_SYNC": "1",
-                            "MOORLINE_TEST_SYNC_LEDGER": str(tmp_path / "ledger.jsonl")})
+    b = broker_factory(faults={"unsafe_ack_before_sync": True, "sync_ledger": str(tmp_path / "ledger.jsonl")})
     lost = 0
     for attempt in range(8):  # the crash must land while acked data is unsynced; usually the first time
         out = run_qos1_stream_with_crash(b, f"{uniq}-{attempt}", "powerloss", SEED + attempt)
@@ -263,7 +262,7 @@ def test_qos1_stream_power_loss_in_each_sync_mode(broker_factory: BrokerFactory,
                                                    inline_sync_max_us: int) -> None:
     """Group commits run on the event loop or on the sync thread, chosen by how fast the disk syncs
     (storage.inline_sync_max_us). Both paths get the power-loss stream, each pinned by config."""
-    b = broker_factory(env={"MOORLINE_TEST_SYNC_LEDGER": str(tmp_path / "ledger.jsonl")},
+    b = broker_factory(faults={"sync_ledger": str(tmp_path / "ledger.jsonl")},
                        config_text=f"[storage]\ninline_sync_max_us = {inline_sync_max_us}\n")
     out = run_qos1_stream_with_crash(b, uniq, "powerloss", SEED)
     assert not out.missing, f"seed {SEED}: {len(out.missing)} of {len(out.acked)} acknowledged messages lost"
