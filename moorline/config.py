@@ -127,6 +127,11 @@ class AuthConfig:
     allow_anonymous: bool | None = None  # None: allowed only while every listener is on loopback
     password_file: str | None = None
     acl: list[AclRule] = field(default_factory=list)
+    # A session belongs to the principal (username) that created it; a CONNECT with its client id
+    # by anyone else is refused. True lets any client take a session over by client id, as plain
+    # MQTT does: only for setups without a password file, where a username proves nothing (None:
+    # on exactly then; true together with auth.password_file is refused).
+    session_takeover_across_users: bool | None = None
 
 
 @dataclass
@@ -186,6 +191,9 @@ class NodeConfig:
             raise ConfigError("runtime.* must be positive")
         if rt.malloc_mmap_threshold_bytes > 32 << 20:
             raise ConfigError("runtime.malloc_mmap_threshold_bytes must not exceed 32 MiB (glibc's limit)")
+        if self.auth.session_takeover_across_users and self.auth.password_file:
+            raise ConfigError("auth.session_takeover_across_users cannot be true with auth.password_file: "
+                              "any user could then resume another user's session")
         for rule in self.auth.acl:
             if rule.action not in ("publish", "subscribe", "all"):
                 raise ConfigError(f"acl action must be publish, subscribe or all, not {rule.action!r}")

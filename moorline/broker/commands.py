@@ -110,6 +110,9 @@ class SessionOpen(Cmd, tag="sopen"):
     expiry_s: int
     will: WillSpec | None
     principal: str = ""
+    # Refuse when the session exists and belongs to another principal (absent, so False, in
+    # entries written before sessions had owners: they replay as they applied then).
+    owner_only: bool = False
 
 
 class SessionSubscribe(Cmd, tag="ssub"):

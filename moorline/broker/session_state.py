@@ -81,6 +81,7 @@ class OpenResult:
     epoch: int
     incarnation: int
     ended: Session | None  # the previous session that a clean start discarded
+    refused: bool = False  # the session belongs to another principal: nothing changed
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,8 @@ class SessionState:
     def apply_open(self, cmd: SessionOpen, fx: Effects) -> OpenResult:
         self.last_ts_ms = max(self.last_ts_ms, cmd.ts_ms)
         old = self.sessions.get(cmd.client_id)
+        if cmd.owner_only and old is not None and old.principal != cmd.principal and self._alive(old, cmd.ts_ms):
+            return OpenResult(False, 0, 0, None, refused=True)  # not a takeover: another user's session
         ended: Session | None = None
         expiry = min(cmd.expiry_s, self.max_expiry_s)
         # A session with expiry 0 ends with its network connection: a new CONNECT that finds it
@@ -126,6 +129,15 @@ class SessionState:
         old.will_due_ms = None  # a reconnect within the will delay cancels the will
         old.principal = cmd.principal
         return OpenResult(True, old.epoch, old.incarnation, None)
+
+    def _alive(self, s: Session, now_ms: int) -> bool:
+        """Whether a CONNECT would find the session (or its live connection) rather than none."""
+        return s.connected or (s.expiry_s > 0 and not self._expired(s, now_ms))
+
+    def owner_of(self, client_id: str, now_ms: int) -> str | None:
+        """The principal a live session of ``client_id`` belongs to, or None when there is none."""
+        s = self.sessions.get(client_id)
+        return s.principal if s is not None and self._alive(s, now_ms) else None
 
     def _expired(self, s: Session, now_ms: int) -> bool:
         return (not s.connected) and now_ms - s.disconnected_at_ms >= s.expiry_s * 1000

@@ -27,6 +27,7 @@ from moorline.mqtt.reasons import suback_v5_to_v3, v3_connack_applicable
 from moorline.mqtt.topics import parse_shared, validate_topic_filter
 from moorline.node.auth import Principal
 from moorline.node.delivery import LiveSession, OutboundPublish
+from moorline.node.node import SessionOwnedByOther
 from moorline.node.shard_host import Callback, ShardUnavailable
 
 if TYPE_CHECKING:
@@ -460,6 +461,11 @@ class Connection(asyncio.Protocol):
             if not self.server.authorizer.can_publish(self.principal, w.topic):
                 self._connack_refuse(RC.NOT_AUTHORIZED)
                 return
+        if self.node.session_owned_by_other(client_id, pk.username or ""):
+            log.warning("%s: CONNECT as %r refused: session %r belongs to another user", self.peer,
+                        pk.username, client_id)
+            self._connack_refuse(RC.NOT_AUTHORIZED)  # 3.1.1: return code 5
+            return
         old = self.node.connections.get(client_id)
         if old is not None and old is not self:
             old.disconnect(RC.SESSION_TAKEN_OVER, "session taken over")
@@ -468,7 +474,15 @@ class Connection(asyncio.Protocol):
                 old.live = None
                 await self.node.close_session(live_old, old.will_on_close, old.session_expiry_override)
         self.node.connections[client_id] = self
-        present, epoch, inc = await self.node.open_session(client_id, pk.clean_start, expiry, will, pk.username or "")
+        try:
+            present, epoch, inc = await self.node.open_session(client_id, pk.clean_start, expiry, will,
+                                                               pk.username or "")
+        except SessionOwnedByOther:
+            # Lost a race with the owner's own CONNECT: the session shard refused; nothing changed.
+            if self.node.connections.get(client_id) is self:
+                del self.node.connections[client_id]
+            self._connack_refuse(RC.NOT_AUTHORIZED)
+            return
         if self._closing:
             return
         client_rm = props.receive_maximum if v5 and props.receive_maximum else self.cfg.max_inflight_out

@@ -61,6 +61,10 @@ class NodeFailure(Exception):
     pass
 
 
+class SessionOwnedByOther(Exception):
+    """A CONNECT found its client id's session owned by another principal: refused, nothing changed."""
+
+
 @dataclass(slots=True)
 class _SessionViews:
     incarnation: int
@@ -435,13 +439,30 @@ class Node:
         self._views.pop(sess.client_id, None)
         await asyncio.gather(*futs)
 
+    def takeover_across_users(self) -> bool:
+        auth = self.cfg.auth
+        allowed = auth.session_takeover_across_users
+        return allowed if allowed is not None else not auth.password_file
+
+    def session_owned_by_other(self, client_id: str, principal: str) -> bool:
+        """A cheap early answer, before a CONNECT disturbs anything; the session shard's apply of
+        ``SessionOpen(owner_only=True)`` is the authority."""
+        if self.takeover_across_users():
+            return False
+        owner = self.hosts[self.session_shard(client_id)].state.sessions.owner_of(client_id, self.now_ms())
+        return owner is not None and owner != principal
+
     async def open_session(
         self, client_id: str, clean_start: bool, expiry_s: int, will: c.WillSpec | None, principal: str
     ) -> tuple[bool, int, int]:
+        """Raises SessionOwnedByOther when the session belongs to another principal."""
         shard = self.session_shard(client_id)
-        fut = self.propose(shard, c.SessionOpen(self.now_ms(), client_id, clean_start, expiry_s, will, principal))
+        fut = self.propose(shard, c.SessionOpen(self.now_ms(), client_id, clean_start, expiry_s, will, principal,
+                                                not self.takeover_across_users()))
         assert fut is not None
         res = await fut
+        if res.refused:
+            raise SessionOwnedByOther(client_id)
         if res.ended is not None:
             await self._end_session(res.ended, "session_expired" if not clean_start else "clean_start")
         return res.session_present, res.epoch, res.incarnation
