@@ -41,12 +41,17 @@ class Register(Cmd, tag="reg"):
     no_local: bool = False
     want_retained: bool = True  # false for $share and for retain handling 2 / 1-existing
     share_group: str | None = None
+    # The session's subscription version (SessionSubscribe/-Unsubscribe bump it): of the commands a
+    # shard receives for one plain registration, the latest version wins even when cross-shard
+    # commands arrive out of order. -1 (entries written before versions): unchecked.
+    sub_version: int = -1
 
 
 class Unregister(Cmd, tag="unreg"):
     reg_key: str
     session_inc: int
     reason: str = "unsubscribe"  # counted as a drop reason for what was still owed
+    sub_version: int = -1  # ignored when the registration is already of a later version; -1: always
 
 
 class AckReport(Cmd, tag="ackr"):

@@ -154,11 +154,16 @@ class SessionState:
         )
         return existed, s.incarnation
 
-    def apply_unsubscribe(self, cmd: SessionUnsubscribe, fx: Effects) -> bool | None:
+    def apply_unsubscribe(self, cmd: SessionUnsubscribe, fx: Effects) -> int | None:
+        """None: stale owner; 0: no such subscription; else the new subscription version, which
+        the Unregister commands carry so a later subscribe of the same filter wins over them."""
         s = self._current(cmd.client_id, cmd.epoch)
         if s is None:
             return None
-        return s.subs.pop(cmd.filter, None) is not None
+        if s.subs.pop(cmd.filter, None) is None:
+            return 0
+        s.sub_version += 1
+        return s.sub_version
 
     def apply_deliver(self, cmd: Deliver, fx: Effects) -> bool:
         s = self._current(cmd.client_id, cmd.epoch)

@@ -49,6 +49,7 @@ class Registration:
     draining: bool = False  # unsubscribed: no new messages, finishing those in flight
     members: list[str] = field(default_factory=list)  # $share members (client ids), join order
     claims: dict[int, str] = field(default_factory=dict)  # $share offset -> member
+    sub_version: int = -1  # the latest Register's subscription version (plain registrations)
 
 
 # The unowed heap packs (ts_ms, offset) into one int; offsets stay far below 2**40 (a trillion
@@ -268,7 +269,11 @@ class TopicState:
     # --- registrations -------------------------------------------------------------------
     def apply_register(self, cmd: Register, fx: Effects) -> RegisterResult:
         reg = self.regs.get(cmd.reg_key)
+        if (reg is not None and cmd.share_group is None and reg.session_inc == cmd.session_inc
+                and cmd.sub_version < reg.sub_version and cmd.sub_version >= 0):
+            return RegisterResult(reg.start_offset, ())  # overtaken by a later subscribe or unsubscribe
         if reg is not None and (reg.session_inc == cmd.session_inc or cmd.share_group is not None):
+            reg.sub_version = max(reg.sub_version, cmd.sub_version)
             reg.qos = cmd.qos
             reg.no_local = cmd.no_local
             if reg.draining:
@@ -280,7 +285,7 @@ class TopicState:
                 self._remove_registration(reg, "session_replaced", fx)
             reg = Registration(
                 cmd.reg_key, cmd.client_id, cmd.session_inc, cmd.filter, cmd.qos, cmd.no_local,
-                cmd.share_group, self.next_offset,
+                cmd.share_group, self.next_offset, sub_version=cmd.sub_version,
             )
             self.regs[cmd.reg_key] = reg
             self._trie_changed()
@@ -297,6 +302,8 @@ class TopicState:
         reg = self.regs.get(cmd.reg_key)
         if reg is None or (cmd.session_inc >= 0 and reg.session_inc != cmd.session_inc):
             return False
+        if 0 <= cmd.sub_version < reg.sub_version:
+            return False  # a later subscribe of the same session already replaced what this undoes
         if cmd.reason == "unsubscribe" and reg.share_group is None:
             # Stop new messages; those already owed are finished (delivered and acked) first.
             if not reg.draining:

@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 from moorline.broker import commands as c
@@ -27,7 +28,7 @@ from moorline.mqtt.reasons import suback_v5_to_v3, v3_connack_applicable
 from moorline.mqtt.topics import parse_shared, validate_topic_filter
 from moorline.node.auth import Principal
 from moorline.node.delivery import LiveSession, OutboundPublish
-from moorline.node.node import SessionOwnedByOther
+from moorline.node.node import NodeFailure, SessionOwnedByOther
 from moorline.node.shard_host import Callback, ShardUnavailable
 
 if TYPE_CHECKING:
@@ -45,8 +46,13 @@ AFTER_STALL_RECHECK_S = 0.05
 
 
 def _log_task_error(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("closing a session failed", exc_info=task.exception())
+    if task.cancelled() or task.exception() is None:
+        return
+    exc = task.exception()
+    if isinstance(exc, (ShardUnavailable, NodeFailure)):
+        log.warning("closing a session: %s", exc)  # a shard reported unavailable: not a bug of ours
+    else:
+        log.error("closing a session failed", exc_info=exc)
 
 
 def _guid_from(props: p.Properties) -> tuple[bytes | None, bytes | None, int | None]:
@@ -90,6 +96,9 @@ class Connection(asyncio.Protocol):
         self.will_on_close = True
         self.session_expiry_override: int | None = None
         self._queue: deque[p.Packet] = deque()
+        self._queue_at: deque[float] = deque()  # when each queued packet was read (monotonic)
+        self._current: p.Packet | None = None  # the packet the handler task is working on
+        self._current_at = 0.0  # when it was read: publish_timeout counts from there
         self._queue_event = asyncio.Event()
         self._paused = False
         self._out: list[bytes] = []
@@ -145,6 +154,7 @@ class Connection(asyncio.Protocol):
                 if not packets:
                     return
             self._queue.extend(packets)
+            self._queue_at.extend(repeat(self.last_rx, len(packets)))
             self._queue_event.set()
             if len(self._queue) > self.cfg.max_queued_packets and not self._paused:
                 self._paused = True
@@ -183,7 +193,11 @@ class Connection(asyncio.Protocol):
             self._end_now(live)
 
     def _end_now(self, live: LiveSession) -> None:
-        task = self.node.close_session(live, self.will_on_close, self.session_expiry_override)
+        try:
+            task = self.node.close_session(live, self.will_on_close, self.session_expiry_override)
+        except ShardUnavailable as exc:
+            log.warning("%s: session close not recorded: %s", self.client_id, exc)
+            return
         task.add_done_callback(_log_task_error)
 
     # --- output ----------------------------------------------------------------------------------
@@ -273,11 +287,24 @@ class Connection(asyncio.Protocol):
             if deadline is not None and now >= deadline:
                 self.disconnect(RC.KEEP_ALIVE_TIMEOUT, "keep alive timeout")
                 return
-            if self._acks and now - self._acks[0][4] > self.cfg.publish_timeout_s:
+            if now - self._oldest_unanswered_publish(now) > self.cfg.publish_timeout_s:
                 # Outcome unknown: close so the client retransmits (DESIGN.md promise 6).
                 self.disconnect(RC.SERVER_BUSY, "publish outcome unknown within publish_timeout")
                 return
         self._arm_timer(self._timer_interval())
+
+    def _oldest_unanswered_publish(self, now: float) -> float:
+        """When the oldest QoS>0 PUBLISH still without its acknowledgement was read: queued for
+        its sync, in the handler (a QoS 2 waiting on its packet-id commit), or queued behind
+        another packet (a SUBSCRIBE in progress). ``now`` when there is none."""
+        oldest = self._acks[0][4] if self._acks else now
+        cur = self._current
+        if cur is not None and type(cur) is p.Publish and cur.qos > 0:
+            oldest = min(oldest, self._current_at)
+        for pk, at in zip(self._queue, self._queue_at, strict=True):  # bounded: mqtt.max_queued_packets
+            if type(pk) is p.Publish and pk.qos > 0:
+                return min(oldest, at)
+        return oldest
 
     def _timer_interval(self) -> float:
         keep = self.state.keepalive
@@ -296,11 +323,17 @@ class Connection(asyncio.Protocol):
                     await self._queue_event.wait()
                     continue
                 packet = self._queue.popleft()
+                self._current, self._current_at = packet, self._queue_at.popleft()
                 self._busy = True
                 try:
                     await self._handle(packet)
                 finally:
                     self._busy = False
+                    self._current = None
+        except NodeFailure as exc:
+            # The session was taken over (or ended) while this connection's packet was in progress:
+            # a race the client caused, not a fault of ours. The newer connection owns the session.
+            self.abort(f"session changed hands: {exc}")
         except ShardUnavailable as exc:
             self.disconnect(RC.SERVER_UNAVAILABLE if self.version == MQTT_5 else 0, str(exc))
         except ProtocolError as exc:
@@ -576,6 +609,8 @@ class Connection(asyncio.Protocol):
         self._propose_publish(pk, guid, producer, seq)
 
     def _propose_publish(self, pk: p.Publish, guid: bytes | None, producer: bytes | None, seq: int | None) -> None:
+                if self._closing or self.live is None:
+                    return  # closed meanwhile: the pid -> GUID binding stays, so a resend is de-duplicated
         assert self.live is not None
         v5 = self.version == MQTT_5
         msg = StoredMessage(
@@ -595,7 +630,8 @@ class Connection(asyncio.Protocol):
         """Queue an acknowledgement (kind, packet id, forced reason) or a group of ``count`` PUBACKs
         ("puback_group", packet ids, 0); returns the callback that completes it. Acks leave in
         queue order, so a later one waits for an earlier one."""
-        slot: list[Any] = [False, None, None, what, time.monotonic()]  # done, result, error, what, since
+        # done, result, error, what, since: when the PUBLISH was read (publish_timeout counts from there)
+        slot: list[Any] = [False, None, None, what, self._current_at if self._busy else self.last_rx]
         self._acks.append(slot)
         self._acks_waiting += count
         if (self._acks_waiting >= self.cfg.receive_maximum and self.version != MQTT_5 and not self._acks_paused
@@ -676,7 +712,8 @@ class Connection(asyncio.Protocol):
         return True
 
     def _on_pubrel(self, pk: p.Pubrel) -> None:
-        assert self.live is not None
+        if self.live is None:
+            return  # the session left this connection (closed or taken over)
         self.node.propose_cb(self.live.shard, c.InboundRelease(self.client_id, self.live.epoch, pk.packet_id),
                              self._queue_ack(("pubcomp", pk.packet_id, 0)))
 
@@ -694,7 +731,9 @@ class Connection(asyncio.Protocol):
 
     # SUBSCRIBE / UNSUBSCRIBE
     async def _on_subscribe(self, pk: p.Subscribe) -> None:
-        assert self.live is not None
+        live = self.live
+        if live is None:
+            return  # the session left this connection (closed or taken over)
         v5 = self.version == MQTT_5
         sub_id = pk.properties.subscription_identifiers[0] if pk.properties.subscription_identifiers else None
         codes: list[int] = []
@@ -709,13 +748,15 @@ class Connection(asyncio.Protocol):
                 codes.append(RC.NOT_AUTHORIZED if v5 else 0x80)
                 continue
             qos = min(opts.qos, 2)
-            sess = self.live.session()
+            if self._closing or self.live is not live:
+                return  # closed or taken over while an earlier filter registered: no SUBACK to send
+            sess = live.session()
             if sess is not None and flt not in sess.subs and len(sess.subs) >= self.node.cfg.session.max_subscriptions:
                 codes.append(RC.QUOTA_EXCEEDED if v5 else 0x80)
                 continue
             try:
                 retained = await self.node.subscribe(
-                    self.live, flt, qos, opts.no_local if v5 else False, opts.retain_as_published if v5 else False,
+                    live, flt, qos, opts.no_local if v5 else False, opts.retain_as_published if v5 else False,
                     opts.retain_handling if v5 else 0, sub_id,
                 )
             except ShardUnavailable:
@@ -724,19 +765,27 @@ class Connection(asyncio.Protocol):
             retained_all.extend(retained)
             codes.append(qos)
         self.send_packet(p.Suback(pk.packet_id, tuple(codes if v5 else [suback_v5_to_v3(x) for x in codes])))
-        if retained_all and self.live is not None:
-            await self.live.deliver_retained(retained_all)
+        if retained_all:
+            await live.deliver_retained(retained_all)
 
+        if self._closing or self.live is not live:
+            return
     async def _on_unsubscribe(self, pk: p.Unsubscribe) -> None:
-        assert self.live is not None
+        live = self.live
+        if live is None:
+            return
         codes = []
         for flt in pk.filters:
-            existed = await self.node.unsubscribe(self.live, flt)
+            if self._closing or self.live is not live:
+                return
+            existed = await self.node.unsubscribe(live, flt)
             codes.append(0 if existed else RC.NO_SUBSCRIPTION_EXISTED)
         self.send_packet(p.Unsuback(pk.packet_id, tuple(codes) if self.version == MQTT_5 else ()))
 
     def _on_disconnect(self, pk: p.Disconnect) -> None:
         self.will_on_close = pk.reason_code == RC.DISCONNECT_WITH_WILL
+        if self._closing or self.live is not live:
+            return
         se = pk.properties.session_expiry_interval
         if se is not None and self.version == MQTT_5:
             if self.state.connect is not None and not self.state.connect.properties.session_expiry_interval and se:

@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("moorline.delivery")
 
 _UNSEEN: Any = object()
+# Packet ids are seqno mod 65535 + 1 (session_state.packet_id_of): a seqno this far past a delivery
+# still unacknowledged would reuse its packet id.
+PACKET_ID_SPACE = 65535
+RETAINED_PACKET_ID_WAIT_S = 0.1  # retained messages waiting for packet-id room look again this often
 
 
 class OutboundPublish(msgspec.Struct, gc=False):
@@ -90,6 +94,8 @@ class LiveSession:
         self.next_seq = sess.next_seq if sess else 0
         self.cursor: dict[int, int] = dict(sess.last_delivered) if sess else {}
         self.pid_to_seq: dict[int, int] = {}
+        # A lower bound of the oldest seqno in pid_to_seq (which only rises): 0 until first computed.
+        self._oldest_unacked_seq_floor = 0
         self.inflight_out = 0  # QoS>0 PUBLISHes not yet acknowledged by the client
         self.share_delivered: set[tuple[int, int]] = set()  # (shard, offset) of share claims in flight
         self.pending: dict[int, deque[tuple[int, str]]] = {}  # shard -> (offset, registration), arrival order
@@ -179,6 +185,16 @@ class LiveSession:
     def _room(self) -> int:
         return self.receive_max - self.inflight_out
 
+    def _packet_id_room(self) -> int:
+        """How many more seqnos may be given out before one would reuse the packet id of a delivery
+        the client has not acknowledged (MQTT-2.2.1-3): at 0 the session stops sending until it is."""
+        room = self._oldest_unacked_seq_floor + PACKET_ID_SPACE - self.next_seq
+        if room > self.node.cfg.session.delivery_batch_max:
+            return room  # the common case, without a look at what is in flight
+        seqs = self.pid_to_seq.values()
+        self._oldest_unacked_seq_floor = min(seqs) if seqs else self.next_seq
+        return self._oldest_unacked_seq_floor + PACKET_ID_SPACE - self.next_seq
+
     def notify(self, shard: int, reg_key: str, offset: int) -> None:
         """A committed apply made ``offset`` owed to (or claimed for) this session. Wakes only:
         the message itself is read from the shard's store when it is delivered."""
@@ -219,7 +235,9 @@ class LiveSession:
             return False
         subs = self.node.reg_subs(self.client_id, sess)
         room = self._room()
-        batch_max = self.node.cfg.session.delivery_batch_max
+        batch_max = min(self.node.cfg.session.delivery_batch_max, self._packet_id_room())
+        if batch_max <= 0:
+            return False  # woken again by acknowledgements
         # One batch never writes much more than the socket's high-water mark, so pause_writing
         # stops the pump before the write buffer nears mqtt.max_write_buffer_bytes.
         byte_budget = self.node.cfg.mqtt.write_buffer_high_bytes
@@ -359,8 +377,14 @@ class LiveSession:
         items = [
             c.DeliveryItem(-1, -1, min(q, m.qos), True, (sid,) if sid else (), (), m) for m, q, sid in retained
         ]
-        if items:
-            await self._commit_and_send(items, [m for m, _, _ in retained])
+        msgs = [m for m, _, _ in retained]
+        while items and not self.closed:
+            n = self._packet_id_room()
+            if n <= 0:  # rare: 65,535 deliveries past one the client never acknowledged
+                await asyncio.sleep(RETAINED_PACKET_ID_WAIT_S)
+                continue
+            await self._commit_and_send(items[:n], msgs[:n])
+            items, msgs = items[n:], msgs[n:]
 
     async def _commit_and_send(self, items: list[c.DeliveryItem], msgs: list[StoredMessage]) -> None:
         first = self.next_seq

@@ -127,7 +127,9 @@ class GroupCommit:
         inline_sync_max_us: int = 0,
         lazy_sync_delay_ms: int = 0,
         unsafe_ack_before_sync: bool = False,  # deliberately broken build (testing.Faults)
+        slow_sync_s: float = 0.0,  # test instrument (testing.Faults): a slow disk
     ) -> None:
+        self.slow_sync_s = slow_sync_s
         self.wal = wal
         self.hosts = hosts
         self.on_fatal = on_fatal
@@ -227,6 +229,8 @@ class GroupCommit:
             # in which a kill plus power loss loses acknowledged messages is most of the run,
             # so the harness catches this build every time, not only when a kill is lucky.
             await asyncio.sleep(UNSAFE_SYNC_DELAY_S)
+        if self.slow_sync_s:
+            await asyncio.sleep(self.slow_sync_s)
         try:
             if self.timer.use_inline():
                 started = time.perf_counter()

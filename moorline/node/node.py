@@ -36,7 +36,7 @@ from moorline.node.delivery import LiveSession
 from moorline.node.group_commit import GroupCommit
 from moorline.node.one_voter import OneVoterRaft
 from moorline.node.recent import RecentMessages
-from moorline.node.shard_host import ApplyHooks, ShardHost, default_limits
+from moorline.node.shard_host import ApplyHooks, ShardHost, ShardUnavailable, default_limits
 from moorline.storage.ledger import SyncLedger
 from moorline.storage.msgstore import MessageStore
 from moorline.storage.snapshots import SnapshotStore
@@ -196,7 +196,8 @@ class Node:
     async def start(self) -> None:
         self.commit = GroupCommit(self.wal, self.hosts, self._on_fatal, self._after_commit,
                                   self.cfg.storage.inline_sync_max_us, self.cfg.storage.lazy_sync_delay_ms,
-                                  unsafe_ack_before_sync=self.faults.unsafe_ack_before_sync)
+                                  unsafe_ack_before_sync=self.faults.unsafe_ack_before_sync,
+                                  slow_sync_s=self.faults.slow_sync_s)
         self._tasks.append(asyncio.create_task(self.commit.run(), name="group-commit"))
         await self._reconcile_after_restart()
         self._tasks.append(asyncio.create_task(self._housekeeping_loop(), name="housekeeping"))
@@ -206,18 +207,40 @@ class Node:
         fire); every subscription is registered again (idempotent) in case a crash cut that short."""
         now = self.now_ms()
         futs: list[Any] = []
+        wanted: set[str] = set()  # plain registration keys some session's subscription stands behind
         for host in self.hosts:
             for sess in list(host.state.sessions.sessions.values()):
+                wanted.update(reg_key_for(sess.client_id, flt)[0] for flt in sess.subs)
+                if host.failed is not None:
+                    continue
                 for flt, sub in sess.subs.items():
                     self._register_everywhere(sess, flt, sub, want_retained=False, futs=futs)
                 self._resend_ack_reports(sess)
                 if sess.connected:
                     futs.append(self.propose(host.shard, c.SessionClose(now, sess.client_id, sess.epoch, True)))
+        self._unregister_ghosts(wanted, futs)
         for f in futs:
             if f is not None:
-                result = await f
+                try:
+                    result = await f
+                except ShardUnavailable:
+                    continue
                 if isinstance(result, Session):
                     await self._end_session(result, "session_expired")
+
+    def _unregister_ghosts(self, wanted: set[str], futs: list[Any]) -> None:
+        """Plain registrations no subscription stands behind (a SUBSCRIBE undone, or a session
+        ended, while the shard was unavailable) stop collecting messages. Those of sessions whose
+        own shard is unavailable are kept: that session's subscriptions are unknown."""
+        for host in self.hosts:
+            if host.failed is not None:
+                continue
+            for rk, reg in list(host.state.topics.regs.items()):
+                if reg.share_group is not None or reg.draining or rk in wanted:
+                    continue  # draining: unsubscribed, finishing what is in flight
+                if self.hosts[self.session_shard(reg.client_id)].failed is not None:
+                    continue
+                futs.append(self.propose(host.shard, c.Unregister(rk, reg.session_inc, "subscribe_failed")))
 
     def _resend_ack_reports(self, sess: Session) -> None:
         """Acks committed in the session's shard whose reports to topic shards a crash may have cut
@@ -353,15 +376,22 @@ class Node:
 
     def _register_everywhere(
         self, sess: Session, flt: str, sub: SubscriptionState, want_retained: bool, futs: list[Any]
-    ) -> None:
+    ) -> list[int]:
+        """Proposes the registration in every shard the filter can match; returns the shards that
+        refused it at once (unavailable). The futures of the others go to ``futs``."""
         reg_key, inner, group = reg_key_for(sess.client_id, flt)
+        refused: list[int] = []
         for shard in self.shards_for_filter(inner):
-            futs.append(self.propose_cross(shard, c.Register(
-                self.now_ms(), reg_key, sess.client_id if group is None else "", sess.incarnation, inner, sub.qos,
-                sub.no_local, want_retained and group is None, group,
-            )))
-            if group is not None:
-                futs.append(self.propose_cross(shard, c.ShareMember(reg_key, sess.client_id, True)))
+            try:
+                futs.append(self.propose_cross(shard, c.Register(
+                    self.now_ms(), reg_key, sess.client_id if group is None else "", sess.incarnation, inner,
+                    sub.qos, sub.no_local, want_retained and group is None, group, sub.version,
+                )))
+                if group is not None:
+                    futs.append(self.propose_cross(shard, c.ShareMember(reg_key, sess.client_id, True)))
+            except ShardUnavailable:
+                refused.append(shard)
+        return refused
 
     async def subscribe(
         self, live: LiveSession, flt: str, qos: int, no_local: bool, rap: bool, rh: int, sub_id: int | None
@@ -371,16 +401,22 @@ class Node:
         fut = self.propose(live.shard, c.SessionSubscribe(live.client_id, live.epoch, flt, qos, no_local, rap, rh, sub_id))
         assert fut is not None
         res = await fut
-        if res is None:
+        sess = live.session()
+        if res is None or sess is None or sess.epoch != live.epoch or flt not in sess.subs:
             raise NodeFailure("session taken over")
         existed, _inc = res
-        sess = live.session()
-        assert sess is not None
         sub = sess.subs[flt]
         want = rh == 0 or (rh == 1 and not existed)
         futs: list[Any] = []
-        self._register_everywhere(sess, flt, sub, want, futs)
-        results = await asyncio.gather(*futs)
+        refused = self._register_everywhere(sess, flt, sub, want, futs)
+        results = await asyncio.gather(*futs, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if refused or errors:
+            # Failed part-way: undone everywhere it reached, so nothing registered goes on collecting
+            # or delivering messages for a subscription the client was told failed (SUBACK 0x80).
+            await self._undo_subscribe(live, flt, sub.version)
+            raise ShardUnavailable(f"subscribe {flt!r}: shard(s) {refused or ''} unavailable"
+                                   + (f": {errors[0]}" if errors else ""))
         retained: list[tuple[StoredMessage, int, int | None]] = []
         for r in results:
             if r is not None and hasattr(r, "retained"):
@@ -388,11 +424,33 @@ class Node:
         live.wake()
         return retained
 
+    async def _undo_subscribe(self, live: LiveSession, flt: str, version: int) -> None:
+        """Removes a subscription whose registration failed part-way, from the session and from
+        every shard that can still be reached (best effort: a shard that is down now has the
+        registration removed when the session's subscriptions are reconciled)."""
+        fut = self.propose(live.shard, c.SessionUnsubscribe(live.client_id, live.epoch, flt))
+        assert fut is not None
+        undone = await fut
+        reg_key, inner, group = reg_key_for(live.client_id, flt)
+        futs = []
+        for shard in self.shards_for_filter(inner):
+            try:
+                if group is not None:
+                    futs.append(self.propose_cross(shard, c.ShareMember(reg_key, live.client_id, False)))
+                else:
+                    futs.append(self.propose_cross(shard, c.Unregister(
+                        reg_key, live.incarnation, "subscribe_failed", undone if undone else version)))
+            except ShardUnavailable:
+                continue
+        await asyncio.gather(*futs, return_exceptions=True)
+
     async def unsubscribe(self, live: LiveSession, flt: str) -> bool:
         fut = self.propose(live.shard, c.SessionUnsubscribe(live.client_id, live.epoch, flt))
         assert fut is not None
-        existed = await fut
-        if not existed:
+        version = await fut
+        if version is None:
+            raise NodeFailure("session taken over")
+        if not version:
             return False
         reg_key, inner, group = reg_key_for(live.client_id, flt)
         futs = []
@@ -407,7 +465,7 @@ class Node:
                 unwanted = tuple(o for o in reg.owed if o > cursor)
                 if unwanted:
                     futs.append(self.propose_cross(shard, c.AckReport(reg_key, unwanted)))
-            futs.append(self.propose_cross(shard, c.Unregister(reg_key, live.incarnation, "unsubscribe")))
+            futs.append(self.propose_cross(shard, c.Unregister(reg_key, live.incarnation, "unsubscribe", version)))
         await asyncio.gather(*futs)
         return True
 
@@ -430,6 +488,8 @@ class Node:
         for flt in sess.subs:
             reg_key, inner, group = reg_key_for(sess.client_id, flt)
             for shard in self.shards_for_filter(inner):
+                if self.hosts[shard].failed is not None:
+                    continue  # unregistered when the shard is back (_unregister_ghosts)
                 if group is not None:
                     dropped = tuple(qos2_unreceived.get((reg_key, shard), ()))
                     futs.append(self.propose_cross(shard, c.ShareReturn(reg_key, sess.client_id, dropped)))

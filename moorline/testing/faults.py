@@ -17,6 +17,9 @@ class Faults:
     # Instrument: delay and reorder commands one shard causes in another (seeded), to shake out
     # cross-shard races on a single node.
     cross_shard_chaos_seed: int | None = None
+    # Instrument: every group commit waits this long before its sync (a slow disk), without
+    # blocking the event loop, so tests can hold commands between proposal and commit.
+    slow_sync_s: float = 0.0
     # Broken: acknowledge publishes before their entry is fsynced.
     unsafe_ack_before_sync: bool = False
     # Broken: lose each shard's newest message at restart.

@@ -41,6 +41,7 @@ DROP_REASONS: tuple[str, ...] = (
     "share_qos2_member_gone",
     "session_expired",
     "shard_cap",
+    "subscribe_failed",
 )
 ANOMALY_COLUMNS: tuple[str, ...] = ("run", "kind", "guid", "subscriber", "topic", "detail")
 NS_PER_MS = 1_000_000
