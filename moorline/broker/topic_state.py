@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -117,6 +117,9 @@ class TopicState:
         self._unowed_heap: list[int] = []
         self._expiry_heap: list[tuple[int, int]] = []  # (expires_at_ms, offset)
         self._match_cache: dict[str, list[str]] = {}  # cleared whenever the trie changes
+        # Registration -> bytes of the messages it is owed (payload + topic, as meta sizes count),
+        # for session.max_queued_bytes. Only grows at apply and shrinks wherever owed shrinks.
+        self.owed_bytes: dict[str, int] = {}
 
     def _trie_changed(self) -> None:
         self._match_cache.clear()
@@ -128,6 +131,17 @@ class TopicState:
         heapq.heapify(self._unowed_heap)
         self._expiry_heap = [(exp, o) for o, _, exp in times if exp is not None]
         heapq.heapify(self._expiry_heap)
+        size_of = self.meta.size_of
+        self.owed_bytes = {rk: sum(size_of(o) or 0 for o in reg.owed) for rk, reg in self.regs.items() if reg.owed}
+
+    def _owed_gone(self, reg_key: str, offsets: Iterable[int]) -> None:
+        """``offsets`` are no longer owed to ``reg_key`` (acked, dropped, expired, returned)."""
+        size_of = self.meta.size_of
+        left = self.owed_bytes.get(reg_key, 0) - sum(size_of(o) or 0 for o in offsets)
+        if left > 0:
+            self.owed_bytes[reg_key] = left
+        else:
+            self.owed_bytes.pop(reg_key, None)
 
     # --- publish -------------------------------------------------------------------------
     def apply_publish(self, cmd: Publish, fx: Effects) -> PublishResult:
@@ -152,6 +166,7 @@ class TopicState:
         owed_regs = fx.owed_regs
         owed_new = fx.owed_new
         owed_count = self.owed_count
+        owed_bytes = self.owed_bytes
         regs = self.regs
         unowed_heap = self._unowed_heap
         heappush = heapq.heappush
@@ -242,6 +257,7 @@ class TopicState:
                 if reg.draining or (reg.no_local and reg.client_id == msg.origin):
                     continue
                 reg.owed[offset] = None
+                owed_bytes[reg_key] = owed_bytes.get(reg_key, 0) + size
                 owed += 1
                 owed_regs.add(reg_key)  # fx.owed(reg_key, offset), without the call: once per message
                 owed_new.append((offset, reg_key))
@@ -321,6 +337,7 @@ class TopicState:
             self._record_drop(offset, reg.reg_key, reason)
             self._unowe(offset)
         reg.owed.clear()
+        self.owed_bytes.pop(reg.reg_key, None)
         self._forget(reg)
 
     def _forget(self, reg: Registration) -> None:
@@ -328,6 +345,7 @@ class TopicState:
             self._trie_changed()
             self.trie.remove(reg.filter, reg.reg_key)
         del self.regs[reg.reg_key]
+        self.owed_bytes.pop(reg.reg_key, None)
 
     def apply_ack_report(self, cmd: AckReport, fx: Effects) -> None:
         reg = self.regs.get(cmd.reg_key)
@@ -342,6 +360,7 @@ class TopicState:
                     claims.pop(offset, None)
                 acked.append(offset)
         if acked:
+            self._owed_gone(reg.reg_key, acked)
             self._unowe_run(acked)
         if reg.draining and not owed:
             self._forget(reg)
@@ -381,6 +400,7 @@ class TopicState:
                 del reg.owed[offset]
                 reg.claims.pop(offset, None)
                 self._record_drop(offset, reg.reg_key, cmd.reason)
+                self._owed_gone(reg.reg_key, (offset,))
                 self._unowe(offset)
 
     # --- shared subscriptions --------------------------------------------------------------
@@ -418,6 +438,7 @@ class TopicState:
                 del reg.claims[offset]
                 del reg.owed[offset]
                 self._record_drop(offset, reg.reg_key, "share_qos2_member_gone")
+                self._owed_gone(reg.reg_key, (offset,))
                 self._unowe(offset)
         fx.owed(cmd.reg_key)
 
@@ -436,6 +457,7 @@ class TopicState:
                     del reg.owed[offset]
                     reg.claims.pop(offset, None)
                     self._record_drop(offset, reg.reg_key, "message_expiry")
+                    self._owed_gone(reg.reg_key, (offset,))
                     self._unowe(offset)
         # Release what nobody is owed once it is older than retention.min_age (and not pinned).
         released: list[int] = []

@@ -8,6 +8,7 @@ a single node, so one-node tests exercise the same races a cluster has.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 import logging
 import os
@@ -109,8 +110,8 @@ class Node:
             preallocate=self.cfg.storage.wal_preallocate,
         )
         rec = self.wal.open()  # WalCorruption here refuses to start, naming file and offset
-        for path, off in rec.torn_tail_truncated:
-            log.warning("WAL torn tail truncated: %s at offset %d", path, off)
+        for torn in rec.torn_tails:  # names the sync batch and how many records went
+            log.warning("WAL %s", torn.describe())
         self.snapshots = SnapshotStore(self.data_dir / "snapshots", ledger=self.ledger)
         limits = default_limits(self.cfg)
         hooks = ApplyHooks(on_effects=self._on_effects)
@@ -573,16 +574,59 @@ class Node:
             live.wake()
 
     def _enforce_queue_cap(self, host: ShardHost, reg_key: str) -> None:
+        """session.max_queued_messages / _bytes hold per subscription across every shard its filter
+        reads: past either, its oldest undelivered messages (by entry time, then shard and offset)
+        are dropped by committed, counted DropOwed commands. Messages already sent and not yet
+        acknowledged are never dropped: the client may be acknowledging them right now."""
         reg = host.state.topics.regs.get(reg_key)
-        cap = self.cfg.session.max_queued_messages
-        if reg is None or len(reg.owed) <= cap:
+        if reg is None:
             return
-        live = self.live.get(reg.client_id)
-        cursor = live.cursor.get(host.shard, -1) if live is not None else -1
-        excess = len(reg.owed) - cap
-        victims = [o for o in reg.owed if o > cursor][:excess]
-        if victims:
-            self.propose(host.shard, c.DropOwed(reg_key, tuple(victims), "queue_cap"), want=False)
+        cap_n, cap_b = self.cfg.session.max_queued_messages, self.cfg.session.max_queued_bytes
+        shards = self.shards_for_filter(reg.filter)
+        total_n = total_b = 0
+        for shard in shards:
+            t = self.hosts[shard].state.topics
+            r = t.regs.get(reg_key)
+            if r is not None:
+                total_n += len(r.owed)
+                total_b += t.owed_bytes.get(reg_key, 0)
+        if total_n <= cap_n and total_b <= cap_b:
+            return
+        cursors = self._delivered_cursors(reg.client_id)
+        candidates = []
+        for shard in shards:
+            h = self.hosts[shard]
+            r = h.state.topics.regs.get(reg_key)
+            if r is not None and r.owed and h.failed is None:
+                candidates.append(self._undelivered_by_age(h, r, cursors.get(shard, -1)))
+        victims: dict[int, list[int]] = {}
+        for _ts, shard, offset, size in heapq.merge(*candidates):
+            if total_n <= cap_n and total_b <= cap_b:
+                break
+            victims.setdefault(shard, []).append(offset)
+            total_n -= 1
+            total_b -= size
+        for shard, offsets in victims.items():
+            self.propose(shard, c.DropOwed(reg_key, tuple(offsets), "queue_cap"), want=False)
+
+    def _delivered_cursors(self, client_id: str) -> dict[int, int]:
+        """Per topic shard, the highest offset already sent to the session (live or committed)."""
+        live = self.live.get(client_id)
+        if live is not None:
+            return live.cursor
+        sess = self.hosts[self.session_shard(client_id)].state.sessions.sessions.get(client_id)
+        return sess.last_delivered if sess is not None else {}
+
+    @staticmethod
+    def _undelivered_by_age(host: ShardHost, reg: Any, cursor: int) -> Iterable[tuple[int, int, int, int]]:
+        """(entry time, shard, offset, size) of what ``reg`` is owed above ``cursor``, oldest first
+        (a shard's offsets are in entry-time order)."""
+        meta = host.state.topics.meta
+        for offset in reg.owed:
+            if offset > cursor:
+                m = meta.get(offset)
+                if m is not None:
+                    yield m.ts_ms, host.shard, offset, m.size
 
     def _schedule_dispatch(self, shard: int, reg_key: str) -> None:
         key = (shard, reg_key)
