@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any, TextIO
 
 import typer
 
@@ -12,7 +14,78 @@ from moorline.sim.marks import Marks
 from moorline.sim.simulation import ALL_BUGS, SeedResult, SimConfig, Simulation
 
 TRACE_LINES = 40
-PROGRESS_EVERY = 250
+
+
+class SeedProgress:
+    """Seeds done, violations so far and seeds per second, on stderr (stdout keeps the results).
+
+    On a terminal a rich progress bar; otherwise (a log, CI, a pipe) a plain line every
+    ``every_s`` seconds (0: after every seed) and a last one at the end."""
+
+    def __init__(
+        self,
+        total: int,
+        every_s: float,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.total = total
+        self.every_s = every_s
+        self.stream = stream if stream is not None else sys.stderr
+        self.clock = clock
+        self.started = clock()
+        self.last_line = self.started
+        self.done = 0
+        self.shown_done = -1  # seeds done at the last plain line
+        self.violations = 0
+        self._bar: Any = None
+        self._task: Any = None
+        isatty = getattr(self.stream, "isatty", None)
+        if isatty is not None and isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(
+                TextColumn("sim"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("seeds  {task.fields[violations]} violations  {task.fields[rate]:.2f} seeds/s"),
+                TimeElapsedColumn(),
+                console=Console(file=self.stream),
+                transient=True,
+                redirect_stdout=False,  # results stay on stdout, the bar alone on stderr
+                redirect_stderr=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("sim", total=total, violations=0, rate=0.0)
+
+    def rate(self) -> float:
+        elapsed = self.clock() - self.started
+        return self.done / elapsed if elapsed > 0 else 0.0
+
+    def seed_done(self, violations: int) -> None:
+        self.done += 1
+        self.violations += violations
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done, violations=self.violations, rate=self.rate())
+        elif self.clock() - self.last_line >= self.every_s and self.done < self.total:
+            self._line()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+        elif self.done != self.shown_done or self.done == 0:
+            self._line()
+
+    def _line(self) -> None:
+        self.last_line = self.clock()
+        self.shown_done = self.done
+        print(
+            f"sim: {self.done}/{self.total} seeds, {self.violations} violations, {self.rate():.2f} seeds/s, "
+            f"{self.last_line - self.started:.0f} s",
+            file=self.stream,
+            flush=True,
+        )
 
 
 def _print_failure(r: SeedResult) -> None:
@@ -35,11 +108,17 @@ def sim(
         str | None,
         typer.Option(help=f"test-only broken variant: {', '.join(ALL_BUGS)}"),
     ] = None,
+    progress_every: Annotated[
+        float,
+        typer.Option(help="seconds between progress lines when stderr is not a terminal (0: every seed)"),
+    ] = 10.0,
 ) -> None:
     """Deterministic simulation: seeded faults, online Raft checks, total-queue and
     linearizability checkers. Exits 1 on the first seed with a violation."""
     if bug is not None and bug not in ALL_BUGS:
         raise typer.BadParameter(f"unknown bug {bug!r}; known: {', '.join(ALL_BUGS)}")
+    if progress_every < 0:
+        raise typer.BadParameter("--progress-every must be 0 or more seconds")
     todo = [replay] if replay is not None else list(range(start, start + seeds))
     marks = Marks()
     faults: Counter[str] = Counter()
@@ -47,28 +126,27 @@ def sim(
     t0 = time.monotonic()
     failed: SeedResult | None = None
     ran = 0
-    for seed in todo:
-        r = Simulation(SimConfig(seed=seed, nodes=nodes, ops=ops, bug=bug, trace_lines=TRACE_LINES)).run()
-        ran += 1
-        marks.merge(r.marks)
-        faults.update(r.faults)
-        ops_started += r.ops_started
-        ops_ok += r.ops_ok
-        events += r.events
-        if replay is not None:
-            typer.echo(f"seed {seed}: {'ok' if r.ok else 'VIOLATION'}  params: {r.params}")
-            typer.echo(f"trace (last {len(r.trace)} lines, digest {r.trace_digest:08x}):")
-            for line in r.trace:
-                typer.echo(f"    {line}")
-        if not r.ok:
-            failed = r
-            break
-        if ran % PROGRESS_EVERY == 0 and ran < len(todo):
-            typer.echo(
-                f"progress: {ran} seeds (last {seed}), {ops_started} ops, 0 violations, "
-                f"{time.monotonic() - t0:.0f}s",
-                err=True,
-            )
+    progress = SeedProgress(len(todo), progress_every)
+    try:
+        for seed in todo:
+            r = Simulation(SimConfig(seed=seed, nodes=nodes, ops=ops, bug=bug, trace_lines=TRACE_LINES)).run()
+            ran += 1
+            progress.seed_done(len(r.violations))
+            marks.merge(r.marks)
+            faults.update(r.faults)
+            ops_started += r.ops_started
+            ops_ok += r.ops_ok
+            events += r.events
+            if replay is not None:
+                typer.echo(f"seed {seed}: {'ok' if r.ok else 'VIOLATION'}  params: {r.params}")
+                typer.echo(f"trace (last {len(r.trace)} lines, digest {r.trace_digest:08x}):")
+                for line in r.trace:
+                    typer.echo(f"    {line}")
+            if not r.ok:
+                failed = r
+                break
+    finally:
+        progress.close()
     elapsed = time.monotonic() - t0
     typer.echo(
         f"seeds run: {ran}  operations: {ops_started} (ok {ops_ok})  faults injected: {sum(faults.values())} "
