@@ -27,7 +27,7 @@ from moorline.mqtt.reasons import ReasonCode as RC
 from moorline.mqtt.reasons import suback_v5_to_v3, v3_connack_applicable
 from moorline.mqtt.topics import parse_shared, validate_topic_filter
 from moorline.node.auth import Principal
-from moorline.node.delivery import LiveSession, OutboundPublish
+from moorline.node.delivery import LiveSession, OutboundPublish, ReadFilter
 from moorline.node.node import NodeFailure, SessionOwnedByOther
 from moorline.node.shard_host import Callback, ShardUnavailable
 
@@ -521,7 +521,8 @@ class Connection(asyncio.Protocol):
         client_rm = props.receive_maximum if v5 and props.receive_maximum else self.cfg.max_inflight_out
         if not v5:
             client_rm = self.cfg.max_inflight_out
-        self.live = LiveSession(self.node, client_id, epoch, inc, client_rm, self._send_publishes, self._send_pubrel)
+        self.live = LiveSession(self.node, client_id, epoch, inc, client_rm, self._send_publishes, self._send_pubrel,
+                                self._read_filter())
         self.node.live[client_id] = self.live
         ack_props = p.NO_PROPERTIES
         if v5:
@@ -546,6 +547,14 @@ class Connection(asyncio.Protocol):
         self._write(encode(p.Connack(present, 0, ack_props), self.version))
         self.live.start()
         self._arm_timer(self._timer_interval())
+
+    def _read_filter(self) -> ReadFilter | None:
+        """The read ACL for this principal's deliveries; None when no ACL is configured."""
+        authorizer, who = self.server.authorizer, self.principal
+        if not authorizer.rules:
+            return None
+        return ReadFilter(lambda flt: authorizer.read_check_needed(who, flt),
+                          lambda topic: authorizer.can_read(who, topic))
 
     def _connack_refuse(self, reason: int) -> None:
         # The v5 reason code; the 3.1.1 encoder maps it to the return code.
@@ -605,12 +614,12 @@ class Connection(asyncio.Protocol):
                 if recorded is None:
                     self.disconnect(RC.SESSION_TAKEN_OVER, "session taken over")
                     return
+                if self._closing or self.live is None:
+                    return  # closed meanwhile: the pid -> GUID binding stays, so a resend is de-duplicated
                 guid = recorded
         self._propose_publish(pk, guid, producer, seq)
 
     def _propose_publish(self, pk: p.Publish, guid: bytes | None, producer: bytes | None, seq: int | None) -> None:
-                if self._closing or self.live is None:
-                    return  # closed meanwhile: the pid -> GUID binding stays, so a resend is de-duplicated
         assert self.live is not None
         v5 = self.version == MQTT_5
         msg = StoredMessage(
@@ -764,12 +773,14 @@ class Connection(asyncio.Protocol):
                 continue
             retained_all.extend(retained)
             codes.append(qos)
+        if self._closing or self.live is not live:
+            return
         self.send_packet(p.Suback(pk.packet_id, tuple(codes if v5 else [suback_v5_to_v3(x) for x in codes])))
+        if retained_all and live.read_filter is not None:
+            retained_all = [r for r in retained_all if live.read_filter.can_read(r[0].topic)]
         if retained_all:
             await live.deliver_retained(retained_all)
 
-        if self._closing or self.live is not live:
-            return
     async def _on_unsubscribe(self, pk: p.Unsubscribe) -> None:
         live = self.live
         if live is None:
@@ -780,12 +791,12 @@ class Connection(asyncio.Protocol):
                 return
             existed = await self.node.unsubscribe(live, flt)
             codes.append(0 if existed else RC.NO_SUBSCRIPTION_EXISTED)
+        if self._closing or self.live is not live:
+            return
         self.send_packet(p.Unsuback(pk.packet_id, tuple(codes) if self.version == MQTT_5 else ()))
 
     def _on_disconnect(self, pk: p.Disconnect) -> None:
         self.will_on_close = pk.reason_code == RC.DISCONNECT_WITH_WILL
-        if self._closing or self.live is not live:
-            return
         se = pk.properties.session_expiry_interval
         if se is not None and self.version == MQTT_5:
             if self.state.connect is not None and not self.state.connect.properties.session_expiry_interval and se:

@@ -44,6 +44,7 @@ _UNSEEN: Any = object()
 # Packet ids are seqno mod 65535 + 1 (session_state.packet_id_of): a seqno this far past a delivery
 # still unacknowledged would reuse its packet id.
 PACKET_ID_SPACE = 65535
+READ_FILTER_CACHE_ENTRIES = 4096  # registrations whose read-check answer a session remembers
 RETAINED_PACKET_ID_WAIT_S = 0.1  # retained messages waiting for packet-id room look again this often
 
 
@@ -59,6 +60,31 @@ class OutboundPublish(msgspec.Struct, gc=False):
     sub_ids: tuple[int, ...]
 
 
+class ReadFilter:
+    """The read ACL at delivery: a wildcard subscription may reach topics its principal may not
+    read; those messages are never sent and are released as if acknowledged. ``needs_check(filter)``
+    is asked once per registration (False: every topic it can match is readable, the hot path)."""
+
+    def __init__(self, needs_check: Callable[[str], bool], can_read: Callable[[str], bool]) -> None:
+        self._needs_check = needs_check
+        self.can_read = can_read
+        self._by_reg: dict[str, bool] = {}
+
+    def allowed(self, reg_keys: Iterable[str], topic: str) -> bool:
+        by_reg = self._by_reg
+        for rk in reg_keys:
+            need = by_reg.get(rk)
+            if need is None:
+                if len(by_reg) >= READ_FILTER_CACHE_ENTRIES:
+                    by_reg.clear()
+                # A registration key ends with its topic filter, after the last NUL (which no
+                # topic filter can contain).
+                need = by_reg[rk] = self._needs_check(rk.rpartition("\x00")[2])
+            if need:
+                return self.can_read(topic)
+        return True
+
+
 class LiveSession:
     """The node-side driver of one connected session. Owns no replicated state of its own."""
 
@@ -71,8 +97,10 @@ class LiveSession:
         receive_max: int,
         send_publishes: Callable[[list[OutboundPublish]], None],
         send_pubrel: Callable[[int], None],
+        read_filter: ReadFilter | None = None,  # None: no read ACL applies to this session
     ) -> None:
         self.node = node
+        self.read_filter = read_filter
         self.client_id = client_id
         self.shard = node.session_shard(client_id)
         self.epoch = epoch
@@ -246,6 +274,7 @@ class LiveSession:
         msgs: list[StoredMessage] = []
         more = False
         now_ms = int(time.time() * 1000)
+        read_filter = self.read_filter
         recent = self.node.recent
         recent_get = recent.by_key.get
         hits = 0
@@ -257,6 +286,7 @@ class LiveSession:
             key_base = shard << SHARD_SHIFT
             cursor = self.cursor.get(shard, -1)
             expired: dict[str, list[int]] = {}
+            denied: dict[str, list[int]] = {}
             # Per registration, what a plain (non-$share) one of this incarnation gives every offset
             # it owes: almost every offset is owed to one such registration, so its lookups are
             # done once per batch, not once per message.
@@ -308,6 +338,12 @@ class LiveSession:
                     if not share:
                         self.cursor[shard] = max(cursor, offset)
                     continue
+                if read_filter is not None and not read_filter.allowed(reg_keys, msg.topic):
+                    for rk in reg_keys:  # never sent; released as if acknowledged
+                        denied.setdefault(rk, []).append(offset)
+                    if not share:
+                        self.cursor[shard] = max(cursor, offset)
+                    continue
                 items.append(c.DeliveryItem(shard, offset, qos, msg.retain and rap, sub_ids, reg_keys))
                 msgs.append(msg)
                 if qos > 0:
@@ -318,6 +354,8 @@ class LiveSession:
                     break
             for rk, offs in expired.items():
                 self.node.propose(shard, c.DropOwed(rk, tuple(offs), "message_expiry"), want=False)
+            for rk, offs in denied.items():
+                self.node.propose_lazy(shard, c.AckReport(rk, tuple(offs)))
             if more:
                 break
         recent.count_hits(hits)
