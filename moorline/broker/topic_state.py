@@ -30,9 +30,10 @@ from moorline.broker.effects import Effects
 from moorline.broker.guid_history import GuidHistory
 from moorline.broker.message_index import NO_EXPIRY, MessageIndex
 from moorline.broker.messages import StoredMessage, encode_message
+from moorline.broker.retained_index import RetainedIndex
 from moorline.hashing import crc32c
 from moorline.invariant import invariant, violated
-from moorline.mqtt.topics import SubscriptionTrie, matches
+from moorline.mqtt.topics import SubscriptionTrie
 
 
 @dataclass(slots=True)
@@ -117,6 +118,9 @@ class TopicState:
         self._unowed_heap: list[int] = []
         self._expiry_heap: list[tuple[int, int]] = []  # (expires_at_ms, offset)
         self._match_cache: dict[str, list[str]] = {}  # cleared whenever the trie changes
+        # The topics of ``retained`` as a trie, so a Register finds its retained messages without a
+        # scan: set and cleared with ``retained`` (``_retain``), rebuilt on restore.
+        self.retained_index = RetainedIndex()
         # Registration -> bytes of the messages it is owed (payload + topic, as meta sizes count),
         # for session.max_queued_bytes. Only grows at apply and shrinks wherever owed shrinks.
         self.owed_bytes: dict[str, int] = {}
@@ -133,6 +137,7 @@ class TopicState:
         heapq.heapify(self._expiry_heap)
         size_of = self.meta.size_of
         self.owed_bytes = {rk: sum(size_of(o) or 0 for o in reg.owed) for rk, reg in self.regs.items() if reg.owed}
+        self.retained_index = RetainedIndex(self.retained)
 
     def _owed_gone(self, reg_key: str, offsets: Iterable[int]) -> None:
         """``offsets`` are no longer owed to ``reg_key`` (acked, dropped, expired, returned)."""
@@ -247,10 +252,7 @@ class TopicState:
             if producer is not None and seq is not None:
                 producers[producer] = (seq, offset, ts_ms)
             if msg.retain:
-                if msg.payload:
-                    self.retained[topic] = msg
-                else:
-                    self.retained.pop(topic, None)
+                self._retain(topic, msg)
             owed = 0
             for reg_key in matching:
                 reg = regs[reg_key]
@@ -272,6 +274,15 @@ class TopicState:
             self.meta.add_run(first_offset, times, sizes, b"".join(guids), topics, qoss, expiries)
             self.dedup.add_run(list(run_seen), list(range(first_offset, self.next_offset)), times, crcs)
         return results
+
+    def _retain(self, topic: str, msg: StoredMessage) -> None:
+        """A retained PUBLISH: an empty payload clears the topic's retained message (MQTT-3.3.1-10)."""
+        if msg.payload:
+            if topic not in self.retained:
+                self.retained_index.add(topic)
+            self.retained[topic] = msg
+        elif self.retained.pop(topic, None) is not None:
+            self.retained_index.discard(topic)
 
     def _matching(self, topic: str) -> list[str]:
         """Registration keys whose filter matches ``topic``, sorted (a cache over the trie)."""
@@ -308,9 +319,10 @@ class TopicState:
             self.trie.insert(reg.filter, reg.reg_key, None)
         retained: tuple[StoredMessage, ...] = ()
         if cmd.want_retained and cmd.share_group is None:
+            by_topic = self.retained
             retained = tuple(
-                m for t, m in sorted(self.retained.items()) if matches(cmd.filter, t)
-                and not (cmd.no_local and m.origin == cmd.client_id)
+                m for m in (by_topic[t] for t in self.retained_index.match(cmd.filter))
+                if not (cmd.no_local and m.origin == cmd.client_id)
             )
         return RegisterResult(reg.start_offset, retained)
 
