@@ -54,10 +54,14 @@ def run(
     except ImportError:
         pass
     from moorline.node.server import serve
+    from moorline.storage.dirlock import DataDirInUse, DataDirUnusable
     from moorline.storage.wal import WalCorruption
 
     try:
         code = asyncio.run(serve(cfg, _injected_faults))
+    except (DataDirInUse, DataDirUnusable) as exc:
+        typer.echo(f"moorline: {exc}", err=True)
+        raise typer.Exit(2) from exc
     except WalCorruption as exc:
         typer.echo(f"moorline: refusing to start: WAL corruption in {exc.path} at offset {exc.offset}: {exc}", err=True)
         raise typer.Exit(3) from exc

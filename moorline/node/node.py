@@ -38,6 +38,7 @@ from moorline.node.group_commit import GroupCommit
 from moorline.node.one_voter import OneVoterRaft
 from moorline.node.recent import RecentMessages
 from moorline.node.shard_host import ApplyHooks, ShardHost, ShardUnavailable, default_limits
+from moorline.storage.dirlock import DataDirLock
 from moorline.storage.ledger import SyncLedger
 from moorline.storage.msgstore import MessageStore
 from moorline.storage.snapshots import SnapshotStore
@@ -102,7 +103,8 @@ class Node:
 
     # --- startup / recovery ----------------------------------------------------------------------
     def open(self) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.dir_lock = DataDirLock(self.data_dir)
+        self.dir_lock.acquire()  # before anything is opened: DataDirInUse / DataDirUnusable
         meta = self._cluster_meta()
         self.wal = WriteAheadLog(
             self.data_dir / "wal", segment_bytes=self.cfg.storage.wal_segment_bytes,
@@ -785,6 +787,7 @@ class Node:
             self.wal.sync()
         finally:
             self.wal.close()
+            self.dir_lock.release()
 
     def iter_drops(self) -> Iterable[dict[str, Any]]:
         for host in self.hosts:
