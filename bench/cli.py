@@ -47,6 +47,8 @@ def bench(
         "python": platform.python_version(),
         "machine": platform.machine(),
     }
+    if quick:
+        report_mod.mark_quick(result["comparison"])
     report_mod.print_report(console, result)
     json_out.write_text(json.dumps(result, indent=2) + "\n")
     console.print(f"wrote {json_out}")

@@ -7,9 +7,43 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+QUICK_LABEL = "not comparable (--quick: few messages, one repetition)"
+
 
 def _num(value: Any, fmt: str) -> str:
     return format(value, fmt) if isinstance(value, int | float) else "-"
+
+
+def target_format(label: str) -> str:
+    """How a target's figures are printed (and so compared)."""
+    return ",.0f" if "msgs/s" in label else ".3f"
+
+
+def target_met(value: float | None, op: str, bound: float | None, fmt: str) -> bool | None:
+    """Whether a figure meets its bound, compared as both are printed: a figure that prints as
+    its bound meets it (``2.000 <= 2.000`` is met, also when the unrounded figure is 2.0004)."""
+    if value is None or bound is None:
+        return None
+    shown, limit = (float(format(x, fmt).replace(",", "")) for x in (value, bound))
+    if op == "<=":
+        return shown <= limit
+    if op == ">=":
+        return shown >= limit
+    raise ValueError(f"unknown comparison {op!r}")
+
+
+def met_label(row: dict[str, Any], quick: bool) -> str:
+    """The "met" cell of a target row: a --quick run's figures are not comparable with the targets."""
+    if quick:
+        return f"[yellow]{QUICK_LABEL}[/yellow]"
+    return {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[row["met"]]
+
+
+def mark_quick(comparison: dict[str, Any]) -> None:
+    """In a --quick run's JSON, targets carry no verdict: ``met`` null, ``comparable`` false."""
+    for row in comparison["targets"]:
+        row["met"] = None
+        row["comparable"] = False
 
 
 def _row_figures(block: dict[str, Any]) -> dict[str, Any] | None:
@@ -71,15 +105,18 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
         console.print(table)
 
     comparison = report["comparison"]
+    quick = bool(report.get("meta", {}).get("quick"))
     if comparison["targets"]:
         table = Table(title="moorline targets", title_justify="left")
         for column in ("target", "moorline", "bound", "met"):
             table.add_column(column)
         for row in comparison["targets"]:
-            met = {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[row["met"]]
-            fmt = ",.0f" if "msgs/s" in row["target"] else ".3f"
+            fmt = target_format(row["target"])
             table.add_row(
-                row["target"], _num(row["moorline"], fmt), f"{row['op']} {_num(row['bound'], fmt)}", met
+                row["target"],
+                _num(row["moorline"], fmt),
+                f"{row['op']} {_num(row['bound'], fmt)}",
+                met_label(row, quick),
             )
         console.print(table)
     if comparison["ratios"]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from bench import loadgen, paho_clients
 from bench.brokers import ALL_BROKERS, Broker, BrokerUnavailable, RunningBroker
+from bench.report import target_format, target_met
 
 # A deliberately loosened build, started through the test entry point (moorline/testing/faulty_node.py).
 LOOSE_PACKET_IDS_FAULTS = {"__faults__": '{"loose_packet_ids": true}'}
@@ -430,9 +431,7 @@ def compare(results: dict[str, Any], config: BenchConfig) -> dict[str, Any]:
         ("saturation msgs/s vs mosquitto", sat, ">=", mosq_sat),
     ]
     for label, value, op, target in targets:
-        met = None
-        if value is not None and target is not None:
-            met = value <= target if op == "<=" else value >= target
+        met = target_met(value, op, target, target_format(label))
         out["targets"].append({"target": label, "moorline": value, "op": op, "bound": target, "met": met})
     for peer in results:
         if peer == "moorline":
