@@ -99,11 +99,18 @@ def write_html(path: Path, verdict: Verdict) -> None:
         "body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;font-size:12px}"
         "td,th{border:1px solid #ddd;padding:2px 6px;text-align:right}.bad{background:#fdd;font-weight:bold}"
         ".pass{color:#2a2}.fail{color:#c22}</style></head><body>",
-        f"<h1>moorline verify: <span class='{status.lower()}'>{status}</span></h1>",
+        f"<h1>moorline verify: <span class='{status.lower()}'>{html.escape(verdict.headline())}</span></h1>",
         f"<p>{t['runs']} runs, {t['events']} events, {t['published']} publishes "
         f"({t['acknowledged']} acknowledged, {t['refused']} refused, {t['indeterminate']} indeterminate, "
         f"{t['indeterminate_delivered']} of those delivered), {t['first_deliveries']} first deliveries, "
         f"{t['excused']} excused, {t['duplicate_legit']} legitimate redeliveries.</p>",
+        (
+            f"<p class='fail'><b>{verdict.unavailable} messages unavailable</b>: the node detected and reported "
+            "corruption and these acknowledged messages were not delivered. No loss was silent, but a PASS "
+            "here does not mean nothing was lost.</p>"
+            if verdict.unavailable
+            else ""
+        ),
         "<h2>Anomalies</h2>",
         _table([{k: t[k] for k in ALL_KINDS}], list(ALL_KINDS)),
         "<p>Failing kinds: " + ", ".join(FAILING_KINDS) + ". <code>lost_detected_corruption</code> counts "

@@ -57,8 +57,14 @@ def test_verify_cli_exit_code_follows_the_verdict(monkeypatch: pytest.MonkeyPatc
     from moorline.verify import cli, job
     from moorline.verify.checks import ALL_KINDS
 
+    class NoStages:
+        def getActiveStageIds(self) -> list[int]:  # noqa: N802 (pyspark's name)
+            return []
+
     class FakeSpark:
-        sparkContext = type("SC", (), {"setLogLevel": staticmethod(lambda level: None)})()
+        sparkContext = type(
+            "SC", (), {"setLogLevel": staticmethod(lambda level: None), "statusTracker": staticmethod(NoStages)}
+        )()
 
         def stop(self) -> None:
             pass
