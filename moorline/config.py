@@ -11,7 +11,11 @@ Unknown keys are an error, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,36 +203,140 @@ class NodeConfig:
                 raise ConfigError(f"acl action must be publish, subscribe or all, not {rule.action!r}")
 
 
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+def _show(value: Any) -> str:
+    """A value as it would be written in TOML (strings quoted), for error messages."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def _check(value: Any, tp: Any, name: str) -> Any:
+    """``value`` checked against the field's declared type ``tp`` (and converted where lossless)."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        inner = [t for t in options if t is not type(None)]
+        if len(inner) == 1:
+            return _check(value, inner[0], name)
+        raise ConfigError(f"{name}: unsupported type {tp}")  # pragma: no cover - not used by any field
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{name} must be a list, not {_show(value)}")
+        return [_check(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, name)  # type: ignore[arg-type]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false, not {_show(value)}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name} must be an integer, not {_show(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{name} must be a number, not {_show(value)}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} must be a string, not {_show(value)}")
+        return value
+    raise ConfigError(f"{name}: unsupported type {tp}")  # pragma: no cover - a new field type needs a rule here
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"[{where}] must be a table")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+        raise ConfigError(f"[{where}] must be a table, not {_show(data)}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        if key not in fields:
-            raise ConfigError(f"unknown configuration key {where + '.' if where else ''}{key}")
-        f = fields[key]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
-        if dataclasses.is_dataclass(default):
-            kwargs[key] = _build(type(default), value, f"{where}.{key}" if where else key)
-        elif key == "acl":
-            kwargs[key] = [_build(AclRule, r, "acl") for r in value]
-        elif isinstance(default, tuple):
-            kwargs[key] = tuple(value)
-        else:
-            kwargs[key] = value
+        name = f"{where}.{key}" if where else key
+        if key not in names:
+            close = difflib.get_close_matches(key, sorted(names), n=1)
+            hint = f" (did you mean {where + '.' if where else ''}{close[0]}?)" if close else ""
+            raise ConfigError(f"unknown configuration key {name}{hint}")
+        kwargs[key] = _check(value, hints[key], name)
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:  # e.g. an ACL rule without a pattern
+        raise ConfigError(f"{where} needs {' and '.join(missing)}")
     return cls(**kwargs)
 
 
-def load_config(path: Path | None, overrides: dict[str, Any] | None = None) -> NodeConfig:
+def _field_type(dotted: str) -> Any:
+    """The declared type of a dotted key (``mqtt.max_packet_size``), or ConfigError if unknown."""
+    cls: Any = NodeConfig
+    *parents, last = dotted.split(".")
+    for p in parents:
+        hints = typing.get_type_hints(cls)
+        if p not in hints or not dataclasses.is_dataclass(hints[p]):
+            raise ConfigError(f"unknown configuration section {p!r} in {dotted}")
+        cls = hints[p]
+    hints = typing.get_type_hints(cls)
+    if last not in hints:
+        raise ConfigError(f"unknown configuration key {dotted}")
+    return hints[last]
+
+
+def _parse_env_value(raw: str, tp: Any, name: str) -> Any:
+    """An environment variable's text as the key's type: TOML syntax (``true``, ``10``,
+    ``["a", "b"]``), or the bare text for a string key."""
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    base = [t for t in typing.get_args(tp) if t is not type(None)] or [tp]
+    if base[0] is str and not isinstance(value, str):
+        value = raw
+    return _check(value, tp, name)
+
+
+ENV_PREFIX = "MOORLINE_"
+
+
+def env_overrides(environ: dict[str, str]) -> dict[str, Any]:
+    """``MOORLINE_SECTION__KEY=value`` (``__`` between levels, e.g. ``MOORLINE_MQTT__MAX_PACKET_SIZE``)
+    overrides a key of the file; ``MOORLINE_DATA_DIR`` a top-level one. Other ``MOORLINE_*``
+    variables without ``__`` that name no top-level key belong to other tools and are ignored."""
+    out: dict[str, Any] = {}
+    top = set(typing.get_type_hints(NodeConfig))
+    for var, raw in sorted(environ.items()):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        rest = var[len(ENV_PREFIX):].lower()
+        if "__" not in rest and rest not in top:
+            continue
+        dotted = rest.replace("__", ".")
+        try:
+            tp = _field_type(dotted)
+        except ConfigError as exc:
+            raise ConfigError(f"environment variable {var}: {exc}") from exc
+        out[dotted] = _parse_env_value(raw, tp, f"{dotted} (from {var})")
+    return out
+
+
+def load_config(path: Path | None, overrides: dict[str, Any] | None = None,
+                environ: dict[str, str] | None = None) -> NodeConfig:
+    """The file, then environment variables (``environ``; none when not given), then ``overrides``
+    (command-line flags): each checked for type, then the whole for ranges."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
             data = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
     cfg: NodeConfig = _build(NodeConfig, data, "")
-    for dotted, value in (overrides or {}).items():
+    layered = {**env_overrides(environ or {}), **(overrides or {})}
+    for dotted, value in layered.items():
+        value = _check(value, _field_type(dotted), dotted)
         target: Any = cfg
         *parents, last = dotted.split(".")
         for p in parents:

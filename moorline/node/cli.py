@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -43,7 +44,7 @@ def run(
     if shards is not None:
         overrides["shard.count"] = shards
     try:
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, overrides, environ=dict(os.environ))
     except ConfigError as exc:
         typer.echo(f"moorline: configuration error: {exc}", err=True)
         raise typer.Exit(2) from exc
