@@ -1,13 +1,19 @@
 """A simulated disk: a durable image plus pending (written, not yet synced) records.
 
 The host writes one record per Ready (its entries and hard state) or per snapshot. ``sync()``
-moves pending records to the durable image. A crash keeps a random prefix of the pending
-records and may tear the last one kept (power loss mid-write). Bit flips hit synced records.
+moves pending records to the durable image. Each record carries the number of the sync batch it
+was written in (``batch``), as the WAL's records do. A crash keeps a random prefix of the pending
+records and may tear the last one kept (power loss mid-write); or it leaves a *page hole*: one
+kept record other than the last is zeroed while the records after it survive, as when the pages
+of an unfinished write reach the disk out of order. Bit flips hit synced records.
 
-Every record carries a CRC32C of its body (a hard state inside also has its own CRC). The
-durable length (``synced_count``) survives a crash like a file's synced size does: recovery
-may truncate only an invalid record at or after it with no valid record after it (a torn
-tail). Anything else is corruption: the replica must stop voting until it is re-added.
+Every record carries a CRC32C of its body (a hard state inside also has its own CRC). Recovery
+follows the WAL's rule: damage is a torn tail, and truncated from the first damaged record on, when
+every record from there on belongs to the highest batch present (the write whose sync had not
+returned; a record of a later batch would prove the damaged one synced). The simulator also knows
+the durable length (``synced_count``, surviving a crash like a file's synced size), which the
+WAL cannot: damage before it is always corruption here, so a bit flip in the last synced batch is
+caught too. Corruption means the replica must stop voting until it is re-added.
 """
 
 from __future__ import annotations
@@ -40,6 +46,11 @@ class Record:
     entries: list[Entry] = field(default_factory=list)
     hard_state: HardState | None = None
     snapshot: Snapshot | None = None
+    batch: int = 0  # the sync batch it was written in (set by SimDisk.write)
+
+    def damaged(self, body: bytes) -> Record:
+        """The same record, read back with ``body`` (its CRC and decoded form as written)."""
+        return Record(self.kind, body, self.crc, self.entries, self.hard_state, self.snapshot, self.batch)
 
     def valid(self) -> bool:
         if crc32c(self.body) != self.crc:
@@ -71,6 +82,8 @@ class DiskParams:
     sync_latency_ms_max: int = 2
     torn_write_p: float = 0.5  # a crash tears the last kept pending write with this chance
     keep_pending_p: float = 0.5  # mean fraction of pending writes a crash keeps
+    page_hole_p: float = 0.5  # a crash that keeps two or more pending writes, the last one whole,
+    # zeroes one before it with this chance
 
 
 @dataclass(slots=True)
@@ -97,6 +110,8 @@ class SimDisk:
         self.syncs = 0
 
     def write(self, rec: Record) -> None:
+        # Written after sync number ``syncs`` returned, durable with the next: that sync's batch.
+        rec.batch = self.syncs
         self.pending.append(rec)
         self.writes += 1
 
@@ -124,8 +139,8 @@ class SimDisk:
         self.synced_count = 0
 
     def crash(self, rng: random.Random) -> tuple[int, bool]:
-        """Power loss: keep a random prefix of the pending writes, maybe tear the last one.
-        Returns (number of pending writes lost, torn)."""
+        """Power loss: keep a random prefix of the pending writes, maybe tear the last one, maybe
+        zero one before it (a page hole). Returns (number of pending writes lost, torn)."""
         n = len(self.pending)
         if n == 0:
             return 0, False
@@ -135,9 +150,13 @@ class SimDisk:
         if kept and rng.random() < self.params.torn_write_p:
             last = kept[-1]
             cut = rng.randint(0, max(0, len(last.body) - 1))
-            kept[-1] = Record(
-                last.kind, last.body[:cut], last.crc, last.entries, last.hard_state, last.snapshot
-            )
+            kept[-1] = last.damaged(last.body[:cut])
+            torn = True
+        if not torn and len(kept) >= 2 and rng.random() < self.params.page_hole_p:
+            # One damaged spot per crash (the last write torn, or a hole before it): enough for
+            # the rule, since recovery cuts from the first damage on either way.
+            i = rng.randrange(len(kept) - 1)
+            kept[i] = kept[i].damaged(bytes(len(kept[i].body)))
             torn = True
         # kept writes reached the platter but are not known durable: they stay "pending"
         # until the restarted host syncs them.
@@ -154,7 +173,7 @@ class SimDisk:
         pos = rng.randrange(len(rec.body))
         flipped = bytearray(rec.body)
         flipped[pos] ^= 1 << rng.randrange(8)
-        self.durable[i] = Record(rec.kind, bytes(flipped), rec.crc, rec.entries, rec.hard_state, rec.snapshot)
+        self.durable[i] = rec.damaged(bytes(flipped))
         return True
 
     def recover(self, truncate_synced_corruption: bool = False) -> Recovery:
@@ -165,8 +184,10 @@ class SimDisk:
         if not bad:
             return Recovery(image, False, None, False)
         first = bad[0]
-        only_tail = first == len(image) - 1
-        if first >= synced and only_tail:
+        top = max(r.batch for r in image)
+        if first >= synced and all(r.batch == top for r in image[first:]):
+            # Confined to the last batch's unfinished write: a torn tail, wherever in it the damage
+            # is (a page hole before records that survived included).
             self._truncate(first)
             return Recovery(image[:first], True, None, False)
         if truncate_synced_corruption:

@@ -9,30 +9,54 @@ segment complete. Every segment starts with one *checkpoint* record per known gr
 snapshot mark, last index), so no old segment ever holds the only copy of a group's hard state: a
 segment can be deleted as soon as every group's entries in it are covered by a durable snapshot mark.
 
-Record layout (little endian, 32-byte header, then the body)::
+Record layout (little endian, 44-byte header, then the body)::
 
-    magic u16 | type u8 | flags u8 | body_len u32 | group i64 | segment u32 | position u32 |
-    body_crc u32 | header_crc u32 | body
+    magic u16 | type u8 | version u8 | body_len u32 | group i64 | segment u32 | position u32 |
+    batch u64 | batch_start u32 | body_crc u32 | header_crc u32 | body
 
-``header_crc`` is CRC32C of the 28 bytes before it and ``body_crc`` CRC32C of the body. Two
+``header_crc`` is CRC32C of the 40 bytes before it and ``body_crc`` CRC32C of the body. Two
 checksums let recovery name the group of a record whose body is damaged (its header is intact) and
 step over it exactly. ``segment``/``position`` repeat where the record was written: a byte pattern
-inside a payload that happens to look like a record is not taken for one.
+inside a payload that happens to look like a record is not taken for one. ``version`` is 1.
+Version 0 (written before sync batches were recorded) has a 32-byte header without ``batch`` and
+``batch_start``; such records are still read, and damage among them is judged by the old rule below.
+
+Sync batches: ``batch`` numbers the group commit (``sync``) whose ``fdatasync`` made the record
+durable, and ``batch_start`` is where that batch's first record in this segment starts. The records
+of batch N + 1 are written only after batch N's ``fdatasync`` returned (the sync lock orders the
+writes of ``sync`` and of the write-ahead), so after a power loss only the highest batch can be
+damaged: the pages of its write may have reached the disk in any order, so a 4 KiB page of it can
+read as zeros while later pages survive. Batch numbers rise across segments and restarts
+(recovery continues above the highest one seen).
 
 Bodies: entry ``term u64 | index u64 | entry_type u32 | payload``; hard state ``term u64 |
 commit u64 | vote bytes``; truncate ``from_index u64``; snapshot mark ``index u64 | term u64``;
 checkpoint ``has_hard_state u8 | term u64 | commit u64 | snapshot_index u64 | snapshot_term u64 |
 last_index u64 | vote bytes``; remove (empty body): everything of the group before it is forgotten.
 
-Recovery rule (DESIGN.md): an invalid record with no valid record after it (in this segment or any
-later one) is a torn tail and is truncated; an invalid record followed by a valid one is corruption.
+Recovery rule (DESIGN.md, sharpened by sync batches): damage (a checksum failure, a zeroed page
+hole, garbage) is a **torn tail** when nothing valid follows it, or when every record after it in
+the segment belongs to the highest batch and that batch started at or before the damage (its
+``batch_start``, and the damaged record's own header where it survived, say so): that batch's
+``fdatasync`` cannot have returned, so nothing in it was acknowledged. A torn tail is cut from the
+first damaged record on, and ``WalRecovery.torn_tails`` says which batch went and how many records.
+Damage followed by a record of a later batch, or by any valid record in a later segment (a segment
+is complete and synced before the next one gets a byte), is **corruption**: data that was synced.
 If the invalid record's header is intact its group is reported corrupted and recovery goes on for
 the other groups; otherwise ``WalCorruption`` names the file and offset and the node must not start.
+Version-0 records carry no batch: damage followed by any valid one of them is corruption, as before.
 
-A bit flip in the very last synced record cannot be told from a torn tail and is cut. Two checks
-narrow that gap: hard states are written once per sync *after* that sync's entries (so a surviving
-commit index never names a lost entry), and recovery flags a group whose commit index is beyond its
-last recovered entry.
+Damage inside the highest batch cannot be told from bit rot in a batch whose ``fdatasync`` did
+return just before the crash: such a batch is cut as torn (a replica catches up from its peers; a
+single node loses what that last sync acknowledged). Once a later batch is written the earlier ones
+are protected: the first sync after a restart writes a new segment, and a clean ``close`` ends
+with a *seal* record (empty body, ignored by recovery) in a batch of its own. Two checks narrow the
+gap: hard states are written once per sync *after* that sync's entries (so a surviving commit
+index never names a lost entry), and recovery flags a group whose commit index is beyond its last
+recovered entry.
+
+A corrupted group's damaged segment pins itself (and so every later one) until the group is
+removed: reclaiming it would erase the evidence and let the next recovery take the group for whole.
 
 Every ``open`` starts a new segment (with checkpoints) rather than appending to the last one.
 
@@ -90,11 +114,14 @@ class HardState(NamedTuple):
 
 MAGIC = 0x4C57
 _MAGIC_BYTES = struct.pack("<H", MAGIC)
-_HDR_PRE = struct.Struct("<HBBIqIII")  # everything the header CRC covers
-_HDR = struct.Struct("<HBBIqIIII")  # the whole header, header CRC last
+VERSION = 1  # records carry their sync batch; version 0 did not (read, never written)
+_HDR_PRE = struct.Struct("<HBBIqIIQII")  # everything the header CRC covers
+_HDR = struct.Struct("<HBBIqIIQIII")  # the whole header, header CRC last
+_HDR_V0 = struct.Struct("<HBBIqIIII")  # version 0: no batch, no batch_start
 _U32 = struct.Struct("<I")
 HEADER_BYTES = _HDR_PRE.size + 4
-invariant(HEADER_BYTES == 32, "WAL header layout changed")
+V0_HEADER_BYTES = _HDR_V0.size
+invariant(HEADER_BYTES == 44 and V0_HEADER_BYTES == 32, "WAL header layout changed")
 
 T_ENTRY = 1
 T_HARD_STATE = 2
@@ -102,7 +129,10 @@ T_TRUNCATE = 3
 T_SNAPSHOT = 4
 T_CHECKPOINT = 5
 T_REMOVE = 6
-_TYPES = frozenset({T_ENTRY, T_HARD_STATE, T_TRUNCATE, T_SNAPSHOT, T_CHECKPOINT, T_REMOVE})
+T_SEAL = 7  # a clean close: its batch follows every data batch, so damage in any of them is corruption
+_TYPES = frozenset({T_ENTRY, T_HARD_STATE, T_TRUNCATE, T_SNAPSHOT, T_CHECKPOINT, T_REMOVE, T_SEAL})
+_V0_TYPES = frozenset({T_ENTRY, T_HARD_STATE, T_TRUNCATE, T_SNAPSHOT, T_CHECKPOINT, T_REMOVE})
+SEAL_GROUP = -1  # the group field of a seal record (no group's)
 
 _ENTRY = struct.Struct("<QQI")
 _HARD = struct.Struct("<QQ")
@@ -111,6 +141,7 @@ _SNAP = struct.Struct("<QQ")
 _CKPT = struct.Struct("<BQQQQQ")
 
 MAX_BODY_BYTES = 1 << 30
+PINNED = 1 << 62  # above any index: a corrupted group's damaged segment is never reclaimed
 # When the next segment is zero-filled ahead. Zero-filling costs per byte (here 20 ms of CPU per
 # 64 MiB segment); preallocation saves per sync (about 37 µs at 20 KB a sync). So only a busy log
 # of small syncs gets it: a segment that has seen this many syncs (the fill is repaid after about
@@ -160,42 +191,85 @@ class GroupRecovery:
 
 
 @dataclass
+class TornTail:
+    """What recovery cut off the end of a segment, for the operator's log."""
+
+    path: Path
+    offset: int
+    batch: int | None  # the sync batch it belonged to; None where no surviving header says
+    records: int  # records that went: the damaged one and every one after it whose header survived
+    bytes: int
+
+    def describe(self) -> str:
+        which = f"sync batch {self.batch}" if self.batch is not None else "the last sync batch"
+        return (
+            f"torn tail truncated: {self.path} at offset {self.offset}: {self.records} record(s) of "
+            f"{which} ({self.bytes} bytes) were cut; that batch's fdatasync had not returned, so none "
+            "of it was acknowledged"
+        )
+
+
+@dataclass
 class WalRecovery:
     groups: dict[int, GroupRecovery]
     corrupted: list[CorruptionReport]
     torn_tail_truncated: list[tuple[Path, int]]
+    torn_tails: list[TornTail] = field(default_factory=list)  # the same cuts, with batch and counts
+    next_batch: int = 1  # the batch the records written from now on carry
 
 
-def _frame_header(rtype: int, group: int, seg: int, pos: int, body: bytes) -> bytes:
-    """The 32-byte header of a record (the body follows it in the stream)."""
-    pre = _HDR_PRE.pack(MAGIC, rtype, 0, len(body), group, seg, pos, _crc(body))
+def _frame_header(rtype: int, group: int, seg: int, pos: int, batch: int, batch_start: int, body: bytes) -> bytes:
+    """The 44-byte header of a record (the body follows it in the stream)."""
+    pre = _HDR_PRE.pack(MAGIC, rtype, VERSION, len(body), group, seg, pos, batch, batch_start, _crc(body))
     return pre + _U32.pack(_crc(pre))
 
 
 _OK, _BAD_HEADER, _BAD_BODY = 0, 1, 2
+NO_BATCH = -1  # the batch of a version-0 record (and of a header that did not survive)
 
 
-def _parse(mv: memoryview, p: int, seq: int) -> tuple[int, int, int, int, int]:
-    """(status, type, group, body_start, end) of the record claimed to start at ``p``."""
+class _Parsed(NamedTuple):
+    status: int
+    type: int
+    group: int
+    start: int  # body start
+    end: int
+    batch: int  # NO_BATCH for version 0
+    batch_start: int
+
+
+_BAD = _Parsed(_BAD_HEADER, 0, 0, 0, 0, NO_BATCH, 0)
+
+
+def _parse(mv: memoryview, p: int, seq: int) -> _Parsed:
+    """The record claimed to start at ``p`` (either version)."""
     n = len(mv)
-    if p + HEADER_BYTES > n:
-        return (_BAD_HEADER, 0, 0, 0, 0)
-    magic, rtype, flags, blen, group, seg, pos, bcrc, hcrc = _HDR.unpack_from(mv, p)
+    if p + V0_HEADER_BYTES > n or mv[p + 3] > VERSION:
+        return _BAD
+    if mv[p + 3] == VERSION:
+        if p + HEADER_BYTES > n:
+            return _BAD
+        magic, rtype, _v, blen, group, seg, pos, batch, bstart, bcrc, hcrc = _HDR.unpack_from(mv, p)
+        hlen, types = HEADER_BYTES, _TYPES
+    else:
+        magic, rtype, _v, blen, group, seg, pos, bcrc, hcrc = _HDR_V0.unpack_from(mv, p)
+        batch, bstart = NO_BATCH, 0
+        hlen, types = V0_HEADER_BYTES, _V0_TYPES
     if (
         magic != MAGIC
         or seg != seq
         or pos != p
-        or flags != 0
-        or rtype not in _TYPES
+        or rtype not in types
         or blen > MAX_BODY_BYTES
-        or hcrc != _crc(mv[p : p + 28])
+        or bstart > p
+        or hcrc != _crc(mv[p : p + hlen - 4])
     ):
-        return (_BAD_HEADER, 0, 0, 0, 0)
-    start = p + HEADER_BYTES
+        return _BAD
+    start = p + hlen
     end = start + blen
     if end > n or _crc(mv[start:end]) != bcrc:
-        return (_BAD_BODY, rtype, group, start, end)
-    return (_OK, rtype, group, start, end)
+        return _Parsed(_BAD_BODY, rtype, group, start, end, batch, bstart)
+    return _Parsed(_OK, rtype, group, start, end, batch, bstart)
 
 
 def _zeros_from(data: bytes, start: int) -> bool:
@@ -209,10 +283,71 @@ def _has_valid_record(mv: memoryview, start: int, seq: int) -> bool:
     assert isinstance(data, bytes)
     q = data.find(_MAGIC_BYTES, start)
     while q != -1:
-        if _parse(mv, q, seq)[0] == _OK:
+        if _parse(mv, q, seq).status == _OK:
             return True
         q = data.find(_MAGIC_BYTES, q + 1)
     return False
+
+
+def _headers_from(mv: memoryview, start: int, seq: int) -> list[_Parsed]:
+    """Every record of segment ``seq`` at or after ``start`` whose header is intact (body or not)."""
+    data = mv.obj
+    assert isinstance(data, bytes)
+    found: list[_Parsed] = []
+    q = data.find(_MAGIC_BYTES, start)
+    while q != -1:
+        r = _parse(mv, q, seq)
+        if r.status != _BAD_HEADER:
+            found.append(r)
+        q = data.find(_MAGIC_BYTES, q + 1)
+    return found
+
+
+class RecordInfo(NamedTuple):
+    """One record as ``segment_records`` finds it (for tools and tests)."""
+
+    offset: int
+    type: int
+    group: int
+    batch: int  # NO_BATCH for version 0
+    batch_start: int
+    valid: bool  # False: the header is intact, the body fails its checksum
+
+
+def segment_records(path: Path) -> list[RecordInfo]:
+    """The records of a segment file whose headers are intact, in file order (read-only)."""
+    m = _SEGMENT_RE.match(path.name)
+    invariant(m is not None, f"{path} is not a WAL segment")
+    assert m is not None
+    mv = memoryview(Path(path).read_bytes())
+    return [
+        RecordInfo(r.start - (HEADER_BYTES if r.batch != NO_BATCH else V0_HEADER_BYTES), r.type, r.group,
+                   r.batch, r.batch_start, r.status == _OK)
+        for r in _headers_from(mv, 0, int(m.group(1)))
+    ]
+
+
+def _torn_batch(p: int, damaged: _Parsed, after: list[_Parsed], before: int) -> int | None:
+    """The batch whose unfinished write the damage at ``p`` lies in, or None if it is corruption.
+
+    ``damaged`` is what parsing at ``p`` gave (its batch is known only if its header survived),
+    ``after`` the intact headers after it (some valid), ``before`` the batch of the last valid record
+    before it in this segment (``NO_BATCH``: none, or version 0). Torn only if every record after
+    the damage is in one batch, numbered (version 1), not older than anything before the damage,
+    and starting at or before the damage: then the damage is inside that batch's write, the last
+    one, whose ``fdatasync`` had not returned (a later batch would prove it had)."""
+    if not after:
+        return None
+    batch, start = after[0].batch, after[0].batch_start
+    if batch == NO_BATCH or before > batch or start > p:
+        return None
+    if any(r.batch != batch or r.batch_start != start for r in after):
+        return None  # a later batch follows the damage (or the headers disagree): it was synced
+    if damaged.status == _BAD_BODY and (damaged.batch != batch or damaged.batch_start != start):
+        return None  # its own header says it belongs to an earlier batch
+    if before < batch and start != p:
+        return None  # the last valid record before is of an earlier batch: this one must begin here
+    return batch
 
 
 @dataclass
@@ -302,6 +437,11 @@ class WriteAheadLog:
         self._pending_hard_bytes = 0
         self._seg_seq = 0  # segment the next record goes to
         self._seg_size = 0  # its size once everything pending is written
+        # The sync batch the records appended now belong to: the next ``sync`` writes them, and the
+        # one after it is a new batch. With it, where that batch's first record in the segment is.
+        self._batch = 1
+        self._batch_at: tuple[int, int] = (0, 0)  # (batch, segment) _batch_start belongs to
+        self._batch_start = 0
         self._appended_seq = 0
         self._groups: dict[int, _GroupState] = {}
         # segment seq -> group -> highest entry index still live in that segment.
@@ -338,18 +478,20 @@ class WriteAheadLog:
 
         groups: dict[int, _RecoveringGroup] = {}
         corrupted: list[CorruptionReport] = []
-        torn: list[tuple[Path, int]] = []
+        torn: list[TornTail] = []
         kept: list[int] = []
+        self._max_batch = 0  # the highest batch of any intact header seen
         for i, (seq, path) in enumerate(files):
             self._seg_max[seq] = {}
             stop = self._recover_segment(seq, path, files[i + 1 :], groups, corrupted, torn)
             kept.append(seq)
             if stop:
-                for _later_seq, later_path in files[i + 1 :]:
-                    unused = _zeros_from(later_path.read_bytes(), 0)  # a preallocated segment never written
+                for later_seq, later_path in files[i + 1 :]:
+                    data = later_path.read_bytes()
+                    if not _zeros_from(data, 0):  # else a preallocated segment never written
+                        records = len(_headers_from(memoryview(data), 0, later_seq))
+                        torn.append(TornTail(later_path, 0, None, records, len(data)))
                     later_path.unlink()
-                    if not unused:
-                        torn.append((later_path, 0))
                     if self._ledger is not None:
                         self._ledger.forget(later_path)
                 fsync_dir(self.directory)
@@ -360,6 +502,13 @@ class WriteAheadLog:
         result: dict[int, GroupRecovery] = {}
         for g in sorted(groups):
             result[g] = self._finish_group(g, groups[g], first_path, last_path, corrupted)
+        for report in corrupted:
+            # The damaged segment (and so every later one) stays until the group is removed
+            # (``remove_group``): reclaiming it would erase the evidence, and the next recovery
+            # would find the group whole but without its synced entries.
+            m = _SEGMENT_RE.match(report.path.name)
+            if report.group is not None and m is not None and int(m.group(1)) in self._seg_max:
+                self._seg_max[int(m.group(1))][report.group] = PINNED
 
         # A trailing segment torn at 0 carries no checkpoint; drop it.
         while kept and (self.directory / segment_name(kept[-1])).stat().st_size == 0:
@@ -382,9 +531,11 @@ class WriteAheadLog:
         # Always write into a fresh segment that starts with checkpoints of every group: resuming a
         # segment whose checkpoint block was torn would leave old segments holding the only copy.
         self._seg_seq = kept[-1] if kept else (files[-1][0] if files else 0)
+        # Above every batch a header names, cut ones included: numbers are never reused.
+        self._batch = self._max_batch + 1
         with self._lock:
             self._start_segment_locked()
-        return WalRecovery(result, corrupted, torn)
+        return WalRecovery(result, corrupted, [(t.path, t.offset) for t in torn], torn, self._batch)
 
     def _finish_group(
         self,
@@ -429,20 +580,29 @@ class WriteAheadLog:
         later: Sequence[tuple[int, Path]],
         groups: dict[int, _RecoveringGroup],
         corrupted: list[CorruptionReport],
-        torn: list[tuple[Path, int]],
+        torn: list[TornTail],
     ) -> bool:
         """Apply one segment's records; return True if a torn tail was cut here (stop)."""
         data = path.read_bytes()
         mv = memoryview(data)
         n = len(data)
         p = 0
+        before = NO_BATCH  # batch of the last valid record in this segment
         while p < n:
-            status, rtype, group, start, end = _parse(mv, p, seq)
+            r = _parse(mv, p, seq)
+            status, rtype, group, start, end = r.status, r.type, r.group, r.start, r.end
+            if status != _BAD_HEADER and r.batch > self._max_batch:
+                self._max_batch = r.batch
+            if status == _OK and rtype == T_SEAL:
+                before = r.batch
+                p = end
+                continue
             if status == _OK and rtype == T_REMOVE:
                 groups.pop(group, None)
-                corrupted[:] = [r for r in corrupted if r.group != group]
+                corrupted[:] = [c for c in corrupted if c.group != group]
                 for tops in self._seg_max.values():
                     tops.pop(group, None)
+                before = r.batch
                 p = end
                 continue
             if status == _OK:
@@ -455,10 +615,21 @@ class WriteAheadLog:
                     if err is not None:
                         rg.corrupted = True
                         corrupted.append(CorruptionReport(path, p, group, err))
+                before = r.batch
                 p = end
                 continue
             resume = min(end, n) if status == _BAD_BODY else p + 1
-            if _has_valid_record(mv, resume, seq) or self._later_has_valid(later):
+            after = _headers_from(mv, resume, seq)
+            for h in after:
+                self._max_batch = max(self._max_batch, h.batch)
+            valid_after = any(h.status == _OK for h in after)
+            batch: int | None = None
+            if valid_after and not self._later_has_valid(later):
+                batch = _torn_batch(p, r, after, before)
+                valid_after = batch is None  # inside the last batch's unfinished write: torn
+            elif not valid_after and self._later_has_valid(later):
+                valid_after = True
+            if valid_after:
                 if status == _BAD_HEADER:
                     raise WalCorruption(path, p, "record header fails its checksum and valid records follow")
                 rg = groups.setdefault(group, _RecoveringGroup())
@@ -472,7 +643,10 @@ class WriteAheadLog:
             if self._ledger is not None:
                 self._ledger.record(path, p)
             if not _zeros_from(data, p):  # all zeros: preallocated space never written, not damage
-                torn.append((path, p))
+                if batch is None:
+                    known = [h.batch for h in ([r] if status == _BAD_BODY else []) + after if h.batch != NO_BATCH]
+                    batch = known[0] if known else None
+                torn.append(TornTail(path, p, batch, 1 + len(after), n - p))
             return True
         return False
 
@@ -552,6 +726,8 @@ class WriteAheadLog:
             limit = self.segment_bytes
             seg_seq = self._seg_seq
             seg_size = self._seg_size
+            batch = self._batch
+            batch_start = self._batch_start_locked()
             chunk = self._chunk_locked()
             expected = first
             for term, index, etype, data in entries:
@@ -569,10 +745,12 @@ class WriteAheadLog:
                         self._seg_max.setdefault(seg_seq, {})[group] = index - 1
                     self._start_segment_locked()
                     seg_seq, seg_size = self._seg_seq, self._seg_size
+                    batch_start = self._batch_start_locked()
                     chunk = self._chunk_locked()
                 if blen > MAX_BODY_BYTES:
                     invariant(False, "WAL record too large")
-                pre = pack_pre(MAGIC, T_ENTRY, 0, blen, group, seg_seq, seg_size, crc_more(data, crc(head)))
+                pre = pack_pre(MAGIC, T_ENTRY, VERSION, blen, group, seg_seq, seg_size, batch, batch_start,
+                               crc_more(data, crc(head)))
                 chunk += pre
                 chunk += pack_u32(crc(pre))
                 chunk += head
@@ -678,9 +856,19 @@ class WriteAheadLog:
             self._start_segment_locked()
         self._emit_here(rtype, group, body)
 
+    def _batch_start_locked(self) -> int:
+        """Where the current batch's first record in the current segment starts (caller holds
+        _lock, and calls this before appending a record at ``_seg_size``)."""
+        at = (self._batch, self._seg_seq)
+        if self._batch_at != at:
+            self._batch_at = at
+            self._batch_start = self._seg_size
+        return self._batch_start
+
     def _emit_here(self, rtype: int, group: int, body: bytes) -> None:
         invariant(len(body) <= MAX_BODY_BYTES, "WAL record too large")
-        header = _frame_header(rtype, group, self._seg_seq, self._seg_size, body)
+        start = self._batch_start_locked()
+        header = _frame_header(rtype, group, self._seg_seq, self._seg_size, self._batch, start, body)
         chunk = self._chunk_locked()
         chunk += header
         chunk += body  # copied once, straight into the pending chunk (no framed copy first)
@@ -756,6 +944,9 @@ class WriteAheadLog:
                 snapshots = self._pending_snapshots
                 self._pending_snapshots = []
                 seq = self._appended_seq
+                # Everything appended from now on is written only after this sync's fdatasync has
+                # returned (this lock is held until then; the write-ahead needs it too): a new batch.
+                self._batch += 1
             if not chunks and not self._written_unsynced:
                 invariant(not snapshots, "snapshot marks pending without bytes")
                 self._synced_seq = max(self._synced_seq, seq)
@@ -897,11 +1088,17 @@ class WriteAheadLog:
             return [self.directory / segment_name(s) for s in self._disk_segments]
 
     def close(self) -> None:
-        """Sync what is pending, then close. Idempotent."""
+        """Sync what is pending, seal, then close. Idempotent."""
         if self._closed or not self._opened:
             self._closed = True
             return
         self.sync()
+        if self._fd is not None and self._failed is None:
+            # A batch of its own after the last data batch: recovery then takes damage anywhere
+            # before it for corruption, never for the torn tail of an unfinished sync.
+            with self._lock:
+                self._emit(T_SEAL, SEAL_GROUP, b"")
+            self.sync()
         with self._sync_lock:
             self._closed = True
             if self._fd is not None:

@@ -335,3 +335,30 @@ def test_one_append_many_across_segments_indexes_every_record(tmp_path: Path) ->
     again.open()
     assert again.scan(0, 100, 1 << 20) == [(o, msg(o, n)) for o, n in enumerate([30, *sizes, 30])]
     again.close()
+
+
+def test_a_page_hole_after_the_sync_point_is_cut_before_one_is_corruption(tmp_path: Path) -> None:
+    """The store needs no sync batches: ``store.meta`` names its last sync point, so a 4 KiB page of
+    unsynced records that never reached the disk, while later pages did, is cut with everything
+    after it (the WAL re-applies those records); the same hole before the sync point is corruption."""
+    page = 4096
+    for where in ("unsynced", "synced"):
+        d = tmp_path / where
+        positions = _store_with(d, 500, synced=200)
+        seg = d / segment_name(0)
+        at = positions[300] if where == "unsynced" else positions[20]
+        hole = (at // page + 1) * page
+        assert hole + page < seg.stat().st_size
+        with open(seg, "r+b") as f:
+            f.seek(hole)
+            f.write(bytes(page))
+        first = max(i for i, p in enumerate(positions) if p <= hole)
+        s = MessageStore(d)
+        if where == "unsynced":
+            s.open()
+            assert s.next_offset == first and all(s.get(o) == msg(o) for o in range(first))
+            assert seg.stat().st_size == positions[first]
+        else:
+            with pytest.raises(StoreCorruption) as err:
+                s.open()
+            assert (err.value.path, err.value.offset) == (seg, positions[first])

@@ -244,7 +244,8 @@ def test_torn_tail_at_every_byte_of_last_record(tmp_path: Path) -> None:
     seg = src / segment_name(1)
     full = seg.read_bytes()
     last_start = starts[-1]
-    for cut in range(last_start, len(full)):
+    sealed_at = len(full) - HEADER_BYTES  # a clean close ends with an empty seal record
+    for cut in range(last_start, sealed_at):
         for tail in (b"", b"\x00" * 3, b"\xff\x57\x4c") if cut % 3 == 0 else (b"",):
             d = tmp_path / f"c{cut}-{len(tail)}-{tail[:1].hex()}"
             shutil.copytree(src, d)
@@ -582,3 +583,30 @@ def test_write_ahead_puts_large_batches_in_the_file_but_only_sync_makes_them_cou
     got = rec.groups[1].entries
     assert [e.index for e in got] == list(range(1, 8))
     assert all(e.data == bytes([e.index]) * 1500 for e in got[1:])
+
+
+def test_a_corrupted_groups_damaged_segment_is_never_reclaimed(tmp_path: Path) -> None:
+    """Other groups snapshotting past it must not delete the segment that holds a corrupted group's
+    damage: the next recovery would find that group whole, without its synced entries."""
+    w, _ = reopen(tmp_path, segment_bytes=2048)
+    at = (0, 0)
+    for i in range(1, 30):
+        w.append_entries(1, [ent(i, data=b"a" * 100)])
+        if i == 3:
+            at = (w._seg_seq, w._seg_size)
+            w.append_entries(2, [ent(1, data=b"b" * 100)])  # group 2's only entry
+        w.sync()
+    w.close()
+    seg = tmp_path / segment_name(at[0])
+    raw = bytearray(seg.read_bytes())
+    raw[at[1] + HEADER_BYTES + 30] ^= 0x01
+    seg.write_bytes(bytes(raw))
+
+    w, rec = reopen(tmp_path, segment_bytes=2048)
+    assert [r.group for r in rec.corrupted] == [2]  # type: ignore[attr-defined]
+    w.mark_snapshot(1, 29, 1)
+    w.sync()
+    assert w.reclaim() == [] and w.groups_pinning_oldest_segment() == [2]
+    w.close()
+    rec2 = WriteAheadLog(tmp_path, segment_bytes=2048).open()
+    assert [r.group for r in rec2.corrupted] == [2] and rec2.groups[2].corrupted

@@ -1,4 +1,9 @@
-"""Random WAL operation sequences against a dumb in-memory model, with clean restarts and crashes."""
+"""Random WAL operation sequences against a dumb in-memory model, with clean restarts and crashes.
+
+Crashes lose what no sync covered in three ways: the unsynced write never reached the file (a few
+garbage bytes may land after the synced end), or it reached the file with a page hole: its first
+page zeroed (the page it shares with the synced records keeps those) while later pages survive, or
+a page further in zeroed. Pages are ``PAGE`` bytes here, scaled to the walk's 400-byte segments."""
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from hypothesis import strategies as st
 from moorline.storage.wal import WriteAheadLog
 
 GROUPS = (0, 1, 2)
+PAGE = 64
+LOST, FIRST_PAGE_HOLE, LATER_PAGE_HOLE = 0, 1, 2
 
 
 @dataclass
@@ -47,7 +54,7 @@ op = st.one_of(
     st.tuples(st.just("sync")),
     st.tuples(st.just("reclaim")),
     st.tuples(st.just("restart")),
-    st.tuples(st.just("crash"), st.integers(0, 30)),
+    st.tuples(st.just("crash"), st.integers(0, 30), st.sampled_from((LOST, FIRST_PAGE_HOLE, LATER_PAGE_HOLE))),
 )
 
 
@@ -146,11 +153,11 @@ def _run(d: Path, ops: list[tuple], preallocate: bool = False) -> int:
             _check(durable, got)
             live = {g: m.copy() for g, m in durable.items()}
         elif kind == "crash":
-            # Pending bytes are lost; a few garbage bytes land after the synced end of the
-            # segment being written (an interrupted write).
-            _, garbage = o
+            _, garbage, how = o
             fd_seq = w._fd_seq
             end = w._fd_length
+            # The unsynced write: what the next sync would have written, segment by segment.
+            chunks = [(seq, bytes(chunk)) for seq, chunk in w._pending if chunk]
             if w._preparer is not None:
                 prepared += w._preparer.prepared
                 w._preparer.close()
@@ -158,12 +165,18 @@ def _run(d: Path, ops: list[tuple], preallocate: bool = False) -> int:
                 os.close(w._fd)
                 w._fd = None
             w._closed = True
-            if fd_seq and garbage:
-                with open(d / f"wal-{fd_seq:016d}.log", "r+b") as f:  # over zeros, if preallocated
-                    f.seek(end)
-                    f.write(bytes((i * 37 + 0x4C) % 256 for i in range(garbage)))
-            w, got = _open(d, preallocate)
-            _check(durable, got)
+            if how == LOST or not chunks:
+                if fd_seq and garbage:
+                    with open(d / f"wal-{fd_seq:016d}.log", "r+b") as f:  # over zeros, if preallocated
+                        f.seek(end)
+                        f.write(bytes((i * 37 + 0x4C) % 256 for i in range(garbage)))
+                w, got = _open(d, preallocate)
+                _check(durable, got)
+            else:
+                w, got = _page_hole_crash(d, chunks, fd_seq, end, garbage, how, preallocate)
+                if how == FIRST_PAGE_HOLE and garbage % len(chunks) == 0:
+                    _check(durable, got)  # the write's first page never arrived: none of it counts
+                durable = {g: got.get(g, ModelGroup()).copy() for g in GROUPS}
             live = {g: m.copy() for g, m in durable.items()}
     prepared += w._preparer.prepared if w._preparer is not None else 0
     w.close()
@@ -171,6 +184,49 @@ def _run(d: Path, ops: list[tuple], preallocate: bool = False) -> int:
     _, got = _open(d)
     _check(durable, got)
     return prepared
+
+
+def _page_hole_crash(
+    d: Path, chunks: list[tuple[int, bytes]], fd_seq: int, end: int, pick: int, how: int, preallocate: bool
+) -> tuple[WriteAheadLog, dict[int, ModelGroup]]:
+    """The power loss hit a sync while it wrote chunk ``pick % len(chunks)``: the chunks before it are
+    whole (each segment is synced before the next gets a byte), and of that chunk's write a page never
+    arrived while the later pages did: its first (FIRST_PAGE_HOLE; the part of it the synced records
+    share stays) or a later one. Recovery must give what losing the chunk from the first byte the
+    hole changed gives: the old, trusted rule for a lost suffix. Returns the reopened log and state."""
+    k = pick % len(chunks)
+    cut = d.parent / (d.name + "-cut")
+    shutil.copytree(d, cut)
+    if fd_seq and chunks[k][0] != fd_seq:
+        for root in (d, cut):  # leaving a segment cuts its unused zeros first (and syncs it)
+            os.truncate(root / f"wal-{fd_seq:016d}.log", end)
+    for i, (seq, chunk) in enumerate(chunks[: k + 1]):
+        at = end if seq == fd_seq else 0
+        if i < k:
+            holed = kept = chunk
+        else:
+            first = -at % PAGE or PAGE  # the chunk's bytes in the page it starts in
+            if how == FIRST_PAGE_HOLE or len(chunk) <= first + PAGE:
+                lo, hi = 0, min(first, len(chunk))
+            else:
+                pages = (len(chunk) - first) // PAGE
+                lo = first + PAGE * (pick % pages)
+                hi = min(lo + PAGE, len(chunk))
+            holed = chunk[:lo] + bytes(hi - lo) + chunk[hi:]
+            changed = next((j for j in range(len(chunk)) if holed[j] != chunk[j]), len(chunk))
+            kept = chunk[:changed]
+        for root, data in ((d, holed), (cut, kept)):
+            path = root / f"wal-{seq:016d}.log"
+            with open(path, "r+b" if path.exists() else "wb") as f:  # a new segment: created by the sync
+                f.seek(at)
+                f.write(data)
+                if root is cut and not (preallocate and seq == fd_seq):
+                    f.truncate(at + len(data))
+    _, want = _open(cut)
+    shutil.rmtree(cut)
+    w, got = _open(d, preallocate)
+    _check(want, got)
+    return w, got
 
 
 @pytest.mark.parametrize("preallocate", [False, True], ids=["appending", "preallocated"])
@@ -209,7 +265,7 @@ def test_wal_seeded_random_walks(monkeypatch: object, preallocate: bool) -> None
             elif k == "truncate":
                 ops.append(("truncate", g, r.randint(0, 4)))
             elif k == "crash":
-                ops.append(("crash", r.randint(0, 30)))
+                ops.append(("crash", r.randint(0, 30), r.choice((LOST, FIRST_PAGE_HOLE, LATER_PAGE_HOLE))))
             elif k == "remove":
                 ops.append(("remove", g))
             else:
