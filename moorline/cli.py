@@ -12,6 +12,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="moorline: a 
 _COMMANDS: list[tuple[str, str, str]] = [
     ("run", "moorline.node.cli", "run"),
     ("passwd", "moorline.node.cli", "passwd"),
+    ("token", "moorline.node.cli", "token"),
     ("sim", "moorline.sim.cli", "sim"),
     ("verify", "moorline.verify.cli", "verify"),
     ("chaos", "moorline.chaos.cli", "chaos"),

@@ -136,12 +136,30 @@ class AuthConfig:
     # MQTT does: only for setups without a password file, where a username proves nothing (None:
     # on exactly then; true together with auth.password_file is refused).
     session_takeover_across_users: bool | None = None
+    # HTTP bearer tokens: lines ``user:sha256$<hex>`` written by ``moorline token FILE USER``.
+    token_file: str | None = None
+    admin_users: list[str] = field(default_factory=list)  # HTTP admin role: shards, pins, sink markers, drops
+    http_open_status: bool = True  # /metrics and /v1/health answer without credentials
+    # scrypt runs on this many threads at most; further logins wait (the event loop never hashes).
+    max_parallel_hashes: int = 2
+    # Failed logins per source address: a token bucket of this many, refilled over the window; a
+    # login in progress holds one, so one address never has more hashes queued than this.
+    max_failed_logins: int = 10
+    failed_login_window_s: float = 60.0
+    login_rate_addresses: int = 10_000  # addresses tracked; the least recently seen is forgotten first
+    # Verified (user, password) pairs remembered (as keyed hashes, never the password) so a
+    # reconnect storm costs no scrypt per client; 0 verifies every login.
+    login_cache_entries: int = 10_000
+    acl_cache_entries: int = 100_000  # cached ACL decisions (principal, topic); all dropped when full
 
 
 @dataclass
 class PinConfig:
     reader_pin_ttl_s: float = 600.0
     max_pins: int = 1000
+    max_ttl_s: float = 3600.0  # longer pin TTLs asked over HTTP are cut to this (a pin holds retention)
+    max_pins_per_principal: int = 100
+    max_sink_markers_per_principal: int = 10_000  # new query ids one principal may create per node run
 
 
 @dataclass
@@ -201,6 +219,9 @@ class NodeConfig:
         for rule in self.auth.acl:
             if rule.action not in ("publish", "subscribe", "all"):
                 raise ConfigError(f"acl action must be publish, subscribe or all, not {rule.action!r}")
+        a = self.auth
+        if a.max_parallel_hashes < 1 or a.max_failed_logins < 1 or a.login_rate_addresses < 1:
+            raise ConfigError("auth.max_parallel_hashes, max_failed_logins and login_rate_addresses must be 1 or more")
 
 
 def _show(value: Any) -> str:

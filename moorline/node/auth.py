@@ -1,88 +1,212 @@
-"""Authentication (password file with salted scrypt hashes) and topic ACLs.
+"""Authentication (password file, HTTP bearer tokens), failed-login rate limits, and topic ACLs.
 
-Password file lines: ``user:scrypt$N$r$p$<salt hex>$<hash hex>``. Plain-text passwords are
-never stored. ACL patterns are topic filters with ``%u`` (username) and ``%c`` (client id)
-substituted; the first matching rule decides, and no matching rule means allow only when the
-ACL list is empty.
+Password file lines: ``user:scrypt$N$r$p$<salt hex>$<hash hex>`` (``moorline passwd``); token file
+lines: ``user:sha256$<hex of sha256(token)>`` (``moorline token``). Plain-text secrets are never
+stored. scrypt runs on a small thread pool, never on the event loop, at most
+``auth.max_parallel_hashes`` at a time; an unknown user is checked against a dummy hash of the same
+cost, so timing does not tell which users exist.
+
+ACL rules (``[[auth.acl]]``) are topic filters; ``%u`` (username) and ``%c`` (client id) are
+substituted **literally**: a substituted value that is empty, contains ``/``, ``+`` or ``#``, or would
+make the pattern begin with ``$`` voids the rule for that principal (it matches nothing, allow or
+deny), so an id never widens a pattern or adds levels. For a concrete topic the first matching rule
+of the action (``publish``, or ``subscribe`` for reading; ``all`` counts for both) decides; no
+matching rule means deny once any rule exists, allow when there is none.
+
+- Publishing a topic that begins with ``$`` needs an allowing rule whose own pattern begins with
+  ``$``; ``$SYS`` and ``$SYS/...`` are the broker's and never publishable by clients.
+- Reading is filtered at delivery: ``can_subscribe`` grants a wildcard filter that overlaps readable
+  topics even when it also overlaps denied ones, ``read_check_needed`` says whether delivery must
+  ask ``can_read`` per message, and ``can_read`` decides one concrete topic.
 """
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import hashlib
 import hmac
 import os
-from dataclasses import dataclass
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moorline.config import AclRule, AuthConfig, ConfigError
-from moorline.mqtt.topics import matches
+from moorline.mqtt.reasons import ReasonCode as RC
+from moorline.mqtt.topics import is_wildcard, matches, validate_topic_filter
 
 _SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 1 << 14, 8, 1
+_MAX_SCRYPT_N = 1 << 20  # a password file asking for more would let one login take seconds and GiBs
 
 
-def hash_password(password: str, salt: bytes | None = None) -> str:
+# --- passwords and tokens -------------------------------------------------------------------------
+
+def hash_password(password: str | bytes, salt: bytes | None = None, n: int = _SCRYPT_N, r: int = _SCRYPT_R,
+                  p: int = _SCRYPT_P) -> str:
+    secret = password.encode() if isinstance(password, str) else password
     salt = salt if salt is not None else os.urandom(16)
-    digest = hashlib.scrypt(password.encode(), salt=salt, n=_SCRYPT_N, r=_SCRYPT_R, p=_SCRYPT_P, dklen=32)
-    return f"scrypt${_SCRYPT_N}${_SCRYPT_R}${_SCRYPT_P}${salt.hex()}${digest.hex()}"
+    digest = hashlib.scrypt(secret, salt=salt, n=n, r=r, p=p, dklen=32, maxmem=_maxmem(n, r))
+    return f"scrypt${n}${r}${p}${salt.hex()}${digest.hex()}"
 
 
-def verify_password(password: str, encoded: str) -> bool:
+def _maxmem(n: int, r: int) -> int:
+    return 128 * r * n + (1 << 20)  # OpenSSL's default limit (32 MiB) refuses N > 2**14 at r = 8
+
+
+def parse_scrypt(encoded: str) -> tuple[int, int, int, bytes, bytes]:
+    """``(N, r, p, salt, digest)`` of an encoded hash; ValueError when it is not one."""
+    scheme, n, r, p, salt_hex, hash_hex = encoded.split("$")
+    if scheme != "scrypt":
+        raise ValueError(f"unknown scheme {scheme!r}")
+    ni, ri, pi = int(n), int(r), int(p)
+    if ni < 2 or ni & (ni - 1) or ni > _MAX_SCRYPT_N or not 1 <= ri <= 64 or not 1 <= pi <= 16:
+        raise ValueError("scrypt parameters out of range")
+    salt, digest = bytes.fromhex(salt_hex), bytes.fromhex(hash_hex)
+    if not 16 <= len(digest) <= 64:
+        raise ValueError("hash length out of range")
+    return ni, ri, pi, salt, digest
+
+
+def verify_password(password: str | bytes, encoded: str) -> bool:
+    """scrypt: call it off the event loop (``Authorizer.authenticate`` does)."""
     try:
-        scheme, n, r, p, salt_hex, hash_hex = encoded.split("$")
+        n, r, p, salt, digest = parse_scrypt(encoded)
     except ValueError:
         return False
-    if scheme != "scrypt":
-        return False
-    digest = hashlib.scrypt(
-        password.encode(), salt=bytes.fromhex(salt_hex), n=int(n), r=int(r), p=int(p), dklen=len(hash_hex) // 2
-    )
-    return hmac.compare_digest(digest.hex(), hash_hex)
+    secret = password.encode() if isinstance(password, str) else password
+    got = hashlib.scrypt(secret, salt=salt, n=n, r=r, p=p, dklen=len(digest), maxmem=_maxmem(n, r))
+    return hmac.compare_digest(got, digest)
+
+
+def _read_lines(path: Path, what: str) -> list[tuple[int, str, str]]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc}") from exc
+    out = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if line and not line.startswith("#"):
+            user, sep, encoded = line.partition(":")
+            out.append((lineno, user if sep else "", encoded))
+    return out
 
 
 def read_password_file(path: Path) -> dict[str, str]:
     users: dict[str, str] = {}
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read password file {path}: {exc}") from exc
-    for lineno, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        user, sep, encoded = line.partition(":")
-        if not sep or not encoded.startswith("scrypt$"):
-            raise ConfigError(f"{path}:{lineno}: expected 'user:scrypt$...' (use 'moorline passwd')")
+    for lineno, user, encoded in _read_lines(path, "password file"):
+        try:
+            if not user:
+                raise ValueError("no user")
+            parse_scrypt(encoded)
+        except ValueError as exc:
+            raise ConfigError(f"{path}:{lineno}: expected 'user:scrypt$N$r$p$salt$hash' (use 'moorline passwd'): "
+                              f"{exc}") from exc
         users[user] = encoded
     return users
 
 
-def set_password(path: Path, user: str, password: str) -> None:
-    users = read_password_file(path) if path.exists() else {}
-    users[user] = hash_password(password)
+def _write_secret_file(path: Path, entries: dict[str, str]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(f"{u}:{h}\n" for u, h in sorted(users.items())))
+    tmp.write_text("".join(f"{u}:{h}\n" for u, h in sorted(entries.items())))
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
 
 
+def set_password(path: Path, user: str, password: str) -> None:
+    if not user or ":" in user:
+        raise ConfigError("a user name is non-empty and has no ':'")
+    users = read_password_file(path) if path.exists() else {}
+    users[user] = hash_password(password)
+    _write_secret_file(path, users)
+
+
+def hash_token(token: str) -> str:
+    # Tokens are 256 random bits, so one fast hash is enough: there is nothing to guess.
+    return "sha256$" + hashlib.sha256(token.encode()).hexdigest()
+
+
+def read_token_file(path: Path) -> dict[str, str]:
+    """``{token hash: user}``."""
+    tokens: dict[str, str] = {}
+    for lineno, user, encoded in _read_lines(path, "token file"):
+        scheme, _, hexdigest = encoded.partition("$")
+        if not user or scheme != "sha256" or len(hexdigest) != 64 or not all(ch in "0123456789abcdef"
+                                                                               for ch in hexdigest):
+            raise ConfigError(f"{path}:{lineno}: expected 'user:sha256$<64 hex>' (use 'moorline token')")
+        tokens[encoded] = user
+    return tokens
+
+
+def new_token(path: Path, user: str) -> str:
+    """Give ``user`` a fresh token (replacing an earlier one) and return it: it is stored hashed only."""
+    if not user or ":" in user:
+        raise ConfigError("a user name is non-empty and has no ':'")
+    by_user = {u: h for h, u in read_token_file(path).items()} if path.exists() else {}
+    token = secrets.token_urlsafe(32)
+    by_user[user] = hash_token(token)
+    _write_secret_file(path, by_user)
+    return token
+
+
+# --- topic filter algebra (sets of topics; $-topics are not matched by a leading wildcard) ---------
+
+_ANY = "\x00any"  # inside a '#' region
+_END = "\x00end"  # past the last level of a filter without '#'
+
+
+def intersect_filters(a: str, b: str) -> str | None:
+    """The filter matching exactly the topics both ``a`` and ``b`` match, or None if there are none.
+
+    Filters are canonical over an unbounded alphabet of levels, so ``covers(p, f)`` is
+    ``intersect_filters(p, f) == f``."""
+    la, lb = a.split("/"), b.split("/")
+    ha, hb = la[-1] == "#", lb[-1] == "#"
+    if ha:
+        la.pop()
+    if hb:
+        lb.pop()
+    out: list[str] = []
+    for i in range(max(len(la), len(lb))):
+        x = la[i] if i < len(la) else (_ANY if ha else _END)
+        y = lb[i] if i < len(lb) else (_ANY if hb else _END)
+        if x is _END or y is _END:
+            # One filter's topics end here: the other must allow ending here ('#' matches its parent).
+            if x in (_END, _ANY) and y in (_END, _ANY):
+                return "/".join(out)
+            return None
+        x_wild, y_wild = x in ("+", _ANY), y in ("+", _ANY)
+        if x_wild and y_wild:
+            out.append("+")
+        elif x_wild or y_wild:
+            literal = y if x_wild else x
+            if i == 0 and literal.startswith("$"):
+                return None  # a leading wildcard never matches a $-topic (MQTT-4.7.2-1)
+            out.append(literal)
+        elif x == y:
+            out.append(x)
+        else:
+            return None
+    if ha and hb:
+        out.append("#")
+    return "/".join(out)
+
+
 def filter_covered(pattern: str, topic_filter: str) -> bool:
     """True when every topic ``topic_filter`` can match is also matched by ``pattern``."""
-    p_levels = pattern.split("/")
-    f_levels = topic_filter.split("/")
-    for i, p in enumerate(p_levels):
-        if p == "#":
-            return True
-        if i >= len(f_levels):
-            return False
-        f = f_levels[i]
-        if f == "#":
-            return False
-        if p == "+":
-            continue
-        if f == "+" or f != p:
-            return False
-    return len(f_levels) == len(p_levels)
+    return intersect_filters(pattern, topic_filter) == topic_filter
 
+
+def filters_overlap(a: str, b: str) -> bool:
+    return intersect_filters(a, b) is not None
+
+
+# --- principals, logins, rate limits --------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
 class Principal:
@@ -90,56 +214,327 @@ class Principal:
     client_id: str
 
 
+class Login(enum.Enum):
+    OK = "ok"
+    BAD_CREDENTIALS = "bad credentials"
+    RATE_LIMITED = "too many failed logins from this address"
+
+
+class FailedLoginLimiter:
+    """A token bucket per source address: ``burst`` failures, refilled at ``burst / window_s`` a
+    second. A login being verified holds a token (given back if it succeeds), so one address never
+    has more than ``burst`` hashes queued or running. At most ``max_addresses`` are tracked; the
+    least recently seen is forgotten first."""
+
+    def __init__(self, burst: int, window_s: float, max_addresses: int, clock: Callable[[], float]) -> None:
+        self.burst = float(burst)
+        self.rate = burst / window_s
+        self.max_addresses = max_addresses
+        self.clock = clock
+        self._buckets: OrderedDict[str, list[float]] = OrderedDict()  # address -> [tokens, as of]
+
+    def _tokens(self, address: str, now: float) -> float:
+        b = self._buckets.get(address)
+        if b is None:
+            return self.burst
+        return min(self.burst, b[0] + (now - b[1]) * self.rate)
+
+    def blocked(self, address: str) -> bool:
+        return self._tokens(address, self.clock()) < 1.0
+
+    def take(self, address: str) -> bool:
+        """Use one token; False (and nothing used) when the address has none left."""
+        now = self.clock()
+        tokens = self._tokens(address, now)
+        if tokens < 1.0:
+            return False
+        if address not in self._buckets and len(self._buckets) >= self.max_addresses:
+            self._buckets.popitem(last=False)
+        self._buckets[address] = [tokens - 1.0, now]
+        self._buckets.move_to_end(address)
+        return True
+
+    def give_back(self, address: str) -> None:
+        b = self._buckets.get(address)
+        if b is not None:
+            b[0] = min(self.burst, b[0] + 1.0)
+
+
+# --- ACL rules, compiled per principal ------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    pattern: str  # substituted
+    allow: bool
+    grants_dollar: bool  # the configured pattern itself begins with '$'
+
+
+@dataclass(slots=True)
+class _PrincipalAcl:
+    publish: tuple[_Rule, ...]
+    read: tuple[_Rule, ...]
+    publish_cache: dict[str, bool] = field(default_factory=dict)
+    read_cache: dict[str, bool] = field(default_factory=dict)
+
+
+_PLACEHOLDER = re.compile("%[uc]")
+
+
+class _Void(Exception):
+    pass
+
+
+def substitute(pattern: str, who: Principal) -> str | None:
+    """``pattern`` with ``%u`` / ``%c`` replaced in one pass (a username ``%c`` stays literal), or
+    None when a value would not be one literal level, or would move the pattern into ``$``."""
+    if "%" not in pattern:
+        return pattern
+
+    def value(m: re.Match[str]) -> str:
+        v = who.username if m.group() == "%u" else who.client_id
+        if not v or "/" in v or "+" in v or "#" in v:
+            raise _Void
+        return v
+
+    try:
+        out = _PLACEHOLDER.sub(value, pattern)
+    except _Void:
+        return None
+    if out.startswith("$") and not pattern.startswith("$"):
+        return None
+    return out
+
+
+def is_reserved_topic(topic: str) -> bool:
+    """``$SYS`` belongs to the broker: no client publishes there, whatever the ACL says."""
+    return topic.startswith("$SYS") and (len(topic) == 4 or topic[4] == "/")
+
+
 class Authorizer:
-    def __init__(self, cfg: AuthConfig, loopback_only: bool) -> None:
+    def __init__(self, cfg: AuthConfig, loopback_only: bool, clock: Callable[[], float] = time.monotonic) -> None:
         self.allow_anonymous = cfg.allow_anonymous if cfg.allow_anonymous is not None else loopback_only
         self.users = read_password_file(Path(cfg.password_file)) if cfg.password_file else {}
+        self.tokens = read_token_file(Path(cfg.token_file)) if cfg.token_file else {}
+        self.admin_users = frozenset(cfg.admin_users)
         self.rules: list[AclRule] = list(cfg.acl)
+        for rule in self.rules:
+            bare = _PLACEHOLDER.sub("x", rule.pattern)
+            if not validate_topic_filter(bare) or bare.startswith("$share/"):
+                raise ConfigError(f"acl pattern {rule.pattern!r} is not a valid topic filter")
+        self._acl_cache_entries = cfg.acl_cache_entries
+        self._principals: dict[Principal, _PrincipalAcl] = {}
+        self._cached = 0
+        self.limiter = FailedLoginLimiter(cfg.max_failed_logins, cfg.failed_login_window_s, cfg.login_rate_addresses,
+                                          clock)
+        self._max_parallel = cfg.max_parallel_hashes
+        self._hash_slots: asyncio.Semaphore | None = None  # made on the loop that first needs it
+        self._executor: ThreadPoolExecutor | None = None
+        self._verified: OrderedDict[bytes, None] = OrderedDict()  # keyed hashes of (user, password) that passed
+        self._verified_max = cfg.login_cache_entries
+        self._cache_key = os.urandom(32)  # per process: the cache never holds anything a password could be read from
+        # Unknown users are checked against this, with the parameters the real hashes use.
+        params = parse_scrypt(next(iter(self.users.values())))[:3] if self.users else (_SCRYPT_N, _SCRYPT_R, _SCRYPT_P)
+        self.dummy_hash = hash_password(os.urandom(16), n=params[0], r=params[1], p=params[2]) if self.users else ""
+        self.hashes_run = 0  # scrypt verifications started (known and unknown users alike)
+        self.refused: dict[str, int] = {}  # refused logins by Login.name (metrics)
 
-    def authenticate(self, username: str | None, password: bytes | None) -> bool:
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    # --- authentication -----------------------------------------------------------------------
+    async def authenticate(self, username: str | None, password: bytes | None, peer_host: str,
+                           still_wanted: Callable[[], bool] | None = None) -> Login:
+        """Check a login (MQTT CONNECT or HTTP Basic). scrypt runs on a thread, bounded; a source
+        address past its failed-login budget is refused without any check. ``still_wanted`` is asked
+        once a hashing slot is free, so a client that went away costs no hash."""
+        login = await self._authenticate(username, password, peer_host, still_wanted)
+        if login is not Login.OK:
+            self.refused[login.name] = self.refused.get(login.name, 0) + 1
+        return login
+
+    async def _authenticate(self, username: str | None, password: bytes | None, peer_host: str,
+                            still_wanted: Callable[[], bool] | None) -> Login:
+        limiter = self.limiter
+        if limiter.blocked(peer_host):
+            return Login.RATE_LIMITED
         if username is None:
-            return self.allow_anonymous
+            if self.allow_anonymous:
+                return Login.OK
+            limiter.take(peer_host)
+            return Login.BAD_CREDENTIALS
         encoded = self.users.get(username)
-        if encoded is None:
-            # Unknown user: accepted only as anonymous would be, and only without a password.
-            return self.allow_anonymous and not self.users and password is None
-        if password is None:
-            return False
-        try:
-            return verify_password(password.decode("utf-8"), encoded)
-        except UnicodeDecodeError:
-            return False
+        if encoded is None and not self.users:
+            # No password file: a username is only a name, accepted as anonymous would be.
+            if self.allow_anonymous and password is None:
+                return Login.OK
+            limiter.take(peer_host)
+            return Login.BAD_CREDENTIALS
+        key = None
+        if encoded is not None and password is not None and self._verified_max:
+            key = hmac.new(self._cache_key, username.encode() + b"\x00" + password, hashlib.sha256).digest()
+            if key in self._verified:
+                self._verified.move_to_end(key)
+                return Login.OK
+        if not limiter.take(peer_host):
+            return Login.RATE_LIMITED
+        verified = await self._verify(password if password is not None else b"", encoded or self.dummy_hash,
+                                      still_wanted)
+        if verified is None:  # the client went away before its turn: nothing was checked
+            limiter.give_back(peer_host)
+            return Login.BAD_CREDENTIALS
+        if not (verified and encoded is not None and password is not None):
+            return Login.BAD_CREDENTIALS
+        limiter.give_back(peer_host)
+        if key is not None:
+            self._verified[key] = None
+            if len(self._verified) > self._verified_max:
+                self._verified.popitem(last=False)
+        return Login.OK
 
-    def _rules_for(self, who: Principal, action: str) -> list[AclRule]:
-        out = []
-        for r in self.rules:
-            if r.action not in (action, "all"):
-                continue
-            if r.user is not None and r.user != who.username:
-                continue
-            if r.client_id is not None and r.client_id != who.client_id:
-                continue
-            out.append(r)
-        return out
+    async def _verify(self, password: bytes, encoded: str, still_wanted: Callable[[], bool] | None) -> bool | None:
+        if self._hash_slots is None:
+            self._hash_slots = asyncio.Semaphore(self._max_parallel)
+        async with self._hash_slots:
+            if still_wanted is not None and not still_wanted():
+                return None
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self._max_parallel, thread_name_prefix="moorline-scrypt")
+            self.hashes_run += 1
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, verify_password, password, encoded)
 
-    def _subst(self, pattern: str, who: Principal) -> str:
-        return pattern.replace("%u", who.username or "").replace("%c", who.client_id)
+    def authenticate_token(self, token: str, peer_host: str) -> tuple[Login, str | None]:
+        """An HTTP bearer token: ``(Login.OK, user)`` or a refusal. Cheap (one sha256); a wrong token
+        uses up the address's failed-login budget like a wrong password."""
+        user = None
+        if self.limiter.blocked(peer_host):
+            login = Login.RATE_LIMITED
+        else:
+            user = self.tokens.get(hash_token(token))
+            login = Login.OK if user is not None else Login.BAD_CREDENTIALS
+            if user is None:
+                self.limiter.take(peer_host)
+        if login is not Login.OK:
+            self.refused[login.name] = self.refused.get(login.name, 0) + 1
+        return login, user
+
+    async def connack_refusal(self, username: str | None, password: bytes | None, peer_host: str, v5: bool,
+                              still_wanted: Callable[[], bool] | None = None) -> int | None:
+        """The CONNACK reason code refusing this login, or None to accept it. v5: 0x86 bad user name or
+        password, 0x87 not authorized (anonymous), 0x9F connection rate exceeded; 3.1.1 has no rate
+        code, so a rate-limited login gets 0x87 there (return code 5, not authorized)."""
+        login = await self.authenticate(username, password, peer_host, still_wanted)
+        if login is Login.OK:
+            return None
+        if login is Login.RATE_LIMITED:
+            return RC.CONNECTION_RATE_EXCEEDED if v5 else RC.NOT_AUTHORIZED
+        return RC.BAD_USERNAME_OR_PASSWORD if username is not None else RC.NOT_AUTHORIZED
+
+    def is_admin(self, who: Principal) -> bool:
+        return who.username is not None and who.username in self.admin_users
+
+    # --- ACLs ---------------------------------------------------------------------------------
+    def _acl(self, who: Principal) -> _PrincipalAcl:
+        acl = self._principals.get(who)
+        if acl is None:
+            publish: list[_Rule] = []
+            read: list[_Rule] = []
+            for r in self.rules:
+                if r.user is not None and r.user != who.username:
+                    continue
+                if r.client_id is not None and r.client_id != who.client_id:
+                    continue
+                pattern = substitute(r.pattern, who)
+                if pattern is None:
+                    continue  # void for this principal: matches nothing, allows and denies nothing
+                rule = _Rule(pattern, r.allow, r.pattern.startswith("$"))
+                if r.action in ("publish", "all"):
+                    publish.append(rule)
+                if r.action in ("subscribe", "all"):
+                    read.append(rule)
+            acl = _PrincipalAcl(tuple(publish), tuple(read))
+            self._count_cached()
+            self._principals[who] = acl
+        return acl
+
+    def _count_cached(self) -> None:
+        self._cached += 1
+        if self._cached > self._acl_cache_entries:
+            self._principals.clear()  # callers holding an entry keep a valid one; it just is not shared
+            self._cached = 1
 
     def can_publish(self, who: Principal, topic: str) -> bool:
         if not self.rules:
-            return True
-        for r in self._rules_for(who, "publish"):
-            if matches(self._subst(r.pattern, who), topic):
-                return r.allow
-        return False
+            return topic[:1] != "$"
+        acl = self._acl(who)
+        cached = acl.publish_cache.get(topic)
+        if cached is not None:
+            return cached
+        allowed = False
+        if not is_reserved_topic(topic):
+            dollar = topic[:1] == "$"
+            for rule in acl.publish:
+                if matches(rule.pattern, topic):
+                    allowed = rule.allow and (not dollar or rule.grants_dollar)
+                    break
+        self._count_cached()
+        acl.publish_cache[topic] = allowed
+        return allowed
 
-    def can_subscribe(self, who: Principal, topic_filter: str) -> bool:
+    def can_read(self, who: Principal, topic: str) -> bool:
+        """May a message on ``topic`` be delivered to (or fetched by) ``who``: the first matching
+        subscribe rule decides; with rules present, no match denies."""
         if not self.rules:
             return True
-        for r in self._rules_for(who, "subscribe"):
-            pat = self._subst(r.pattern, who)
-            if r.allow and filter_covered(pat, topic_filter):
-                return True
-            if not r.allow and (filter_covered(topic_filter, pat) or filter_covered(pat, topic_filter)):
-                return False
+        acl = self._acl(who)
+        cached = acl.read_cache.get(topic)
+        if cached is not None:
+            return cached
+        allowed = False
+        for rule in acl.read:
+            if matches(rule.pattern, topic):
+                allowed = rule.allow
+                break
+        self._count_cached()
+        acl.read_cache[topic] = allowed
+        return allowed
+
+    def can_subscribe(self, who: Principal, topic_filter: str) -> bool:
+        """False only when no topic the filter can match is readable: the filter lies inside a
+        denying pattern that no earlier allowing rule overlaps, or every allowing rule's overlap with
+        it lies inside an earlier denying pattern (or there is none). A wildcard filter that reaches
+        denied and readable topics alike is granted; delivery filters it (``read_check_needed``)."""
+        if not self.rules:
+            return True
+        if not is_wildcard(topic_filter):
+            return self.can_read(who, topic_filter)
+        denies: list[str] = []
+        for rule in self._acl(who).read:
+            if rule.allow:
+                part = intersect_filters(rule.pattern, topic_filter)
+                if part is not None and not any(filter_covered(d, part) for d in denies):
+                    return True
+            else:
+                if filter_covered(rule.pattern, topic_filter):
+                    return False
+                denies.append(rule.pattern)
         return False
+
+    def read_check_needed(self, who: Principal, topic_filter: str) -> bool:
+        """False when every topic the filter can match is readable, so delivery can skip ``can_read``
+        (always so without rules); True when some may not be."""
+        if not self.rules:
+            return False
+        allows: list[str] = []
+        for rule in self._acl(who).read:
+            if rule.allow:
+                if filter_covered(rule.pattern, topic_filter):
+                    return False
+                allows.append(rule.pattern)
+            else:
+                part = intersect_filters(rule.pattern, topic_filter)
+                if part is not None and not any(filter_covered(a, part) for a in allows):
+                    return True
+        return True

@@ -82,5 +82,26 @@ def passwd(
 
     if password is None:
         password = typer.prompt("password", hide_input=True, confirmation_prompt=True)
-    set_password(file, user, password)
+    try:
+        set_password(file, user, password)
+    except ConfigError as exc:
+        typer.echo(f"moorline passwd: {exc}", err=True)
+        raise typer.Exit(2) from exc
     typer.echo(f"user {user} written to {file}")
+
+
+def token(
+    file: Annotated[Path, typer.Argument(help="token file (auth.token_file)")],
+    user: Annotated[str, typer.Argument()],
+) -> None:
+    """Give a user a new HTTP bearer token (replacing an earlier one); prints it once, stores its hash."""
+    from moorline.node.auth import new_token
+
+    try:
+        secret = new_token(file, user)
+    except ConfigError as exc:
+        typer.echo(f"moorline token: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    typer.echo(f"token for {user} written (hashed) to {file}; send it as 'Authorization: Bearer <token>':",
+               err=True)
+    typer.echo(secret)

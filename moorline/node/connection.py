@@ -470,8 +470,12 @@ class Connection(asyncio.Protocol):
                 self._connack_refuse(RC.CLIENT_IDENTIFIER_NOT_VALID)
                 return
             client_id = assigned = f"auto-{uuid.uuid4().hex}"
-        if not self.server.authorizer.authenticate(pk.username, pk.password):
-            self._connack_refuse(RC.BAD_USERNAME_OR_PASSWORD if pk.username is not None else RC.NOT_AUTHORIZED)
+        refusal = await self.server.authorizer.connack_refusal(  # scrypt off the loop, rate-limited per address
+            pk.username, pk.password, self.peer.rpartition(":")[0], v5, lambda: not self._closing)
+        if self._closing:
+            return
+        if refusal is not None:
+            self._connack_refuse(refusal)
             return
         self.client_id = client_id
         self.principal = Principal(pk.username, client_id)

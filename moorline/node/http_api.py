@@ -2,13 +2,29 @@
 
 Serves only committed, applied messages. Errors are JSON with the low-water mark or the current
 incarnation, so a reader knows where it can resume.
+
+Authentication (``auth_required``: anonymous clients not allowed, or the listener off loopback):
+every route needs HTTP Basic credentials from the password file or ``Authorization: Bearer TOKEN``
+from the token file, except ``/metrics`` and ``/v1/health`` while ``auth.http_open_status`` is set.
+Without ``auth_required`` a request without credentials is served as the anonymous principal with
+the admin role (a loopback listener, open by configuration); credentials, when sent, are checked.
+Authorization follows the MQTT ACLs: fetching messages = reading their topics (messages on topics
+the caller may not read are left out, and nothing in the answer says they were there), publishing =
+the publish ACL and the ``$`` rule per item; shard listing, pins, sink markers and drops need the
+admin role (``auth.admin_users``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import binascii
+import math
 import os
 import time
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -16,22 +32,96 @@ from aiohttp import web
 from moorline.broker import commands as c
 from moorline.broker.messages import MessageProps, StoredMessage, decode_message
 from moorline.mqtt.topics import matches, validate_topic_filter, validate_topic_name
+from moorline.node.auth import Authorizer, Login, Principal
 from moorline.node.node import Node
+from moorline.node.shard_host import ShardUnavailable
 
 MAX_FETCH = 10_000
 MAX_PUBLISH_BATCH = 10_000
+MAX_ID_CHARS = 200  # reader ids (pins) and query ids (sink markers)
+OPEN_STATUS_PATHS = frozenset({"/metrics", "/v1/health"})
+ANONYMOUS = Principal(None, "")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _err(status: int, text: str, **extra: Any) -> web.Response:
-    return web.json_response({"error": text, **extra}, status=status)
+@dataclass(frozen=True, slots=True)
+class Caller:
+    principal: Principal
+    admin: bool
+
+    @property
+    def key(self) -> str:
+        """Who owns pins and sink markers (and de-duplicates publishes): the user name, "" anonymous."""
+        return self.principal.username or ""
 
 
-def make_app(node: Node) -> web.Application:
-    app = web.Application(client_max_size=64 << 20)
+# Set by the authentication middleware for the request's task (aiohttp runs each request in its own).
+CALLER: ContextVar[Caller] = ContextVar("moorline_http_caller")
+CHALLENGE = {"WWW-Authenticate": 'Basic realm="moorline", charset="UTF-8", Bearer realm="moorline"'}
+
+
+def _err(status: int, text: str, headers: dict[str, str] | None = None, **extra: Any) -> web.Response:
+    return web.json_response({"error": text, **extra}, status=status, headers=headers)
+
+
+def _consume(fut: asyncio.Future[Any]) -> None:
+    # An outcome nobody waits for any more (answered "unknown") must not be logged as never retrieved.
+    if not fut.cancelled():
+        fut.exception()
+
+
+def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.Application:
+    cfg = node.cfg
+    open_status = cfg.auth.http_open_status
+    anonymous = Caller(ANONYMOUS, admin=not auth_required)
+    pin_owner: dict[str, str] = {}  # reader -> Caller.key of the pin's holder
+    markers_created: dict[str, int] = {}  # Caller.key -> query ids it created in this run
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        header = request.headers.get("Authorization")
+        if header is None:
+            if auth_required and not (open_status and request.path in OPEN_STATUS_PATHS):
+                return _err(401, "credentials required: HTTP Basic (password file) or Bearer token", CHALLENGE)
+            CALLER.set(anonymous)
+            return await handler(request)
+        scheme, _, value = header.strip().partition(" ")
+        peer = request.remote or ""
+        scheme = scheme.lower()
+        if scheme == "basic":
+            try:
+                user, sep, password = base64.b64decode(value.strip(), validate=True).decode("utf-8").partition(":")
+            except (binascii.Error, ValueError):
+                return _err(401, "malformed Basic credentials", CHALLENGE)
+            if not sep or not user:
+                return _err(401, "malformed Basic credentials", CHALLENGE)
+            login = await authorizer.authenticate(user, password.encode(), peer)
+            name: str | None = user
+        elif scheme == "bearer":
+            login, name = authorizer.authenticate_token(value.strip(), peer)
+        else:
+            return _err(401, f"unsupported authorization scheme {scheme!r}: use Basic or Bearer", CHALLENGE)
+        if login is Login.RATE_LIMITED:
+            retry = str(math.ceil(cfg.auth.failed_login_window_s / cfg.auth.max_failed_logins))
+            return _err(429, login.value, {"Retry-After": retry})
+        if login is not Login.OK:
+            return _err(401, "bad credentials", CHALLENGE)
+        who = Principal(name, "")
+        CALLER.set(Caller(who, authorizer.is_admin(who)))
+        return await handler(request)
+
+    def admin_only() -> web.Response | None:
+        if CALLER.get().admin:
+            return None
+        return _err(403, "this route needs the admin role (auth.admin_users)")
+
+    app = web.Application(client_max_size=64 << 20, middlewares=[authenticate])
     routes = web.RouteTableDef()
 
     @routes.get("/v1/shards")
-    async def shards(_req: web.Request) -> web.Response:
+    async def shards(req: web.Request) -> web.Response:
+        if (refused := admin_only()) is not None:
+            return refused
         out = []
         for h in node.hosts:
             t = h.state.topics
@@ -42,6 +132,7 @@ def make_app(node: Node) -> web.Application:
 
     @routes.get("/v1/shards/{shard}/messages")
     async def messages(req: web.Request) -> web.Response:
+        who = CALLER.get().principal
         try:
             shard = int(req.match_info["shard"])
             start = int(req.query.get("from", "0"))
@@ -50,6 +141,11 @@ def make_app(node: Node) -> web.Application:
             return _err(400, "shard, from and max must be integers")
         if not 0 <= shard < node.shard_count:
             return _err(404, f"no shard {shard}", shard_count=node.shard_count)
+        flt = req.query.get("filter")
+        if flt is not None and not validate_topic_filter(flt):
+            return _err(400, f"invalid topic filter {flt!r}")
+        if flt is not None and not authorizer.can_subscribe(who, flt):
+            return _err(403, f"not authorized to read {flt!r}")
         host = node.hosts[shard]
         t = host.state.topics
         if host.failed:
@@ -59,15 +155,16 @@ def make_app(node: Node) -> web.Application:
             return _err(409, "shard incarnation changed", incarnation=t.incarnation)
         if start < t.low_water:
             return _err(410, f"offset {start} is below the low-water mark {t.low_water}", low_water=t.low_water)
-        flt = req.query.get("filter")
-        if flt is not None and not validate_topic_filter(flt):
-            return _err(400, f"invalid topic filter {flt!r}")
+        # Without a filter every topic comes back, $-topics too, so "#" would not describe the read.
+        check = authorizer.read_check_needed(who, flt) if flt is not None else bool(authorizer.rules)
+        can_read = authorizer.can_read
         out: list[dict[str, Any]] = []
         end = t.next_offset
         offset = start
         while offset < end and len(out) < limit:
             meta = t.meta.get(offset)
-            if meta is not None and (flt is None or matches(flt, meta.topic)):
+            if (meta is not None and (flt is None or matches(flt, meta.topic))
+                    and (not check or can_read(who, meta.topic))):
                 rec = host.store.get(offset)
                 if rec is None:
                     return _err(500, f"message {shard}/{offset} is committed but unreadable from the store",
@@ -82,94 +179,192 @@ def make_app(node: Node) -> web.Application:
         return web.json_response({"shard": shard, "incarnation": t.incarnation, "low_water": t.low_water,
                                   "next_offset": end, "scanned_to": offset, "messages": out})
 
+    def parse_item(i: int, it: Any, now: int) -> tuple[StoredMessage, bytes | None, int | None, int] | str:
+        """The message an item asks for, its producer and sequence, and its size; or what is wrong."""
+        if not isinstance(it, dict):
+            return f"item {i}: not an object"
+        try:
+            topic = it["topic"]
+            if not isinstance(topic, str) or not validate_topic_name(topic):
+                return f"item {i}: invalid topic {topic!r}"
+            payload = base64.b64decode(it.get("payload", ""), validate=True)
+            qos = int(it.get("qos", 1))
+            if qos not in (0, 1, 2):
+                return f"item {i}: qos must be 0, 1 or 2"
+            ups = tuple((str(k), str(v)) for k, v in it.get("user_properties", []))
+            producer = bytes.fromhex(it["producer"]) if it.get("producer") else None
+            seq = int(it["seq"]) if it.get("seq") is not None else None
+            if it.get("guid"):
+                guid = bytes.fromhex(it["guid"])
+            elif producer is not None and seq is not None:
+                guid = producer + seq.to_bytes(8, "big")
+            else:
+                guid = os.urandom(16)
+            if len(guid) != 16 or (producer is not None and len(producer) != 8):
+                return f"item {i}: guid must be 32 hex characters and producer 16"
+            if (it.get("guid") or producer is not None) and not any(k == "guid" for k, _ in ups):
+                # The publisher's identity for the message travels with it, as an MQTT 5
+                # publisher's `guid` user property does (subscribers can de-duplicate too).
+                ups = (*ups, ("guid", guid.hex()))
+        except (KeyError, ValueError, TypeError, OverflowError) as exc:
+            return f"item {i}: bad message: {exc}"
+        # What an MQTT PUBLISH of it would at least carry: topic, payload, user properties.
+        size = len(topic.encode()) + len(payload) + sum(len(k.encode()) + len(v.encode()) for k, v in ups)
+        msg = StoredMessage(topic, payload, qos, bool(it.get("retain", False)), guid, now, None,
+                            MessageProps(user_properties=ups) if ups else None, "")
+        return msg, producer, seq, size
+
     @routes.post("/v1/publish")
     async def publish(req: web.Request) -> web.Response:
+        """Answers per item: ``ok`` / ``duplicate`` (with its offset), ``refused`` with a reason (the
+        message provably entered no log), or ``unknown`` (it may have: send it again with the same
+        guid or producer sequence). A malformed item fails the whole request before anything is
+        proposed."""
+        caller: Caller = CALLER.get()
         try:
             body = await req.json()
             items = body["messages"]
-            if not isinstance(items, list) or len(items) > MAX_PUBLISH_BATCH:
-                return _err(400, f"messages must be a list of at most {MAX_PUBLISH_BATCH}")
         except Exception as exc:
             return _err(400, f"bad JSON body: {exc}")
-        futs = []
+        if not isinstance(items, list) or len(items) > MAX_PUBLISH_BATCH:
+            return _err(400, f"messages must be a list of at most {MAX_PUBLISH_BATCH}")
         now = node.now_ms()
-        for it in items:
-            try:
-                topic = it["topic"]
-                if not validate_topic_name(topic):
-                    return _err(400, f"invalid topic {topic!r}")
-                payload = base64.b64decode(it.get("payload", ""), validate=True)
-                qos = int(it.get("qos", 1))
-                if qos not in (0, 1, 2):
-                    return _err(400, "qos must be 0, 1 or 2")
-                ups = tuple((str(k), str(v)) for k, v in it.get("user_properties", []))
-                producer = bytes.fromhex(it["producer"]) if it.get("producer") else None
-                seq = int(it["seq"]) if it.get("seq") is not None else None
-                if it.get("guid"):
-                    guid = bytes.fromhex(it["guid"])
-                elif producer is not None and seq is not None:
-                    guid = producer + seq.to_bytes(8, "big")
-                else:
-                    guid = os.urandom(16)
-                if len(guid) != 16 or (producer is not None and len(producer) != 8):
-                    return _err(400, "guid must be 32 hex characters and producer 16")
-                if (it.get("guid") or producer is not None) and not any(k == "guid" for k, _ in ups):
-                    # The publisher's identity for the message travels with it, as an MQTT 5
-                    # publisher's `guid` user property does (subscribers can de-duplicate too).
-                    ups = (*ups, ("guid", guid.hex()))
-            except (KeyError, ValueError, TypeError) as exc:
-                return _err(400, f"bad message: {exc}")
-            msg = StoredMessage(topic, payload, qos, bool(it.get("retain", False)), guid, now, None,
-                                MessageProps(user_properties=ups) if ups else None, "")
-            shard = node.topic_shard(topic)
-            futs.append((shard, node.propose(shard, c.Publish(msg, "", producer, seq))))
-        results = []
-        for shard, fut in futs:
-            r = await fut  # type: ignore[misc]
-            entry: dict[str, Any] = {"status": r.status, "shard": shard, "offset": r.offset}
-            if r.status == "refused":
-                entry["reason"] = r.reason
+        parsed = []
+        for i, it in enumerate(items):
+            item = parse_item(i, it, now)
+            if isinstance(item, str):
+                return _err(400, item, item=i)
+            parsed.append(item)
+        max_size = cfg.mqtt.max_packet_size
+        results: list[dict[str, Any]] = []
+        pending: list[tuple[dict[str, Any], asyncio.Future[Any]]] = []
+        for msg, producer, seq, size in parsed:
+            shard = node.topic_shard(msg.topic)
+            entry: dict[str, Any] = {"status": "refused", "shard": shard, "offset": -1}
             results.append(entry)
+            if size > max_size:
+                entry["reason"] = f"larger than mqtt.max_packet_size ({size} > {max_size} bytes)"
+                continue
+            if not authorizer.can_publish(caller.principal, msg.topic):
+                entry["reason"] = "not authorized"
+                continue
+            try:
+                fut = node.propose(shard, c.Publish(msg, caller.key, producer, seq))
+            except ShardUnavailable as exc:
+                entry["reason"] = str(exc)
+                continue
+            assert fut is not None
+            pending.append((entry, fut))
+        if pending:
+            await asyncio.wait([f for _, f in pending], timeout=cfg.mqtt.publish_timeout_s)
+        for entry, fut in pending:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                r = fut.result()
+                entry["status"], entry["offset"] = r.status, r.offset
+                if r.status == "refused":
+                    entry["reason"] = r.reason
+            else:
+                # Proposed, so it may be in a log: never call that a refusal (DESIGN.md promise 6).
+                fut.add_done_callback(_consume)
+                entry["status"] = "unknown"
+                entry["error"] = (f"outcome unknown: {fut.exception()!r}" if fut.done() and not fut.cancelled()
+                                  else f"no outcome within mqtt.publish_timeout_s ({cfg.mqtt.publish_timeout_s} s)")
         return web.json_response({"results": results})
+
+    def valid_id(value: Any) -> bool:
+        return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS
 
     @routes.post("/v1/pins")
     async def pin(req: web.Request) -> web.Response:
+        if (refused := admin_only()) is not None:
+            return refused
+        key = CALLER.get().key
         try:
             body = await req.json()
-            reader = str(body["reader"])
+            reader = body["reader"]
             offsets = {int(k): int(v) for k, v in body["offsets"].items()}
-            ttl = float(body.get("ttl_ms", node.cfg.pins.reader_pin_ttl_s * 1000)) / 1000
+            ttl = float(body.get("ttl_ms", cfg.pins.reader_pin_ttl_s * 1000)) / 1000
         except Exception as exc:
             return _err(400, f"bad pin: {exc}")
-        if reader not in node.pins and len(node.pins) >= node.cfg.pins.max_pins:
-            return _err(429, "too many pins")
+        if not valid_id(reader):
+            return _err(400, f"reader must be a string of 1-{MAX_ID_CHARS} characters")
+        if not all(0 <= s < node.shard_count and o >= 0 for s, o in offsets.items()):
+            return _err(400, f"offsets maps shards 0..{node.shard_count - 1} to offsets >= 0")
+        if not ttl > 0 or not math.isfinite(ttl):
+            return _err(400, "ttl_ms must be a positive number")
+        ttl = min(ttl, cfg.pins.max_ttl_s)
+        for r in [r for r in pin_owner if r not in node.pins]:  # expired or removed since
+            del pin_owner[r]
+        if reader in node.pins:
+            if pin_owner.get(reader, key) != key:
+                return _err(403, f"pin {reader!r} is held by another principal")
+        else:
+            if len(node.pins) >= cfg.pins.max_pins:
+                return _err(429, f"too many pins (pins.max_pins = {cfg.pins.max_pins})")
+            if sum(1 for o in pin_owner.values() if o == key) >= cfg.pins.max_pins_per_principal:
+                return _err(429, f"too many pins for this principal (pins.max_pins_per_principal = "
+                                 f"{cfg.pins.max_pins_per_principal})")
         node.pins[reader] = (offsets, time.time() + ttl)
-        return web.json_response({"reader": reader, "offsets": {str(k): v for k, v in offsets.items()}})
+        pin_owner[reader] = key
+        return web.json_response({"reader": reader, "offsets": {str(k): v for k, v in offsets.items()},
+                                  "ttl_ms": round(ttl * 1000)})
 
     @routes.delete("/v1/pins/{reader}")
     async def unpin(req: web.Request) -> web.Response:
-        node.pins.pop(req.match_info["reader"], None)
+        if (refused := admin_only()) is not None:
+            return refused
+        reader = req.match_info["reader"]
+        key = CALLER.get().key
+        if reader in node.pins and pin_owner.get(reader, key) != key:
+            return _err(403, f"pin {reader!r} is held by another principal")
+        node.pins.pop(reader, None)
+        pin_owner.pop(reader, None)
         return web.json_response({"ok": True})
 
     @routes.get("/v1/sink-markers/{query_id}")
     async def get_marker(req: web.Request) -> web.Response:
+        if (refused := admin_only()) is not None:
+            return refused
         qid = req.match_info["query_id"]
         host = node.hosts[node.session_shard("$sink/" + qid)]
         return web.json_response({"batch_id": host.state.sink_markers.get(qid)})
 
     @routes.put("/v1/sink-markers/{query_id}")
     async def put_marker(req: web.Request) -> web.Response:
+        if (refused := admin_only()) is not None:
+            return refused
+        key = CALLER.get().key
         qid = req.match_info["query_id"]
+        if not valid_id(qid):
+            return _err(400, f"query id must be 1-{MAX_ID_CHARS} characters")
         try:
             batch = int((await req.json())["batch_id"])
         except Exception as exc:
             return _err(400, f"bad marker: {exc}")
-        fut = node.propose(node.session_shard("$sink/" + qid), c.SetSinkMarker(qid, batch))
-        value = await fut  # type: ignore[misc]
+        shard = node.session_shard("$sink/" + qid)
+        new = qid not in node.hosts[shard].state.sink_markers
+        limit = cfg.pins.max_sink_markers_per_principal
+        if new and markers_created.get(key, 0) >= limit:
+            return _err(429, f"too many sink markers for this principal (pins.max_sink_markers_per_principal = "
+                             f"{limit})")
+        try:
+            fut = node.propose(shard, c.SetSinkMarker(qid, batch))
+        except ShardUnavailable as exc:
+            return _err(503, str(exc))
+        if new:
+            markers_created[key] = markers_created.get(key, 0) + 1
+        assert fut is not None
+        try:
+            value = await asyncio.wait_for(asyncio.shield(fut), cfg.mqtt.publish_timeout_s)
+        except Exception as exc:  # the marker may or may not be set: the caller sets it again
+            fut.add_done_callback(_consume)
+            return _err(503, f"marker outcome unknown: {exc!r}")
         return web.json_response({"batch_id": value})
 
     @routes.get("/v1/drops")
-    async def drops(_req: web.Request) -> web.Response:
+    async def drops(req: web.Request) -> web.Response:
+        if (refused := admin_only()) is not None:
+            return refused
         return web.json_response({"drops": list(node.iter_drops())})
 
     @routes.get("/v1/health")
@@ -195,6 +390,9 @@ def make_app(node: Node) -> web.Application:
             f"moorline_recent_messages_misses_total {node.recent.misses}",
             "# TYPE moorline_recent_messages_bytes gauge", f"moorline_recent_messages_bytes {node.recent.used_bytes}",
             "# TYPE moorline_connected_sessions gauge", f"moorline_connected_sessions {len(node.live)}",
+            "# TYPE moorline_login_hashes_total counter", f"moorline_login_hashes_total {authorizer.hashes_run}",
+            "# TYPE moorline_logins_refused_total counter",
+            *(f'moorline_logins_refused_total{{reason="{r}"}} {n}' for r, n in sorted(authorizer.refused.items())),
             "# TYPE moorline_dropped_total counter",
         ]
         totals: dict[str, int] = {}
@@ -212,8 +410,9 @@ def make_app(node: Node) -> web.Application:
     return app
 
 
-async def start_http(node: Node, host: str, port: int) -> tuple[web.AppRunner, tuple[str, int]]:
-    runner = web.AppRunner(make_app(node), access_log=None)
+async def start_http(node: Node, authorizer: Authorizer, auth_required: bool, host: str,
+                     port: int) -> tuple[web.AppRunner, tuple[str, int]]:
+    runner = web.AppRunner(make_app(node, authorizer, auth_required), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

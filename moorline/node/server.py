@@ -38,6 +38,24 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def http_auth_required(cfg: NodeConfig, http_host: str, loopback_only: bool) -> bool:
+    """Whether every HTTP route needs credentials: when anonymous clients are not allowed (an unset
+    ``auth.allow_anonymous`` allows them only while every listener is on loopback), or the HTTP
+    listener is reachable from other hosts. Raises ConfigError, before anything is created, for an
+    HTTP listener off loopback that would serve anyone."""
+    auth = cfg.auth
+    if is_loopback(http_host):
+        return not (auth.allow_anonymous if auth.allow_anonymous is not None else loopback_only)
+    if auth.allow_anonymous:
+        raise ConfigError(f"refusing to serve HTTP on {http_host} with auth.allow_anonymous = true: anyone who "
+                          "can reach it could read every message and publish; bind --http to a loopback address "
+                          "or leave allow_anonymous unset")
+    if not auth.password_file and not auth.token_file:
+        raise ConfigError(f"refusing to serve HTTP on {http_host} without authentication: set auth.password_file "
+                          "(HTTP Basic) or auth.token_file (bearer tokens), or bind --http to a loopback address")
+    return True
+
+
 class MqttServer:
     def __init__(self, node: Node, authorizer: Authorizer) -> None:
         self.node = node
@@ -73,6 +91,7 @@ async def serve(cfg: NodeConfig, faults: Faults = NO_FAULTS) -> int:
     mqtt_host, mqtt_port = parse_hostport(cfg.listeners.mqtt, "--mqtt")
     http_host, http_port = parse_hostport(cfg.listeners.http, "--http")
     loopback = is_loopback(mqtt_host) and is_loopback(http_host)
+    http_auth = http_auth_required(cfg, http_host, loopback)  # refuses an open non-loopback HTTP listener
     authorizer = Authorizer(cfg.auth, loopback_only=loopback)
     node = Node(cfg, faults)
     node.open()
@@ -85,7 +104,7 @@ async def serve(cfg: NodeConfig, faults: Faults = NO_FAULTS) -> int:
     mqtt_bound = mqtt.sockets[0].getsockname()
     from moorline.node.http_api import start_http
 
-    http_runner, http_bound = await start_http(node, http_host, http_port)
+    http_runner, http_bound = await start_http(node, authorizer, http_auth, http_host, http_port)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
@@ -116,6 +135,7 @@ async def serve(cfg: NodeConfig, faults: Faults = NO_FAULTS) -> int:
     if pending:
         await asyncio.wait(pending, timeout=min(cfg.shutdown_drain_s, 2.0))
     await http_runner.cleanup()
+    authorizer.close()
     await node.stop()
     if node.fatal is not None:
         print(f"moorline: fatal: {node.fatal}", file=sys.stderr, flush=True)
