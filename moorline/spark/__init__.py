@@ -9,10 +9,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from moorline.spark.interpreter import use_running_python
+
 if TYPE_CHECKING:
     from moorline.spark.source import MoorlineDataSource
 
-__all__ = ["MoorlineDataSource"]
+__all__ = ["MoorlineDataSource", "use_running_python"]
+
+# Importing the integration before the SparkSession starts is enough for Spark's workers to run
+# this interpreter (a virtualenv's, with pyarrow and moorline), unless PYSPARK_PYTHON is set.
+use_running_python()
 
 
 def __getattr__(name: str) -> Any:

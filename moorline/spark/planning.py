@@ -7,13 +7,13 @@ Nothing here does IO: callers pass in the shard table they fetched.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from moorline.hashing import shard_of
 from moorline.invariant import invariant
 from moorline.spark.node_client import ShardInfo
-from moorline.spark.options import EARLIEST, LATEST, StartSpec
+from moorline.spark.options import EARLIEST, LATEST, MoorlineOptionError, StartSpec
 
 Offsets = dict[str, dict[str, object]]
 
@@ -103,16 +103,42 @@ def resolve_spec(
             off = info.next_offset
         inc = info.incarnation if inc is None else inc
         if off > info.next_offset and inc == info.incarnation:
-            raise MoorlineDataLossError(
-                f"{what}: shard {s} offset {off} is beyond the shard's next offset {info.next_offset}"
-            )
+            if what == "endingOffsets":
+                # Nothing is missing past the end: the read ends where the shard ends (as "latest").
+                off = info.next_offset
+            else:
+                raise MoorlineOptionError(
+                    f"{what}: shard {s} offset {off} is past the shard's end (its next offset is "
+                    f"{info.next_offset}); use an offset up to {info.next_offset}, or \"latest\""
+                )
         out[str(s)] = _pos(inc, off)
-    unknown = [s for s in spec.per_shard if s not in shards]
+    unknown = sorted(set(spec.per_shard) - set(shards))
     if unknown:
-        raise MoorlineDataLossError(
-            f"{what}: unknown shard(s) {unknown}; the cluster has {len(shards)} shards"
-        )
+        raise MoorlineOptionError(f"{what}: unknown shard(s) {unknown}; the cluster has {len(shards)} shards")
     return out
+
+
+def first_offset_at_or_after(
+    t_ms: int, low: int, high: int, first_at: Callable[[int], tuple[int, int] | None]
+) -> tuple[int, int]:
+    """The first offset in [low, high] from which messages were published at or after ``t_ms``
+    (``high``, the shard's next offset, when none was), and the number of probes it took.
+
+    ``first_at(o)`` gives (offset, publish time ms) of the first message stored at or after
+    offset ``o``, or None. Publish times grow with offsets (the node stamps them when it receives
+    the message), so this is a binary search: at most about log2(high - low) + 1 probes.
+    """
+    lo, hi, probes = low, high, 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        found = first_at(mid)
+        probes += 1
+        if found is None or found[1] >= t_ms:
+            hi = mid
+        else:
+            invariant(found[0] >= mid, "the first message at or after an offset is not before it")
+            lo = found[0] + 1
+    return lo, probes
 
 
 def clamp_to_complete(

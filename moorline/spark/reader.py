@@ -8,6 +8,7 @@ copy. So only plain data lives on ``self`` and every method opens its own ``Node
 from __future__ import annotations
 
 import base64
+import functools
 import logging
 import time
 import uuid
@@ -26,13 +27,14 @@ from pyspark.sql.streaming.datasource import (
 from moorline.invariant import invariant
 from moorline.spark import failpoints
 from moorline.spark.node_client import NodeClient, ShardInfo
-from moorline.spark.options import ReadOptions
+from moorline.spark.options import EARLIEST, MoorlineOptionError, ReadOptions, StartSpec
 from moorline.spark.planning import (
     MoorlineDataLossError,
     Offsets,
     ShardRange,
     any_filter_matches,
     clamp_to_complete,
+    first_offset_at_or_after,
     latest_end,
     loss_message,
     pin_offsets,
@@ -77,11 +79,62 @@ class ShardRangePartition(InputPartition):
 
 
 def _client(opts: ReadOptions) -> NodeClient:
-    return NodeClient(opts.servers, opts.request_timeout_s)
+    return NodeClient(
+        opts.servers, opts.request_timeout_s, backoff_s=opts.retry_backoff_s, backoff_max_s=opts.retry_backoff_max_s,
+        authorization=opts.authorization,
+    )
 
 
 def _wanted(opts: ReadOptions, shards: dict[int, ShardInfo]) -> list[int]:
     return relevant_shards(opts.topics, len(shards))
+
+
+def _first_at(client: NodeClient, info: ShardInfo, offset: int) -> tuple[int, int] | None:
+    """(offset, publish time) of the first message stored at or after ``offset``, or None."""
+    for _ in range(3):  # retention may raise the low-water mark between the shard table and the fetch
+        r = client.fetch(info.shard, offset, 1, info.incarnation, None)
+        if r.status == 410:
+            offset = max(offset, int(r.body.get("low_water", offset)))
+            continue
+        if r.status == 409:
+            raise MoorlineDataLossError(
+                f"moorline shard {info.shard} was rebuilt while its start was looked up by timestamp; start again"
+            )
+        if r.status != 200:
+            raise RuntimeError(f"moorline fetch shard {info.shard} from {offset}: HTTP {r.status}: {r.body}")
+        msgs = r.body.get("messages") or []
+        if not msgs:
+            return None
+        return int(msgs[0]["offset"]), int(msgs[0].get("timestamp_ms", 0))
+    raise RuntimeError(f"moorline shard {info.shard}: the low-water mark kept moving while looking up a timestamp")
+
+
+def _resolve_start(
+    client: NodeClient, opts: ReadOptions, shards: dict[int, ShardInfo], wanted: list[int], fail: bool
+) -> Offsets:
+    """``startingOffsets`` as full offsets; ``startingTimestamp`` / ``startingOffsetsByTimestamp``
+    are first turned into offsets by a binary search over each shard's publish times."""
+    spec = opts.starting
+    if spec.kind == "timestamp":
+        unknown = sorted(set(spec.timestamps) - set(shards))
+        if unknown:
+            raise MoorlineOptionError(
+                f"startingOffsetsByTimestamp: unknown shard(s) {unknown}; the cluster has {len(shards)} shards"
+            )
+        per: dict[int, tuple[str | None, int]] = {}
+        for s in wanted:
+            t_ms = spec.timestamps.get(s, spec.default_timestamp)
+            info = shards[s]
+            if t_ms is None:
+                per[s] = (None, EARLIEST)
+                continue
+            offset, probes = first_offset_at_or_after(
+                t_ms, info.low_water, info.next_offset, functools.partial(_first_at, client, info)
+            )
+            log.info("moorline shard %d: publish time %d ms starts at offset %d (%d probes)", s, t_ms, offset, probes)
+            per[s] = (info.incarnation, offset)
+        spec = StartSpec("json", per)
+    return resolve_spec(spec, shards, wanted, fail, "startingOffsets")
 
 
 def _props(pairs: list[list[str]] | None) -> list[tuple[str, str]]:
@@ -178,9 +231,7 @@ class MoorlineBatchReader(DataSourceReader):
         with _client(self.opts) as client:
             shards = client.shards()
             wanted = _wanted(self.opts, shards)
-            start = resolve_spec(
-                self.opts.starting, shards, wanted, self.opts.fail_on_data_loss, "startingOffsets"
-            )
+            start = _resolve_start(client, self.opts, shards, wanted, self.opts.fail_on_data_loss)
             start = clamp_to_complete(start, shards, self.opts.fail_on_data_loss)
             end = resolve_spec(self.opts.ending, shards, wanted, self.opts.fail_on_data_loss, "endingOffsets")
             ranges = plan_ranges(start, end, shards, self.opts.fail_on_data_loss)
@@ -189,8 +240,10 @@ class MoorlineBatchReader(DataSourceReader):
         return [ShardRangePartition(r) for r in ranges]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        invariant(isinstance(partition, ShardRangePartition), "moorline partitions only")
-        assert isinstance(partition, ShardRangePartition)
+        if not isinstance(partition, ShardRangePartition):
+            # partitions() planned nothing (an empty range): PySpark then reads one placeholder.
+            invariant(partition.value is None, "moorline partitions only")
+            return
         yield from read_range(self.opts, partition)
 
 
@@ -218,13 +271,7 @@ class MoorlineStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def initialOffset(self) -> dict:
         with _client(self.opts) as client:
             shards = client.shards()
-            start = resolve_spec(
-                self.opts.starting,
-                shards,
-                _wanted(self.opts, shards),
-                self.opts.fail_on_data_loss,
-                "startingOffsets",
-            )
+            start = _resolve_start(client, self.opts, shards, _wanted(self.opts, shards), self.opts.fail_on_data_loss)
             start = clamp_to_complete(start, shards, self.opts.fail_on_data_loss)
             self._pin(client, start)
         return start
@@ -238,9 +285,7 @@ class MoorlineStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         with _client(self.opts) as client:
             shards = client.shards()
             if start is None:  # Spark 4.0/4.1 call without arguments: plan from the head
-                start = resolve_spec(
-                    self.opts.starting, shards, _wanted(self.opts, shards), True, "startingOffsets"
-                )
+                start = _resolve_start(client, self.opts, shards, _wanted(self.opts, shards), True)
             clamped = clamp_to_complete(start, shards, self.opts.fail_on_data_loss)
             self._pin(client, clamped)
         max_rows = limit.max_rows if isinstance(limit, ReadMaxRows) else None

@@ -21,6 +21,12 @@ from moorline.spark.options import (
 from moorline.spark.reader import READ_SCHEMA, MoorlineBatchReader, MoorlineStreamReader
 from moorline.spark.writer import MoorlineBatchWriter, MoorlineStreamWriter, resolve_columns
 
+APPEND_ONLY_BATCH = 'moorline does not support Overwrite mode: moorline is append-only, use mode("append")'
+APPEND_ONLY_STREAM = (
+    "moorline does not support Complete mode (nor Update mode): Spark's Python sinks take "
+    'outputMode("append") only; aggregate with a watermark in append mode'
+)
+
 
 class MoorlineDataSource(DataSource):
     """Reads moorline shards by offset and publishes rows with exactly-once identities."""
@@ -43,13 +49,16 @@ class MoorlineDataSource(DataSource):
         return MoorlineStreamReader(parse_read_options(self.options, streaming=True))
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        # Without .mode(...) Spark itself refuses the write (ErrorIfExists) before asking us.
         if overwrite:
-            raise MoorlineOptionError('moorline is append-only: use mode("append")')
+            raise MoorlineOptionError(APPEND_ONLY_BATCH)
         opts = parse_write_options(self.options)
         return MoorlineBatchWriter(opts, resolve_columns(schema, opts))
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802
+        # Complete mode arrives here as overwrite=True; Spark refuses Update mode itself, before
+        # asking us, with "moorline does not support Update mode": one wording for both.
         if overwrite:
-            raise MoorlineOptionError('moorline is append-only: use outputMode("append") or "update"')
+            raise MoorlineOptionError(APPEND_ONLY_STREAM)
         opts = parse_write_options(self.options)
         return MoorlineStreamWriter(opts, resolve_columns(schema, opts))

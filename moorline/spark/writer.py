@@ -104,6 +104,13 @@ def resolve_columns(schema: StructType, opts: WriteOptions) -> Columns:
     )
 
 
+def client_for(opts: WriteOptions) -> NodeClient:
+    return NodeClient(
+        opts.servers, opts.request_timeout_s, backoff_s=opts.retry_backoff_s, backoff_max_s=opts.retry_backoff_max_s,
+        authorization=opts.authorization,
+    )
+
+
 def _column(batch: pa.RecordBatch, name: str | None) -> list[Any]:
     names = batch.schema.names
     if name is None or name not in names:
@@ -137,8 +144,12 @@ def publish_all(
         while pending:
             try:
                 results = client.publish(pending)
-            except (MoorlineUnavailable, MoorlineHTTPError) as exc:
-                if isinstance(exc, MoorlineHTTPError) and exc.status < 500 and exc.status != 429:
+            except MoorlineUnavailable as exc:
+                # The client already went round every server until requestTimeoutMs: fail the task
+                # (Spark retries it with the same identities) rather than wait that long again.
+                raise MoorlinePublishError(str(exc)) from exc
+            except MoorlineHTTPError as exc:
+                if exc.status < 500 and exc.status != 429:
                     raise MoorlinePublishError(f"moorline rejected a publish request: {exc}") from exc
                 attempt += 1
                 if attempt > opts.publish_retries:
@@ -188,7 +199,7 @@ def write_task(
     invariant(ctx is not None, "write() runs in a Spark task")
     assert ctx is not None
     partition_id = ctx.partitionId()
-    with NodeClient(opts.servers, opts.request_timeout_s) as client:
+    with client_for(opts) as client:
         if cols.key is not None:
             ok = dup = 0
             chunk: list[dict[str, Any]] = []
@@ -229,7 +240,7 @@ class MoorlineStreamWriter(DataSourceStreamArrowWriter):
         if not query_id or batch_raw is None:
             raise MoorlinePublishError("no streaming query id / batch id in the task context")
         batch_id = int(batch_raw)
-        with NodeClient(self.opts.servers, self.opts.request_timeout_s) as client:
+        with client_for(self.opts) as client:
             marker = client.get_marker(query_id)
         if marker is not None and marker >= batch_id:
             failpoints.mark("skipped_committed_batch")
@@ -242,7 +253,7 @@ class MoorlineStreamWriter(DataSourceStreamArrowWriter):
         invariant(len(ids) <= 1, "one query per batch")
         if not ids:
             return  # no task ran: nothing was published, nothing to protect
-        with NodeClient(self.opts.servers, self.opts.request_timeout_s) as client:
+        with client_for(self.opts) as client:
             client.put_marker(ids.pop(), batchId)
         failpoints.maybe_fail("commit_after_marker")
 

@@ -22,7 +22,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_broker import FakeBroker  # noqa: E402
 from spark_helpers import Broker, node_status, node_works, start_node  # noqa: E402
 
+from moorline.spark.interpreter import use_running_python  # noqa: E402
+
 pytest.importorskip("pyspark")
+
+# Both must be in the environment before any JVM starts (conftests are imported at collection).
+# Spark's workers run this interpreter, so a virtualenv works without PYSPARK_PYTHON.
+use_running_python()
+# PySpark finds format("moorline") without a register call by listing the pyspark_* modules on
+# its workers' path. A checkout installed with `pip install -e` serves pyspark_moorline.py through
+# an import hook such a listing cannot see (an installed wheel puts it in site-packages), so the
+# workers get the repository root on their path.
+REPO = str(Path(__file__).resolve().parents[2])
+if REPO not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
 
 _used: dict[str, str] = {}
 

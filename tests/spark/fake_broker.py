@@ -36,14 +36,14 @@ class FakeShard:
 
 
 class FakeBroker:
-    def __init__(self, shard_count: int = 4) -> None:
+    def __init__(self, shard_count: int = 4, port: int = 0) -> None:
         self.shard_count = shard_count
         self.lock = threading.Lock()
         self.shards = [FakeShard(incarnation=f"{i:02x}" + "a" * 14) for i in range(shard_count)]
         self.pins: dict[str, dict[str, int]] = {}
         self.markers: dict[str, int] = {}
         self.publish_requests = 0
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 

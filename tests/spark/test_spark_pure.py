@@ -167,3 +167,100 @@ def test_refused_rows_are_resent_in_order_and_a_sequence_hole_fails() -> None:
     never = StubClient([["refused"] * 4] * 4)
     with pytest.raises(MoorlinePublishError, match="refused after 4 attempts"):
         publish_all(cast(NodeClient, never), msgs, opts, sequenced=True)
+
+
+def test_an_unknown_option_suggests_the_closest_known_one() -> None:
+    base = {"servers": "127.0.0.1:1", "topics": "a/#"}
+    with pytest.raises(MoorlineOptionError, match=r'"startingOffset" \(did you mean "startingOffsets"\?\)'):
+        parse_read_options({**base, "startingOffset": "earliest"}, streaming=True)
+    with pytest.raises(MoorlineOptionError, match=r'"maxoffsetpertrigger" \(did you mean "maxOffsetsPerTrigger"\?\)'):
+        parse_read_options({**base, "maxoffsetpertrigger": "5"}, streaming=True)
+    with pytest.raises(MoorlineOptionError, match=r'"topics" \(did you mean "topic"\?\)'):
+        parse_write_options({"servers": "127.0.0.1:1", "topics": "out/a"})
+    with pytest.raises(MoorlineOptionError) as err:
+        parse_read_options({**base, "zzz": "1"}, streaming=True)
+    assert "did you mean" not in str(err.value) and '"zzz"' in str(err.value)
+
+
+def test_ending_offsets_past_the_end_read_to_the_end_and_are_not_data_loss() -> None:
+    o = parse_read_options({"servers": "h:1", "topics": "#", "endingOffsets": '{"1": 5000}'}, streaming=False)
+    end = resolve_spec(o.ending, SHARDS, [0, 1], True, "endingOffsets")
+    assert end["1"] == pos("inc1", SHARDS[1].next_offset)
+    s = parse_read_options({"servers": "h:1", "topics": "#", "startingOffsets": '{"1": 5000}'}, streaming=True)
+    with pytest.raises(MoorlineOptionError, match="past the shard's end") as err:
+        resolve_spec(s.starting, SHARDS, [0, 1], True, "startingOffsets")
+    assert not isinstance(err.value, MoorlineDataLossError)
+
+
+def test_starting_timestamp_options_follow_kafkas_precedence() -> None:
+    base = {"servers": "h:1", "topics": "#", "startingOffsets": "latest"}
+    by_shard = parse_read_options({**base, "startingOffsetsByTimestamp": '{"0": 1000, "3": 2000}'}, True)
+    assert by_shard.starting.kind == "timestamp" and by_shard.starting.timestamps == {0: 1000, 3: 2000}
+    both = parse_read_options(
+        {**base, "startingOffsetsByTimestamp": '{"0": 1000}', "startingTimestamp": "5000"}, True
+    )
+    assert both.starting.default_timestamp == 5000 and both.starting.timestamps == {}
+    with pytest.raises(MoorlineOptionError, match="startingOffsetsByTimestamp.*JSON"):
+        parse_read_options({**base, "startingOffsetsByTimestamp": "yesterday"}, True)
+    with pytest.raises(MoorlineOptionError, match="not a time in ms"):
+        parse_read_options({**base, "startingOffsetsByTimestamp": '{"0": "noon"}'}, True)
+    with pytest.raises(MoorlineOptionError, match="startingTimestamp.*not an integer"):
+        parse_read_options({**base, "startingTimestamp": "noon"}, True)
+
+
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(0, 3)), max_size=300),
+    st.integers(-5, 700),
+)
+def test_first_offset_by_publish_time_is_a_bounded_binary_search(
+    layout: list[tuple[bool, int]], t_ms: int
+) -> None:
+    """Offsets 10..10+n, some released (absent); publish times grow with offsets."""
+    from moorline.spark.planning import first_offset_at_or_after
+
+    low, times, now = 10, {}, 0
+    for i, (present, step) in enumerate(layout):
+        now += step
+        if present:
+            times[low + i] = now
+    high = low + len(layout)
+
+    def first_at(o: int) -> tuple[int, int] | None:
+        later = [x for x in sorted(times) if x >= o]
+        return (later[0], times[later[0]]) if later else None
+
+    def brute() -> int:
+        for o in range(low, high + 1):
+            found = first_at(o)
+            if found is None or found[1] >= t_ms:
+                return o
+        raise AssertionError("high always qualifies")
+
+    offset, probes = first_offset_at_or_after(t_ms, low, high, first_at)
+    assert offset == brute()
+    assert probes <= max(1, len(layout)).bit_length() + 1
+
+
+def test_spark_workers_get_this_interpreter_unless_the_user_chose_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from moorline.spark.interpreter import use_running_python
+
+    monkeypatch.delenv("PYSPARK_PYTHON", raising=False)
+    monkeypatch.setenv("PYSPARK_DRIVER_PYTHON", "/opt/mine/python")
+    assert use_running_python() == {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": "/opt/mine/python"}
+
+
+def test_pyspark_moorline_is_shipped_and_names_the_source() -> None:
+    """PySpark's lookup imports top-level pyspark_* modules and registers their DefaultSource."""
+    import tomllib
+    from pathlib import Path
+
+    from pyspark.sql.datasource import DataSource
+
+    import pyspark_moorline
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert "pyspark_moorline" in pyproject["tool"]["setuptools"]["py-modules"]
+    assert issubclass(pyspark_moorline.DefaultSource, DataSource)
+    assert pyspark_moorline.DefaultSource.name() == "moorline"
