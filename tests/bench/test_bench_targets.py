@@ -4,6 +4,7 @@ figures are not comparable with the targets at all."""
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -30,8 +31,8 @@ def test_targets_are_compared_as_printed(
     assert target_met(value, op, bound, target_format(label)) is met
 
 
-def _report(quick: bool) -> dict[str, object]:
-    comparison = {
+def _report(quick: bool) -> dict[str, Any]:
+    comparison: dict[str, Any] = {
         "targets": [{"target": "W2 CPU-s/10k", "moorline": 2.0004, "op": "<=", "bound": 2.0, "met": True}],
         "ratios": {},
         "strict_packet_ids": None,
@@ -53,9 +54,9 @@ def _report(quick: bool) -> dict[str, object]:
     }
 
 
-def _printed(report: dict[str, object]) -> str:
+def _printed(report: dict[str, Any]) -> str:
     out = io.StringIO()
-    print_report(Console(file=out, width=200, color_system=None), report)  # type: ignore[arg-type]
+    print_report(Console(file=out, width=200, color_system=None), report)
     return out.getvalue()
 
 
@@ -67,7 +68,7 @@ def test_an_equal_figure_prints_as_met() -> None:
 
 def test_a_quick_run_labels_targets_not_comparable_instead_of_met_or_not() -> None:
     report = _report(quick=True)
-    [row] = report["comparison"]["targets"]  # type: ignore[index]
+    [row] = report["comparison"]["targets"]
     assert row["met"] is None and row["comparable"] is False
     text = _printed(report)
     assert "not comparable" in text and " yes" not in text and " no " not in text
