@@ -9,6 +9,7 @@ it waits (exponential backoff with jitter) and goes round again, until the call'
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import random
@@ -58,6 +59,16 @@ def _not_http(exc: BaseException) -> bool:
     return isinstance(exc, http.client.BadStatusLine | ConnectionResetError | http.client.IncompleteRead)
 
 
+def authorization_header(user: str | None, password: str | None, token: str | None) -> str | None:
+    """The Authorization header for the node's HTTP API: Basic for a user of the node's password
+    file, Bearer for a token of its token file (``moorline token``), None for an open node."""
+    if token is not None:
+        return f"Bearer {token}"
+    if user is not None:
+        return "Basic " + base64.b64encode(f"{user}:{password or ''}".encode()).decode()
+    return None
+
+
 class NodeClient:
     def __init__(
         self,
@@ -69,9 +80,11 @@ class NodeClient:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        authorization: str | None = None,
     ) -> None:
         if not servers:
             raise ValueError("at least one server is needed")
+        self._authorization = authorization  # an HTTP Authorization header value (see authorization_header)
         self._servers = servers
         self._timeout_s = timeout_s  # deadline of one call, retries across servers included
         self._backoff_s = backoff_s
@@ -99,6 +112,8 @@ class NodeClient:
         in turn, with jittered exponential backoff between rounds, until ``timeout_s`` has passed."""
         body = None if doc is None else json.dumps(doc, separators=(",", ":")).encode()
         headers = {"Content-Type": "application/json"} if body is not None else {}
+        if self._authorization is not None:
+            headers["Authorization"] = self._authorization
         deadline = self._clock() + self._timeout_s
         last_error: dict[str, str] = {}
         not_http_streak: dict[str, int] = {}

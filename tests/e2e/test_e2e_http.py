@@ -415,3 +415,25 @@ def test_http_off_loopback_without_auth_refuses_to_start(tmp_path: Path) -> None
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def test_spark_node_client_sends_credentials(secured: tuple[BrokerProc, dict[str, str]]) -> None:
+    from moorline.spark.node_client import MoorlineHTTPError, NodeClient
+    from moorline.spark.options import MoorlineOptionError, parse_read_options, parse_write_options
+
+    b, creds = secured
+    server = f"127.0.0.1:{b.http_port}"
+    token = creds["spark"].removeprefix("Bearer ")
+    basic = parse_read_options({"servers": server, "topics": "public/#", "user": "ops", "password": "ops-pw"},
+                               streaming=False)
+    bearer = parse_write_options({"servers": server, "token": token})
+    assert "ops-pw" not in repr(basic) and token not in repr(bearer)
+    for opts in (basic, bearer):
+        with NodeClient(opts.servers, 10, authorization=opts.authorization) as client:
+            assert len(client.shards()) == 16
+    with NodeClient((server,), 10) as client, pytest.raises(MoorlineHTTPError) as e:
+        client.shards()
+    assert e.value.status == 401
+    for bad in ({"user": "ops"}, {"password": "x"}, {"user": "ops", "password": "x", "token": "t"}):
+        with pytest.raises(MoorlineOptionError):
+            parse_write_options({"servers": server, **bad})
