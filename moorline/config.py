@@ -147,6 +147,9 @@ class AuthConfig:
     max_failed_logins: int = 10
     failed_login_window_s: float = 60.0
     login_rate_addresses: int = 10_000  # addresses tracked; the least recently seen is forgotten first
+    # Loopback peers are local processes (a TLS terminator or bridge forwarding many clients, tests):
+    # their failed logins are not rate-limited unless this is set.
+    limit_loopback_logins: bool = False
     # Verified (user, password) pairs remembered (as keyed hashes, never the password) so a
     # reconnect storm costs no scrypt per client; 0 verifies every login.
     login_cache_entries: int = 10_000

@@ -26,6 +26,7 @@ import asyncio
 import enum
 import hashlib
 import hmac
+import ipaddress
 import os
 import re
 import secrets
@@ -260,6 +261,33 @@ class FailedLoginLimiter:
             b[0] = min(self.burst, b[0] + 1.0)
 
 
+class _Unlimited:
+    """The limiter of exempt (loopback) addresses."""
+
+    def blocked(self, address: str) -> bool:
+        return False
+
+    def take(self, address: str) -> bool:
+        return True
+
+    def give_back(self, address: str) -> None:
+        pass
+
+
+_UNLIMITED = _Unlimited()
+
+
+def is_loopback_address(host: str) -> bool:
+    """A peer on this machine (also an IPv4-mapped IPv6 one): a TLS terminator or bridge forwarding
+    many clients, or a test, is not one attacker; ``auth.limit_loopback_logins`` limits them too."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host == "localhost"
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
 # --- ACL rules, compiled per principal ------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +352,7 @@ class Authorizer:
         self._acl_cache_entries = cfg.acl_cache_entries
         self._principals: dict[Principal, _PrincipalAcl] = {}
         self._cached = 0
+        self._limit_loopback = cfg.limit_loopback_logins
         self.limiter = FailedLoginLimiter(cfg.max_failed_logins, cfg.failed_login_window_s, cfg.login_rate_addresses,
                                           clock)
         self._max_parallel = cfg.max_parallel_hashes
@@ -337,6 +366,11 @@ class Authorizer:
         self.dummy_hash = hash_password(os.urandom(16), n=params[0], r=params[1], p=params[2]) if self.users else ""
         self.hashes_run = 0  # scrypt verifications started (known and unknown users alike)
         self.refused: dict[str, int] = {}  # refused logins by Login.name (metrics)
+
+    def _limiter_for(self, peer_host: str) -> FailedLoginLimiter | _Unlimited:
+        if self._limit_loopback or not is_loopback_address(peer_host):
+            return self.limiter
+        return _UNLIMITED
 
     def close(self) -> None:
         if self._executor is not None:
@@ -356,19 +390,16 @@ class Authorizer:
 
     async def _authenticate(self, username: str | None, password: bytes | None, peer_host: str,
                             still_wanted: Callable[[], bool] | None) -> Login:
-        limiter = self.limiter
+        # Accepted without any secret: nothing to guess, so never rate-limited.
+        anonymous = username is None or (not self.users and password is None)
+        if anonymous and self.allow_anonymous:
+            return Login.OK
+        limiter = self._limiter_for(peer_host)
         if limiter.blocked(peer_host):
             return Login.RATE_LIMITED
-        if username is None:
-            if self.allow_anonymous:
-                return Login.OK
-            limiter.take(peer_host)
-            return Login.BAD_CREDENTIALS
-        encoded = self.users.get(username)
-        if encoded is None and not self.users:
-            # No password file: a username is only a name, accepted as anonymous would be.
-            if self.allow_anonymous and password is None:
-                return Login.OK
+        encoded = self.users.get(username) if username is not None else None
+        if username is None or (encoded is None and not self.users):
+            # Anonymous where it is not allowed, or a password without a password file to check it.
             limiter.take(peer_host)
             return Login.BAD_CREDENTIALS
         key = None
@@ -409,13 +440,14 @@ class Authorizer:
         """An HTTP bearer token: ``(Login.OK, user)`` or a refusal. Cheap (one sha256); a wrong token
         uses up the address's failed-login budget like a wrong password."""
         user = None
-        if self.limiter.blocked(peer_host):
+        limiter = self._limiter_for(peer_host)
+        if limiter.blocked(peer_host):
             login = Login.RATE_LIMITED
         else:
             user = self.tokens.get(hash_token(token))
             login = Login.OK if user is not None else Login.BAD_CREDENTIALS
             if user is None:
-                self.limiter.take(peer_host)
+                limiter.take(peer_host)
         if login is not Login.OK:
             self.refused[login.name] = self.refused.get(login.name, 0) + 1
         return login, user

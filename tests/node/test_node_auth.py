@@ -322,6 +322,30 @@ def test_failed_logins_are_rate_limited_per_address(password_file: Path, monkeyp
     asyncio.run(body())
 
 
+def test_loopback_peers_are_not_rate_limited_unless_configured(password_file: Path) -> None:
+    async def failures(a: Authorizer, host: str) -> list[Login]:
+        return [await a.authenticate("alice", b"wrong", host) for _ in range(4)]
+
+    exempt = authorizer(password_file, max_failed_logins=2)
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "::ffff:127.0.0.1"):
+        assert asyncio.run(failures(exempt, host)) == [Login.BAD_CREDENTIALS] * 4, host
+    limited = authorizer(password_file, max_failed_logins=2, limit_loopback_logins=True)
+    assert asyncio.run(failures(limited, "127.0.0.1")) == [Login.BAD_CREDENTIALS] * 2 + [Login.RATE_LIMITED] * 2
+
+
+def test_logins_without_a_secret_are_never_rate_limited(password_file: Path) -> None:
+    anonymous_ok = Authorizer(AuthConfig(max_failed_logins=1), loopback_only=True)
+
+    async def body() -> None:
+        assert await anonymous_ok.authenticate("x", b"a password, but no password file", "10.1.1.1") is (
+            Login.BAD_CREDENTIALS)
+        assert anonymous_ok.limiter.blocked("10.1.1.1")
+        assert await anonymous_ok.authenticate(None, None, "10.1.1.1") is Login.OK  # nothing to guess
+        assert await anonymous_ok.authenticate("name-only", None, "10.1.1.1") is Login.OK
+
+    asyncio.run(body())
+
+
 def test_concurrent_logins_from_one_address_never_queue_more_hashes_than_the_budget(
         password_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def slow_failure(password: bytes, encoded: str) -> bool:
