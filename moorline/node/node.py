@@ -40,7 +40,7 @@ from moorline.node.recent import RecentMessages
 from moorline.node.shard_host import ApplyHooks, ShardHost, ShardUnavailable, default_limits
 from moorline.storage.dirlock import DataDirLock
 from moorline.storage.ledger import SyncLedger
-from moorline.storage.msgstore import MessageStore
+from moorline.storage.msgstore import MessageStore, StoreCorruption
 from moorline.storage.snapshots import SnapshotStore
 from moorline.storage.wal import WriteAheadLog
 from moorline.testing.faults import NO_FAULTS, Faults
@@ -129,15 +129,19 @@ class Node:
                 self.data_dir / "store" / f"shard-{shard}", segment_bytes=self.cfg.storage.store_segment_bytes,
                 ledger=self.ledger, cache_bytes=0,  # recent messages are kept decoded, node-wide (self.recent)
             )
-            store.open()
-            store.truncate_from(state.topics.next_offset)
+            store_damage: StoreCorruption | None = None
+            try:
+                store.open()
+                store.truncate_from(state.topics.next_offset)
+            except StoreCorruption as exc:  # one bad store stops its shard, never the node
+                store_damage = exc  # the store is closed and touches its files no more
             grec = rec.groups.get(shard)
             term = grec.hard_state.term if grec is not None and grec.hard_state is not None else 0
             raft = OneVoterRaft(term, state.applied_index, state.applied_index)
             host = ShardHost(shard, state, raft, store, self.snapshots, hooks, self.cfg.shard.snapshot_every_entries,
                              self.cfg.raft.max_entry_bytes, self.recent)
             self.hosts.append(host)
-            if grec is not None:
+            if grec is not None and store_damage is None:  # applying would write to the damaged store
                 host.replay([(e.term, e.index, e.type, e.data) for e in grec.entries])
             raft.last_index = raft.commit = raft._persisted_index = state.applied_index
             raft.campaign()
@@ -145,7 +149,10 @@ class Node:
             gone = [o for o in range(store.low_water, state.topics.next_offset) if o not in present]
             if gone:
                 store.release(gone)
-            if shard in corrupted:
+            if store_damage is not None:
+                host.fail(f"checksum failure in synced data: {store_damage}")
+                log.error("shard %d refuses service: %s", shard, host.failed)
+            elif shard in corrupted:
                 r = corrupted[shard]
                 host.fail(f"checksum failure in synced data: {r.path} at offset {r.offset}: {r.message}")
                 log.error("shard %d refuses service: %s", shard, host.failed)

@@ -21,7 +21,7 @@ from moorline.broker.topic_state import TopicLimits
 from moorline.invariant import invariant
 from moorline.node.one_voter import LogEntry, OneVoterRaft
 from moorline.node.recent import RecentMessages
-from moorline.storage.msgstore import MessageStore
+from moorline.storage.msgstore import MessageStore, StoreCorruption
 from moorline.storage.snapshots import SnapshotStore
 
 log = logging.getLogger("moorline.shard")
@@ -112,6 +112,7 @@ class ShardHost:
         self.state = state
         self.raft = raft
         self.store = store
+        store.on_corruption = self._store_damaged  # a bad record stops this shard, not the reader
         self.snapshots = snapshots
         self.hooks = hooks
         self.snapshot_every_entries = snapshot_every_entries
@@ -126,6 +127,11 @@ class ShardHost:
     # --- proposing ---------------------------------------------------------------------------
     def propose(self, cmd: c.Command, want_result: bool = True) -> asyncio.Future[Any] | None:
         if self.failed is not None:
+            if not want_result:
+                # Nobody waits for it (ack reports, expiry drops, claims, QoS 0): a failed shard
+                # applies nothing, and raising would only break whoever sent it, often on behalf
+                # of another shard. Ack reports are sent again at restart; QoS 0 may be lost.
+                return None
             raise ShardUnavailable(f"shard {self.shard} unavailable: {self.failed}")
         fut: asyncio.Future[Any] | None = asyncio.get_running_loop().create_future() if want_result else None
         self._batch_cmds.append(cmd)
@@ -256,7 +262,11 @@ class ShardHost:
         self._entries_since_snapshot += 1
 
     def message(self, offset: int) -> StoredMessage | None:
-        """The message at ``offset`` (kept decoded while recent; else read from the store)."""
+        """The message at ``offset`` (kept decoded while recent; else read from the store). None
+        once the shard failed: its readers get nothing from it (not a later message past a
+        damaged one), and what it owes them stays owed in its state."""
+        if self.failed is not None:
+            return None
         if self.recent is not None:
             msg = self.recent.get(self.shard, offset)
             if msg is not None:
@@ -282,6 +292,15 @@ class ShardHost:
             for fut in pending.futures:
                 _resolve(fut, None, ShardUnavailable(reason))
         self._inflight.clear()
+        if self.recent is not None:  # nothing of a failed shard is delivered, cached or not
+            self.recent.drop(self.shard, list(self.state.topics.meta))
+
+    def _store_damaged(self, exc: StoreCorruption) -> None:
+        """A read found a record of this shard's store damaged: synced data is lost, so the shard
+        stops (an operator's matter: logged once, with the file and offset)."""
+        if self.failed is None:
+            self.fail(f"checksum failure in synced data: {exc}")
+            log.error("shard %d refuses service: %s", self.shard, self.failed)
 
 
 def default_limits(cfg: Any) -> TopicLimits:

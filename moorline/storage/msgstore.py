@@ -26,6 +26,13 @@ released offsets. The shard state machine is the authority on what is kept; afte
 except that ``truncate_from`` during recovery may lower it (with no snapshot yet, the WAL re-applies
 from offset 0).
 
+Damage found by a read (``get``, ``scan``, copy-forward in ``reclaim``) is reported through
+``on_corruption`` when the owner set it (the shard host stops the shard: one bad store stops one
+shard, never the node, and never raises into a reader); the read then gives None (``scan`` stops
+before it). Without it, ``StoreCorruption`` is raised. A store that found damage, at ``open`` or on
+a read, rewrites and deletes nothing from then on (``corruption`` says what): the damaged files stay
+as they are for the operator.
+
 Not thread-safe: one thread (the node's event loop) calls everything, ``sync`` included (or the
 node serialises calls itself).
 """
@@ -175,6 +182,9 @@ class MessageStore:
         self._unsynced: list[_Segment] = []  # earlier segments written since the last sync
         self._synced_sizes: dict[Path, int] = {}  # known durable length per segment file
         self._opened = False
+        self.corruption: StoreCorruption | None = None  # the damage found, at open or on a read
+        # Told about damage a read finds (instead of raising into the reader); see the module doc.
+        self.on_corruption: Callable[[StoreCorruption], None] | None = None
 
     # ------------------------------------------------------------------ recovery
 
@@ -182,7 +192,19 @@ class MessageStore:
         """Recover: index every segment, verify every CRC, cut an unsynced damaged tail.
 
         ``expected_next_offset`` (the snapshot's next offset) is optional: the store's own sync
-        point already says which records were durable. Raises ``StoreCorruption``."""
+        point already says which records were durable. Raises ``StoreCorruption``, after which the
+        store is closed and empty (``get`` finds nothing, ``reclaim`` does nothing) and touches no
+        file again."""
+        try:
+            self._open(expected_next_offset)
+        except StoreCorruption as exc:
+            self.close()
+            self._segments, self._firsts, self._unsynced = [], [], []
+            self.next_offset = self.low_water = 0
+            self.corruption = exc
+            raise
+
+    def _open(self, expected_next_offset: int | None) -> None:
         invariant(not self._opened, "store opened twice")
         self._opened = True
         ensure_dir(self.directory)
@@ -466,7 +488,19 @@ class MessageStore:
         seg, i = found
         if seg.released[i]:
             return None
-        return self._read(seg, i)
+        try:
+            return self._read(seg, i)
+        except StoreCorruption as exc:
+            self._damaged(exc)
+            return None
+
+    def _damaged(self, exc: StoreCorruption) -> None:
+        """A read found damage: remember it and tell the owner, or raise when nobody listens."""
+        if self.corruption is None:
+            self.corruption = exc
+        if self.on_corruption is None:
+            raise exc
+        self.on_corruption(exc)
 
     def _read(self, seg: _Segment, i: int) -> bytes:
         pos = seg.positions[i]
@@ -506,7 +540,11 @@ class MessageStore:
                     offset = seg.offsets[i]
                     record = self._cache.get(offset)
                     if record is None:
-                        record = self._read(seg, i)
+                        try:
+                            record = self._read(seg, i)
+                        except StoreCorruption as exc:
+                            self._damaged(exc)
+                            return out  # what came before the damage, in order
                     if out and used + len(record) > max_bytes:
                         return out
                     out.append((offset, record))
@@ -568,17 +606,23 @@ class MessageStore:
         reclaimed = 0
         survivors: list[_Segment] = []
         removed_any = False
+        damage: StoreCorruption | None = None
         last = self._segments[-1] if self._segments else None
         for seg in self._segments:
-            if seg is last:
-                survivors.append(seg)  # the segment being appended to stays
+            if seg is last or self.corruption is not None:
+                survivors.append(seg)  # the segment being appended to stays; a damaged store too
             elif seg.kept_count == 0:
                 self._drop_segment(seg)
                 reclaimed += seg.size
                 removed_any = True
             elif seg.kept_bytes < self.compact_below_ratio * seg.size:
                 before = seg.size
-                survivors.append(self._copy_forward(seg))
+                try:
+                    survivors.append(self._copy_forward(seg))
+                except StoreCorruption as exc:  # a survivor failed its checksum: keep the file
+                    survivors.append(seg)
+                    damage = self.corruption = exc
+                    continue
                 reclaimed += before - survivors[-1].size
             else:
                 survivors.append(seg)
@@ -586,6 +630,8 @@ class MessageStore:
             fsync_dir(self.directory)
         self._segments = survivors
         self._firsts = [s.first_offset for s in survivors]
+        if damage is not None:
+            self._damaged(damage)  # the index is consistent again before anyone hears of it
         return reclaimed
 
     def _drop_segment(self, seg: _Segment) -> None:

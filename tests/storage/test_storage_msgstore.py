@@ -362,3 +362,59 @@ def test_a_page_hole_after_the_sync_point_is_cut_before_one_is_corruption(tmp_pa
             with pytest.raises(StoreCorruption) as err:
                 s.open()
             assert (err.value.path, err.value.offset) == (seg, positions[first])
+
+
+def test_damage_found_by_a_read_is_reported_to_the_owner_not_raised_into_the_reader(tmp_path: Path) -> None:
+    positions = _store_with(tmp_path, 40, synced=40)
+    s = MessageStore(tmp_path, segment_bytes=1 << 20, cache_bytes=0)
+    s.open()
+    seg = tmp_path / segment_name(0)
+    with open(seg, "r+b") as f:  # bit rot while the store is open
+        f.seek(positions[7] + HEADER_BYTES + 2)
+        f.write(b"!")
+    with pytest.raises(StoreCorruption):  # nobody listening: raised, as before
+        s.get(7)
+    heard: list[StoreCorruption] = []
+    s.on_corruption = heard.append
+    assert s.get(6) == msg(6) and s.get(7) is None
+    assert s.scan(0, 100, 1 << 20) == [(o, msg(o)) for o in range(7)]  # stops before the damage
+    assert [(e.path, e.offset) for e in heard] == [(seg, positions[7])] * 2
+    assert s.corruption is not None and s.corruption.offset == positions[7]
+    s.release(range(0, 40))
+    assert s.reclaim() == 0 and seg.exists()  # a damaged store deletes and rewrites nothing
+    s.close()
+
+
+def test_a_store_that_fails_to_open_is_left_closed_and_empty(tmp_path: Path) -> None:
+    positions = _store_with(tmp_path, 20, synced=20)
+    seg = tmp_path / segment_name(0)
+    raw = bytearray(seg.read_bytes())
+    raw[positions[5] + HEADER_BYTES] ^= 0x01
+    seg.write_bytes(bytes(raw))
+    s = MessageStore(tmp_path)
+    with pytest.raises(StoreCorruption) as err:
+        s.open()
+    assert s.corruption is err.value
+    assert s.next_offset == 0 and s.get(3) is None and s.segment_paths() == []
+    assert s.reclaim() == 0
+    s.close()
+    assert seg.read_bytes() == bytes(raw)  # untouched
+
+
+def test_copy_forward_of_a_damaged_survivor_keeps_the_segment(tmp_path: Path) -> None:
+    s = MessageStore(tmp_path, segment_bytes=600, cache_bytes=0)
+    s.open()
+    fill(s, 60)
+    s.sync()
+    first = s._segments[0]
+    assert len(s._segments) > 2
+    s.release([o for o in first.offsets if o != first.offsets[3]])  # one survivor: copied forward
+    with open(first.path, "r+b") as f:
+        f.seek(first.positions[3] + HEADER_BYTES)
+        f.write(b"?")
+    heard: list[StoreCorruption] = []
+    s.on_corruption = heard.append
+    before = first.path.read_bytes()
+    s.reclaim()
+    assert len(heard) == 1 and first.path.read_bytes() == before and s._segments[0] is first
+    s.close()
