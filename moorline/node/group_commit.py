@@ -20,7 +20,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from moorline.node.raft_group import encode_vote
 from moorline.node.shard_host import ShardHost
+from moorline.raft import HardState
 from moorline.storage.wal import WriteAheadLog
 
 log = logging.getLogger("moorline.commit")
@@ -206,25 +208,26 @@ class GroupCommit:
 
     async def _commit(self, dirty: list[int]) -> bool:
         """One pass: seal, stage, sync once, apply. False when a failed sync stopped the node."""
-        staged: list[tuple[ShardHost, int]] = []
+        staged: list[ShardHost] = []
         for shard in dirty:
             host = self.hosts[shard]
-            if host.failed is not None or not (host.has_batch() or host.raft.has_ready()):
+            if host.failed is not None or not host.has_work():
                 continue
             if staged and self.wal.pending_bytes() + host.batch_bytes > self.max_stage_bytes:
                 self._dirty.add(shard)  # over the staging budget: this shard joins the next sync
                 self._wake.set()
                 continue
-            entries = host.seal()
-            if entries:
-                self.wal.append_entries(shard, [(e.term, e.index, e.type, e.data) for e in entries])
-                self.wal.set_hard_state(shard, host.raft.term, b"", host.raft.commit)
-                staged.append((host, entries[-1].index))
+            rd = host.seal()
+            if rd is not None:
+                if rd.entries:
+                    self.wal.append_entries(shard, [(e.term, e.index, int(e.type), e.data) for e in rd.entries])
+                if rd.hard_state is not None:
+                    self.stage_hard_state(shard, rd.hard_state)
+                staged.append(host)
         if not staged and self.wal.pending_bytes() == 0:
             return True
         if self.unsafe_ack_before_sync:  # deliberately broken build for the crash harness
-            for host, index in staged:
-                host.commit_upto(index)
+            self._after_sync(staged)
             # Acknowledged, then synced only a while later (like a periodic flush): the window
             # in which a kill plus power loss loses acknowledged messages is most of the run,
             # so the harness catches this build every time, not only when a kill is lucky.
@@ -244,18 +247,27 @@ class GroupCommit:
             raise  # node stopping: the final sync happens in Node.stop
         except Exception as exc:  # a failed fsync leaves durability unknown: stop the node
             log.critical("WAL sync failed: %s; stopping without acknowledging", exc)
-            for host, _ in staged:
+            for host in staged:
                 host.fail(f"WAL sync failed: {exc}")
             self.on_fatal(exc)
             return False
         self.syncs += 1
         self.shard_batches_synced += len(staged)
         if not self.unsafe_ack_before_sync:
-            for host, index in staged:
-                if host.failed is None:
-                    host.commit_upto(index)
+            self._after_sync(staged)
         self.after_commit()
         return True
+
+    def _after_sync(self, staged: list[ShardHost]) -> None:
+        for host in staged:
+            if host.failed is None and host.after_sync(self.stage_hard_state):
+                self._dirty.add(host.shard)  # the core has more for the WAL: another pass
+                self._urgent = True
+                self._wake.set()
+
+    def stage_hard_state(self, shard: int, hs: HardState) -> None:
+        """Written with the next batch; synced with it (a new commit index alone never forces a sync)."""
+        self.wal.set_hard_state(shard, hs.term, encode_vote(hs.vote), hs.commit)
 
     def stop(self) -> None:
         self._stopped = True

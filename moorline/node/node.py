@@ -35,10 +35,12 @@ from moorline.invariant import invariant
 from moorline.mqtt.topics import is_wildcard, parse_shared
 from moorline.node.delivery import LiveSession
 from moorline.node.group_commit import GroupCommit
-from moorline.node.one_voter import OneVoterRaft
+from moorline.node.raft_group import build_replica, encode_vote
 from moorline.node.recent import RecentMessages
 from moorline.node.shard_host import ApplyHooks, ShardHost, ShardUnavailable, default_limits
+from moorline.raft import MemberId
 from moorline.storage.dirlock import DataDirLock
+from moorline.storage.identity import load_or_create_storage_id
 from moorline.storage.ledger import SyncLedger
 from moorline.storage.msgstore import MessageStore, StoreCorruption
 from moorline.storage.snapshots import SnapshotStore
@@ -48,6 +50,7 @@ from moorline.testing.faults import NO_FAULTS, Faults
 log = logging.getLogger("moorline.node")
 
 SHARE_PREFIX = c.SHARE_PREFIX
+SINGLE_NODE_ID = 1  # a node started without cluster flags is member 1 of every group
 
 
 def reg_key_for(client_id: str, topic_filter: str) -> tuple[str, str, str | None]:
@@ -106,6 +109,11 @@ class Node:
         self.dir_lock = DataDirLock(self.data_dir)
         self.dir_lock.acquire()  # before anything is opened: DataDirInUse / DataDirUnusable
         meta = self._cluster_meta()
+        # Half of this node's Raft identity (node id, storage id): a wiped data directory is a new
+        # member. Data written by a single node before ids existed adopts one (it never voted
+        # anywhere else).
+        self.storage_id = load_or_create_storage_id(self.data_dir, adopt_existing=True)
+        self.member: MemberId = (SINGLE_NODE_ID, self.storage_id)
         self.wal = WriteAheadLog(
             self.data_dir / "wal", segment_bytes=self.cfg.storage.wal_segment_bytes,
             max_pending_bytes=self.cfg.storage.max_pending_bytes, ledger=self.ledger,
@@ -120,8 +128,9 @@ class Node:
         corrupted = {r.group: r for r in rec.corrupted if r.group is not None}
         for shard in range(self.shard_count):
             loaded = self.snapshots.load_latest(shard)
+            snap_index = snap_term = 0
             if loaded is not None:
-                _, _, data = loaded
+                snap_index, snap_term, data = loaded
                 state = ShardState.restore(data, limits, self.cfg.session.max_expiry_s)
             else:
                 state = ShardState(shard, meta["incarnations"][shard], limits, self.cfg.session.max_expiry_s)
@@ -136,15 +145,21 @@ class Node:
             except StoreCorruption as exc:  # one bad store stops its shard, never the node
                 store_damage = exc  # the store is closed and touches its files no more
             grec = rec.groups.get(shard)
-            term = grec.hard_state.term if grec is not None and grec.hard_state is not None else 0
-            raft = OneVoterRaft(term, state.applied_index, state.applied_index)
-            host = ShardHost(shard, state, raft, store, self.snapshots, hooks, self.cfg.shard.snapshot_every_entries,
-                             self.cfg.raft.max_entry_bytes, self.recent)
+            hs = grec.hard_state if grec is not None else None
+            raft, raft_log = build_replica(
+                self.member, [self.member], snap_index, snap_term,
+                [(e.term, e.index, e.type, e.data) for e in grec.entries] if grec is not None else [],
+                (hs.term, hs.vote, hs.commit) if hs is not None else None, state.applied_index,
+                random.Random(f"{self.storage_id}/{shard}"), max_entry_bytes=self.cfg.raft.max_entry_bytes,
+            )
+            host = ShardHost(shard, state, raft, raft_log, store, self.snapshots, hooks,
+                             self.cfg.shard.snapshot_every_entries, self.cfg.raft.max_entry_bytes, self.recent)
             self.hosts.append(host)
-            if grec is not None and store_damage is None:  # applying would write to the damaged store
-                host.replay([(e.term, e.index, e.type, e.data) for e in grec.entries])
-            raft.last_index = raft.commit = raft._persisted_index = state.applied_index
-            raft.campaign()
+            if shard in corrupted or store_damage is not None:
+                raft.mark_corrupted()  # never leads, never votes with a log it cannot vouch for
+            else:
+                raft.campaign()  # one voter: leader at once, with a no-op of a new term
+                self._recover_group(host)
             present = set(state.topics.meta)
             gone = [o for o in range(store.low_water, state.topics.next_offset) if o not in present]
             if gone:
@@ -158,6 +173,21 @@ class Node:
                 log.error("shard %d refuses service: %s", shard, host.failed)
         if self.faults.drop_on_restart:
             self._test_drop_last_messages()
+
+    def _recover_group(self, host: ShardHost) -> None:
+        """Before serving: the new term's no-op is made durable, and with it the core hands out as
+        committed every entry it may (after a snapshot: those the WAL kept), which are applied."""
+        while host.failed is None:
+            rd = host.seal()
+            if rd is None:
+                return
+            if rd.entries:
+                self.wal.append_entries(host.shard, [(e.term, e.index, int(e.type), e.data) for e in rd.entries])
+            if rd.hard_state is not None:
+                self.wal.set_hard_state(host.shard, rd.hard_state.term, encode_vote(rd.hard_state.vote),
+                                        rd.hard_state.commit)
+            self.wal.sync()
+            host.after_sync(lambda shard, hs: self.wal.set_hard_state(shard, hs.term, encode_vote(hs.vote), hs.commit))
 
     def _cluster_meta(self) -> dict[str, Any]:
         path = self.data_dir / "cluster.json"
@@ -588,8 +618,8 @@ class Node:
         are dropped by committed, counted DropOwed commands. Messages already sent and not yet
         acknowledged are never dropped: the client may be acknowledging them right now."""
         reg = host.state.topics.regs.get(reg_key)
-        if reg is None:
-            return
+        if reg is None or len(self.hosts) < self.shard_count:
+            return  # recovering: shards are still being opened (caps hold again from the next apply)
         cap_n, cap_b = self.cfg.session.max_queued_messages, self.cfg.session.max_queued_bytes
         shards = self.shards_for_filter(reg.filter)
         total_n = total_b = 0

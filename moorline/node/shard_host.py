@@ -1,8 +1,11 @@
-"""Hosts one shard on this node: its state machine, Raft stand-in, message store and snapshots.
+"""Hosts one shard on this node: its state machine, its Raft replica, message store and snapshots.
 
 Proposals are batched: every command proposed during one pass of the event loop goes into one
-log entry; the node's ``GroupCommit`` persists the entries of every shard with one fdatasync and
-then calls ``commit_upto`` here, which applies them and resolves the proposers' futures.
+log entry (``seal`` proposes it to the Raft core). The node's ``GroupCommit`` writes each host's
+``Ready`` (entries, hard state) to the node-wide WAL, syncs every group with one fdatasync, then
+calls ``after_sync`` here, which records what is durable, applies what the core says is
+committed and resolves the proposers' futures. A single node is a one-voter group on this same
+path: its own sync is the quorum.
 """
 
 from __future__ import annotations
@@ -19,8 +22,17 @@ from moorline.broker.messages import StoredMessage, decode_message
 from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import TopicLimits
 from moorline.invariant import invariant
-from moorline.node.one_voter import LogEntry, OneVoterRaft
 from moorline.node.recent import RecentMessages
+from moorline.raft import (
+    Entry,
+    EntryType,
+    HardState,
+    MemoryStorage,
+    Message,
+    ProposalDropped,
+    RaftNode,
+    Ready,
+)
 from moorline.storage.msgstore import MessageStore, StoreCorruption
 from moorline.storage.snapshots import SnapshotStore
 
@@ -79,6 +91,7 @@ def _resolve(waiter: Waiter, result: Any, exc: BaseException | None) -> None:
 @dataclass(slots=True)
 class _Pending:
     index: int
+    term: int  # the entry proposed here is the one committed at ``index`` only if its term matches
     commands: list[c.Command]
     futures: list[Waiter]
 
@@ -91,6 +104,9 @@ class ApplyHooks:
     on_results: Callable[[ShardHost, list[c.Command], list[Any]], None] = field(
         default=lambda host, cmds, results: None
     )
+    # Raft messages to other members (none while the group has one voter). Those of a Ready that
+    # needed a sync are handed over only after it.
+    send: Callable[[ShardHost, list[Message]], None] = field(default=lambda host, msgs: None)
 
 
 class ShardHost:
@@ -98,7 +114,8 @@ class ShardHost:
         self,
         shard: int,
         state: ShardState,
-        raft: OneVoterRaft,
+        raft: RaftNode,
+        raft_log: MemoryStorage,
         store: MessageStore,
         snapshots: SnapshotStore,
         hooks: ApplyHooks,
@@ -111,6 +128,10 @@ class ShardHost:
         self.shard = shard
         self.state = state
         self.raft = raft
+        # What the WAL holds of this group since its snapshot (read by the core); bounded by
+        # compaction once nothing needs the older entries.
+        self.raft_log = raft_log
+        self._rd: Ready | None = None  # handed to the WAL; its persistence completes in after_sync
         self.store = store
         store.on_corruption = self._store_damaged  # a bad record stops this shard, not the reader
         self.snapshots = snapshots
@@ -168,8 +189,9 @@ class ShardHost:
     def has_batch(self) -> bool:
         return bool(self._batch_cmds)
 
-    def seal(self) -> list[LogEntry]:
-        """Turn the commands proposed so far into one log entry; returns the entries to persist."""
+    def seal(self) -> Ready | None:
+        """Turn the commands proposed so far into log entries (proposed to the core); returns the
+        Ready whose entries and hard state must be written to the WAL before ``after_sync``."""
         if self._batch_cmds:
             cmds, futs = self._batch_cmds, self._batch_futs
             self._batch_cmds, self._batch_futs = [], []
@@ -184,31 +206,82 @@ class ShardHost:
                     start, size = i, 0
                 size += est
             self._propose_entry(cmds[start:], futs[start:])
-        return self.raft.ready().entries
+        return self.take_ready()
 
     def _propose_entry(self, cmds: list[c.Command], futs: list[Waiter]) -> None:
-        index = self.raft.propose(c.encode_entry(cmds))
-        self._inflight[index] = _Pending(index, cmds, futs)
+        try:
+            index = self.raft.propose(c.encode_entry(cmds))
+        except ProposalDropped as exc:  # not the leader, or too much uncommitted: nothing entered a log
+            failure = ShardUnavailable(f"shard {self.shard}: proposal refused: {exc}")
+            for fut in futs:
+                _resolve(fut, None, failure)
+            return
+        self._inflight[index] = _Pending(index, self.raft.term, cmds, futs)
+
+    def has_work(self) -> bool:
+        """Commands to seal, or a Ready for the WAL."""
+        return bool(self._batch_cmds) or self._rd is not None or self.raft.has_ready()
+
+    def take_ready(self) -> Ready | None:
+        """The Ready to write to the WAL now: one ``after_sync`` left waiting, or the core's next."""
+        if self._rd is None and self.raft.has_ready():
+            self._rd = self.raft.ready()
+        return self._rd
 
     # --- committing and applying -----------------------------------------------------------------
-    def commit_upto(self, index: int) -> None:
-        old, new = self.raft.advance(index)
-        for i in range(old + 1, new + 1):
-            pending = self._inflight.pop(i, None)
-            invariant(pending is not None, f"shard {self.shard}: committed entry {i} was proposed here")
-            assert pending is not None
-            self._apply_commands(i, pending.commands, pending.futures)
+    def after_sync(self, stage_hard_state: Callable[[int, HardState], None]) -> bool:
+        """The WAL synced this host's Ready: record it, send what waited for it, apply what is
+        committed, advance. Readies that follow and need no sync (a new commit index) are handled
+        here too, their hard state staged unsynced; returns True when a Ready that needs a sync
+        is waiting (the caller syncs again)."""
+        rd, self._rd = self._rd, None
+        if rd is None:
+            return False
+        self._persisted(rd)
+        while self.failed is None and self.raft.has_ready():
+            rd = self.raft.ready()
+            if rd.entries or rd.snapshot is not None or rd.must_sync:
+                self._rd = rd
+                return True
+            if rd.hard_state is not None:
+                stage_hard_state(self.shard, rd.hard_state)
+            self._persisted(rd)
+        return False
 
-    def replay(self, entries: list[tuple[int, int, int, bytes]]) -> None:
-        """Recovery: re-apply synced entries after the snapshot (no proposers are waiting)."""
-        for term, index, _type, data in entries:
-            if index <= self.state.applied_index:
-                continue
-            invariant(index == self.state.applied_index + 1, f"shard {self.shard}: log has a gap at {index}")
-            cmds = c.decode_entry(data)
-            none: list[Waiter] = [None] * len(cmds)
-            self._apply_commands(index, cmds, none)
-            self.raft.term = max(self.raft.term, term)
+    def _persisted(self, rd: Ready) -> None:
+        log_ = self.raft_log
+        if rd.entries:
+            log_.append(rd.entries)
+        if rd.hard_state is not None:
+            log_.set_hard_state(rd.hard_state)
+        if rd.early_messages or rd.messages:
+            self.hooks.send(self, rd.early_messages + rd.messages)
+        for e in rd.committed_entries:
+            self._apply_entry(e)
+        self.raft.advance(rd)
+        st = self.raft.active_conf_state
+        if len(st.voters) == 1 and not st.learners:
+            # One voter: no follower will ever ask for an applied entry again.
+            log_.compact(min(self.state.applied_index, log_.last_index()))
+
+    def _apply_entry(self, e: Entry) -> None:
+        pending = self._inflight.pop(e.index, None)
+        if pending is not None and pending.term != e.term:
+            # Another leader's entry took this index: what was proposed here never committed.
+            lost = ShardUnavailable(f"shard {self.shard}: leadership changed before entry {e.index} committed")
+            for fut in pending.futures:
+                _resolve(fut, None, lost)
+            pending = None
+        if e.type != EntryType.NORMAL or not e.data:  # a configuration change, a leader's no-op
+            invariant(pending is None, f"shard {self.shard}: a proposal of ours at {e.index} had no data")
+            self.state.applied_index = e.index
+            return
+        if pending is not None:
+            self._apply_commands(e.index, pending.commands, pending.futures)
+            return
+        cmds = c.decode_entry(e.data)  # recovery, or an entry another member proposed
+        none: list[Waiter] = [None] * len(cmds)
+        self._apply_commands(e.index, cmds, none)
 
     def _apply_commands(self, index: int, cmds: list[c.Command], futs: list[Waiter]) -> None:
         fx = self._fx
@@ -282,9 +355,12 @@ class ShardHost:
         self.store.sync()
         data = self.state.snapshot()
         index = self.state.applied_index
-        self.snapshots.save(self.shard, index, self.raft.term, data)
+        term = self.raft_log.term(index)
+        self.snapshots.save(self.shard, index, term, data)
+        self.raft_log.create_snapshot(index, self.raft.conf_state, b"")
+        self.raft_log.compact(index)
         self._entries_since_snapshot = 0
-        return index, self.raft.term
+        return index, term
 
     def fail(self, reason: str) -> None:
         self.failed = reason

@@ -23,15 +23,18 @@ class StorageIdError(Exception):
     """The storage id file is damaged, or missing from a data directory that is not empty."""
 
 
-def load_or_create_storage_id(data_dir: Path, random_bytes: Callable[[int], bytes] = os.urandom) -> str:
-    """This data directory's storage id; a new one if the directory is new or empty."""
+def load_or_create_storage_id(data_dir: Path, random_bytes: Callable[[int], bytes] = os.urandom,
+                              adopt_existing: bool = False) -> str:
+    """This data directory's storage id; a new one if the directory is new or empty, or (with
+    ``adopt_existing``, for data a single node wrote before storage ids existed: it never voted
+    in any other group) if it holds data but no id yet."""
     data_dir = Path(data_dir)
     path = data_dir / ID_FILE
     if path.exists():
         return _read(path)
     ensure_dir(data_dir)
-    others = [e.name for e in os.scandir(data_dir) if not e.name.startswith(ID_FILE)]
-    if others:
+    others = [e.name for e in os.scandir(data_dir) if not e.name.startswith(ID_FILE) and e.name != "LOCK"]
+    if others and not adopt_existing:
         raise StorageIdError(
             f"{data_dir} holds data ({', '.join(sorted(others)[:5])}) but no {ID_FILE}: refusing to give "
             "old state a new identity; wipe the directory to rejoin as a new member"

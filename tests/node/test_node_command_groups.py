@@ -9,6 +9,7 @@ log entries; and if a failure reaches the group's waiter, so no PUBACK is sent f
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +19,37 @@ from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage
 from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import TopicLimits
-from moorline.node.one_voter import OneVoterRaft
+from moorline.node.raft_group import build_replica
 from moorline.node.shard_host import ApplyHooks, ShardHost, ShardUnavailable
 from moorline.storage.msgstore import MessageStore
 from moorline.storage.snapshots import SnapshotStore
+from moorline.storage.wal import WriteAheadLog
 
 
-def make_host(tmp_path: Path, max_entry_bytes: int = 4 << 20, shard_max_bytes: int = 1 << 30) -> ShardHost:
+def make_host(tmp_path: Path, max_entry_bytes: int = 4 << 20, shard_max_bytes: int = 1 << 30,
+              wal: WriteAheadLog | None = None) -> ShardHost:
     limits = TopicLimits(shard_max_bytes=shard_max_bytes, reserved_headroom_bytes=0)
     store = MessageStore(tmp_path / "store", segment_bytes=1 << 20, cache_bytes=0)
     store.open()
-    return ShardHost(
-        0, ShardState(0, "inc", limits, 3600), OneVoterRaft(0, 0, 0), store, SnapshotStore(tmp_path / "snap"),
+    member = (1, "storage")
+    raft, raft_log = build_replica(member, [member], 0, 0, [], None, 0, random.Random(0))
+    host = ShardHost(
+        0, ShardState(0, "inc", limits, 3600), raft, raft_log, store, SnapshotStore(tmp_path / "snap"),
         ApplyHooks(on_effects=lambda host, fx: None), snapshot_every_entries=1_000_000,
         max_entry_bytes=max_entry_bytes,
     )
+    raft.campaign()  # one voter: leader at once
+    rd = host.seal()  # its no-op
+    if wal is not None and rd is not None:
+        wal.append_entries(0, [(e.term, e.index, int(e.type), e.data) for e in rd.entries])
+    synced(host)
+    return host
+
+
+def synced(host: ShardHost) -> None:
+    """What the node's group commit does once the WAL synced the host's Ready."""
+    while host.after_sync(lambda shard, hs: None):
+        host.take_ready()
 
 
 def publish(i: int, size: int = 100) -> c.Command:
@@ -48,9 +65,11 @@ class Recorder:
 
 
 def commit_all(host: ShardHost) -> int:
-    entries = host.seal()
-    host.commit_upto(entries[-1].index)
-    return len(entries)
+    """Seal, persist and commit; returns how many entries the commands went into."""
+    rd = host.seal()
+    assert rd is not None
+    synced(host)
+    return len(rd.entries)
 
 
 def test_group_callback_runs_once_with_every_result_in_order(tmp_path: Path) -> None:
@@ -80,11 +99,11 @@ def test_a_group_is_never_split_over_two_entries(tmp_path: Path) -> None:
     for g in groups:
         host.propose_group([publish(n + k, 300) for k in range(5)], g)  # ~2.8 kB a group: over the limit
         n += 5
-    entries = host.seal()
-    assert len(entries) == 4, "one entry per group: the limit cuts between groups, not inside one"
-    host.commit_upto(entries[1].index)
-    assert [len(g.calls) for g in groups] == [1, 1, 0, 0]
-    host.commit_upto(entries[-1].index)
+    rd = host.seal()
+    assert rd is not None
+    assert len(rd.entries) == 4, "one entry per group: the limit cuts between groups, not inside one"
+    assert [len(g.calls) for g in groups] == [0, 0, 0, 0]  # nothing before the sync
+    synced(host)
     for k, g in enumerate(groups):
         (results, exc), = g.calls
         assert exc is None and [r.offset for r in results] == list(range(5 * k, 5 * k + 5))
@@ -120,8 +139,8 @@ def test_an_apply_failure_inside_a_group_reaches_its_waiter(tmp_path: Path) -> N
     g = Recorder()
     bad = c.Publish(StoredMessage("t/a", b"x", 1, False, b"short guid", 1))  # an apply invariant breaks
     host.propose_group([publish(0), bad, publish(2)], g)
-    entries = host.seal()
+    host.seal()
     with pytest.raises(Exception):  # noqa: B017 - any apply failure; the shard stops
-        host.commit_upto(entries[-1].index)
+        synced(host)
     assert host.failed is not None
     assert len(g.calls) == 1 and g.calls[0][0] is None and isinstance(g.calls[0][1], ShardUnavailable)

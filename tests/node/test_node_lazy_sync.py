@@ -1,5 +1,7 @@
 """Commands nobody waits for (ack reports, QoS 1 session acks, housekeeping) never force a WAL sync
-of their own: they ride on the next sync a proposer waits for, or go when the lazy timer ends."""
+of their own: they ride on the next sync a proposer waits for, or go when the lazy timer ends.
+
+Index 1 is the one-voter leader's no-op (make_host), so the first command is applied at index 2."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ DELAY_MS = 200
 def _commit(tmp_path: Path) -> tuple[GroupCommit, list[int]]:
     wal = WriteAheadLog(tmp_path / "wal")
     wal.open()
-    host = make_host(tmp_path)
+    host = make_host(tmp_path, wal=wal)
     commits: list[int] = []
     gc = GroupCommit(wal, [host], on_fatal=lambda exc: None, after_commit=lambda: commits.append(1),
                      inline_sync_max_us=10_000_000, lazy_sync_delay_ms=DELAY_MS)
@@ -32,10 +34,10 @@ def test_lazy_commands_alone_wait_for_the_timer(tmp_path: Path) -> None:
         host.propose(c.Housekeeping(1_000, -1), False)
         gc.kick_lazy(0)
         await asyncio.sleep(DELAY_MS / 1000 / 4)
-        assert gc.syncs == 0 and host.state.applied_index == 0, "a lazy command forced a sync of its own"
+        assert gc.syncs == 0 and host.state.applied_index == 1, "a lazy command forced a sync of its own"
         await asyncio.sleep(DELAY_MS / 1000 * 2)
         assert gc.syncs == 1 and gc.lazy_syncs == 1 and commits == [1]
-        assert host.state.applied_index == 1
+        assert host.state.applied_index == 2
         gc.stop()
         runner.cancel()
 
@@ -55,7 +57,7 @@ def test_an_urgent_proposal_takes_the_lazy_ones_along_in_order(tmp_path: Path) -
         result = await asyncio.wait_for(fut, DELAY_MS / 1000 / 2)  # long before the lazy timer
         assert result.status == "ok"
         assert gc.syncs == 1 and gc.lazy_syncs == 0
-        assert host.state.applied_index == 1  # one entry: the ack report, then the publish
+        assert host.state.applied_index == 2  # one entry (after the no-op): the ack report, then the publish
         await asyncio.sleep(DELAY_MS / 1000 * 1.5)
         assert gc.syncs == 1, "the cancelled lazy timer still forced a sync"
         gc.stop()
@@ -78,7 +80,7 @@ def test_flush_syncs_lazy_commands_at_once(tmp_path: Path) -> None:
         started = loop.time()
         assert await gc.flush(DELAY_MS / 1000 * 5)
         assert loop.time() - started < DELAY_MS / 1000 / 2, "flush waited for the lazy timer"
-        assert gc.syncs == 1 and gc.lazy_syncs == 0 and host.state.applied_index == 1
+        assert gc.syncs == 1 and gc.lazy_syncs == 0 and host.state.applied_index == 2
         gc.stop()
         runner.cancel()
 
