@@ -334,8 +334,8 @@ class Connection(asyncio.Protocol):
             # The session was taken over (or ended) while this connection's packet was in progress:
             # a race the client caused, not a fault of ours. The newer connection owns the session.
             self.abort(f"session changed hands: {exc}")
-        except ShardUnavailable as exc:
-            self.disconnect(RC.SERVER_UNAVAILABLE if self.version == MQTT_5 else 0, str(exc))
+        except ShardUnavailable as exc:  # a SUBSCRIBE/UNSUBSCRIBE's session shard is unavailable
+            self.disconnect(RC.UNSPECIFIED_ERROR, str(exc))
         except ProtocolError as exc:
             self.protocol_error(exc.reason_code, str(exc))
         except asyncio.CancelledError:
@@ -375,8 +375,8 @@ class Connection(asyncio.Protocol):
                 else:
                     rest = packets[i:]
                     break
-            except ShardUnavailable as exc:
-                self.disconnect(RC.SERVER_UNAVAILABLE, str(exc))
+            except ShardUnavailable as exc:  # an acknowledgement for an unavailable session shard
+                self.disconnect(RC.UNSPECIFIED_ERROR, str(exc))
                 break
             except ProtocolError as exc:
                 self.protocol_error(exc.reason_code, str(exc))
@@ -429,7 +429,12 @@ class Connection(asyncio.Protocol):
             size += len(pk.payload)
             i += 1
         node.stats["published"] += len(cmds)
-        node.propose_group(shard, cmds, self._queue_ack(("puback_group", pids, 0), len(pids)))
+        try:
+            node.propose_group(shard, cmds, self._queue_ack(("puback_group", pids, 0), len(pids)))
+        except ShardUnavailable as exc:
+            self._acks.pop()  # the group's slot, queued just above: its PUBLISHes are refused one by one
+            self._acks_waiting -= len(pids)
+            self._refuse_unavailable(pids, "puback", exc)
         return i
 
     async def _handle(self, packet: p.Packet) -> None:
@@ -634,12 +639,35 @@ class Connection(asyncio.Protocol):
         shard = self.node.topic_shard(pk.topic)
         cmd = c.Publish(msg, self.principal.username or "", producer, seq)
         self.node.stats["published"] += 1
-        if pk.qos == 0:
-            self.node.propose(shard, cmd, want=False)
-            return
-        self.node.propose_cb(shard, cmd, self._queue_ack(("puback" if pk.qos == 1 else "pubrec", pk.packet_id, 0)))
+        kind = "puback" if pk.qos == 1 else "pubrec"
+        try:
+            if pk.qos == 0:
+                self.node.propose(shard, cmd, want=False)
+                return
+            self.node.propose_cb(shard, cmd, self._queue_ack((kind, pk.packet_id, 0)))
+        except ShardUnavailable as exc:
+            self._refuse_unavailable([pk.packet_id] if pk.qos else [], kind, exc)
 
-    def _queue_ack(self, what: tuple[str, Any, int], count: int = 1) -> Callback:
+    def _refuse_unavailable(self, pids: list[Any], kind: str, exc: ShardUnavailable) -> None:
+        """The shard refused before anything entered its log, so a refusal is true (promise 6):
+        5.0 gets 0x80 per message and keeps the connection for the other shards; 3.1.1, which
+        cannot refuse, is closed (the client resends later). QoS 0 is dropped, counted."""
+        self.node.stats["refused"] += max(1, len(pids))
+        if not pids:
+            return
+        if self.version != MQTT_5:
+            self.abort(f"publish refused: {exc}")
+            return
+        log.info("%s: publish refused: %s", self.client_id, exc)
+        for pid in pids:
+            self._queue_ack((kind, pid, RC.UNSPECIFIED_ERROR, str(exc)[:200]))(None, None)
+
+    @staticmethod
+    def _reason_props(what: tuple[Any, ...]) -> p.Properties:
+        """An acknowledgement's reason string, when its slot carries one (4th element)."""
+        return p.Properties(reason_string=what[3]) if len(what) > 3 else p.NO_PROPERTIES
+
+    def _queue_ack(self, what: tuple[Any, ...], count: int = 1) -> Callback:
         """Queue an acknowledgement (kind, packet id, forced reason) or a group of ``count`` PUBACKs
         ("puback_group", packet ids, 0); returns the callback that completes it. Acks leave in
         queue order, so a later one waits for an earlier one."""
@@ -664,15 +692,15 @@ class Connection(asyncio.Protocol):
         """Acks leave in arrival order of their PUBLISHes (MQTT-4.6.0-2), each after its sync."""
         acks = self._acks
         while acks and acks[0][0]:
-            _, result, exc, (kind, pid, forced), _ = acks.popleft()
+            _, result, exc, what, _ = acks.popleft()
+            kind, pid, forced = what[0], what[1], what[2]
             self._acks_waiting -= len(pid) if kind == "puback_group" else 1
             if self._closing:
                 continue
             reason = forced
             if exc is not None:
                 # Outcome unknown: never acknowledge; close so the client resends (DUP).
-                self.disconnect(RC.SERVER_UNAVAILABLE if isinstance(exc, ShardUnavailable) else RC.SERVER_BUSY,
-                                "publish outcome unknown")
+                self.disconnect(RC.SERVER_BUSY, f"publish outcome unknown: {exc}")  # 0x89
                 return
             if kind == "puback_group":
                 if not self._send_group_pubacks(pid, result):
@@ -692,9 +720,9 @@ class Connection(asyncio.Protocol):
                     self.state.note_inbound_acked(pid)
                     self._write(encode_puback(pid))
                 else:
-                    self.send_packet(p.Puback(pid, reason))
+                    self.send_packet(p.Puback(pid, reason, self._reason_props(what)))
             else:
-                self.send_packet(p.Pubrec(pid, reason))
+                self.send_packet(p.Pubrec(pid, reason, self._reason_props(what)))
                 if reason >= 0x80:
                     self.state.note_inbound_acked(pid)
         if self._acks_paused and self._acks_waiting < self.cfg.receive_maximum // 2 and not self._closing:

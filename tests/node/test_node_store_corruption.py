@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
-import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from moorline.hashing import shard_of
@@ -209,10 +208,6 @@ DISCONNECT_CODES = {0x00, 0x04, 0x80, 0x81, 0x82, 0x83, 0x87, 0x89, 0x8B, 0x8D, 
                     0x96, 0x97, 0x98, 0x99, 0x9A, 0x9B, 0x9C, 0x9D, 0x9E, 0x9F, 0xA0, 0xA1, 0xA2}
 
 
-@pytest.mark.xfail(strict=True, reason="node/connection.py answers a publish to a failed shard with DISCONNECT "
-                   "0x88, which is not a DISCONNECT reason code: paho reads it as a malformed packet and loses the "
-                   "reason string; a PUBACK 0x80 with the reason (the message entered no log) would keep the "
-                   "connection for the other shards")
 def test_an_mqtt5_publish_to_a_failed_shard_gets_an_answer_its_client_can_read(tmp_path: Path) -> None:
     node, _seg, _at = node_with_a_corrupt_store(tmp_path)
     try:
