@@ -167,6 +167,7 @@ class LiveSession:
         if sess is None:
             return
         outs: list[OutboundPublish] = []
+        unavailable: set[int] = set()
         for seq, d in sess.inflight.items():
             pid = packet_id_of(seq)
             self.pid_to_seq[pid] = seq
@@ -183,12 +184,18 @@ class LiveSession:
                 continue
             msg = self._message(d.item)
             if msg is None:
-                log.error("session %s: message %d/%d of an unacknowledged delivery is gone",
-                          self.client_id, d.item.shard, d.item.offset)
+                if d.item.shard >= 0 and self.node.hosts[d.item.shard].failed is not None:
+                    unavailable.add(d.item.shard)  # reported once per shard, below
+                else:
+                    log.error("session %s: message %d/%d of an unacknowledged delivery is gone",
+                              self.client_id, d.item.shard, d.item.offset)
                 continue
             outs.append(OutboundPublish(msg, d.item.qos, d.item.retain, True, pid, d.item.sub_ids))
         if outs:
             self.send_publishes(outs)
+        for shard in sorted(unavailable):
+            log.warning("session %s: unacknowledged deliveries from shard %d not resent: the shard is "
+                        "unavailable (%s)", self.client_id, shard, self.node.hosts[shard].failed)
 
     def _message(self, item: c.DeliveryItem) -> StoredMessage | None:
         if item.embedded is not None:
