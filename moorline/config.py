@@ -30,6 +30,19 @@ class ListenerConfig:
     mqtt: str = "127.0.0.1:1883"
     http: str = "127.0.0.1:8883"
     max_connections: int = 10_000
+    # Sockets that have not completed CONNECT (not yet authenticated): a cap of their own, so a flood
+    # of idle or slow handshakes cannot take every connection slot. Each holds at most
+    # mqtt.max_connect_packet_bytes, for at most mqtt.connect_timeout_s.
+    max_pending_connections: int = 1000
+    # New connections per second from one address (IPv6: one /64), a token bucket holding
+    # connection_burst_per_address; refused ones are closed at once. 0 = no limit. With the defaults
+    # one address holds at most 100 + 20 x connect_timeout_s (10) = 300 pending sockets.
+    max_connection_rate_per_address: float = 20.0
+    connection_burst_per_address: int = 100
+    rate_limit_tracked_addresses: int = 10_000  # buckets kept; the least recently seen address goes first
+    # Loopback peers are local processes (a TLS terminator or bridge forwarding many clients, tests):
+    # not rate-limited unless this is set.
+    rate_limit_loopback: bool = False
 
 
 @dataclass
@@ -48,6 +61,22 @@ class MqttConfig:
     # deliveries to publishes. Off by default: messages are forwarded unaltered (MQTT-3.3.2-17), and
     # parsing the extra property slows every MQTT 5 subscriber.
     stamp_guid_property: bool = False
+    # Topic names and filters: every level of a filter is a trie node (~300 B) in each shard it is
+    # registered in (all 16 for a wildcard), so depth is bounded first; Mosquitto allows 200 levels,
+    # AWS IoT 8, real topics rarely pass 10. Length: topics in use are far shorter (AWS IoT caps them
+    # at 256 B), while each byte is kept per retained topic, per stored message's index entry and per
+    # registration; the protocol's own limit is 65535. Longer or deeper: SUBACK 0x8F (0x80 on 3.1.1)
+    # for a filter, DISCONNECT 0x90 (a close on 3.1.1) for a PUBLISH, CONNACK 0x90 for a will.
+    max_topic_levels: int = 32
+    max_topic_length: int = 1024  # UTF-8 bytes
+    # Bytes a socket may send before its CONNECT is accepted (the first packet's size, refused from
+    # its fixed header on). A CONNECT is small, but a will payload may legitimately be up to 65535
+    # bytes: 128 KiB leaves room for that plus credentials and properties, 8x below max_packet_size.
+    max_connect_packet_bytes: int = 128 << 10
+    # A packet that has begun to arrive must be complete within this, keepalive or not (a client
+    # sending a byte now and then cannot hold a connection and its partial buffer for ever). Long
+    # enough for a 1 MiB packet over a ~150 kbit/s link.
+    packet_read_timeout_s: float = 60.0
 
 
 @dataclass
@@ -210,6 +239,16 @@ class NodeConfig:
             raise ConfigError("session.ack_commit_interval_ms must be 0..1000")
         if not 0 <= self.storage.lazy_sync_delay_ms <= 1000:
             raise ConfigError("storage.lazy_sync_delay_ms must be 0..1000")
+        m, li = self.mqtt, self.listeners
+        if not 1 <= m.max_topic_levels <= 65536 or not 1 <= m.max_topic_length <= 65535:
+            raise ConfigError("mqtt.max_topic_levels must be 1..65536 and mqtt.max_topic_length 1..65535")
+        if m.max_connect_packet_bytes < 256 or not m.packet_read_timeout_s > 0:
+            raise ConfigError("mqtt.max_connect_packet_bytes must be 256 or more, mqtt.packet_read_timeout_s positive")
+        if li.max_pending_connections < 1 or li.max_connection_rate_per_address < 0:
+            raise ConfigError("listeners.max_pending_connections must be 1 or more, "
+                              "listeners.max_connection_rate_per_address 0 (no limit) or more")
+        if li.connection_burst_per_address < 1 or li.rate_limit_tracked_addresses < 1:
+            raise ConfigError("listeners.connection_burst_per_address and rate_limit_tracked_addresses must be 1 or more")
         rt = self.runtime
         if rt.gc_young_threshold < 1 or min(rt.malloc_mmap_threshold_bytes, rt.malloc_trim_threshold_bytes,
                                              rt.malloc_top_pad_bytes) < 0:

@@ -9,7 +9,12 @@ of the connection-level protocol that is not about routing or storage lives here
 - inbound topic aliases (v5) are resolved, so the broker only ever sees full topic names;
 - inbound Receive Maximum: QoS>0 PUBLISHes we have not finished acknowledging are counted
   and exceeding our advertised maximum is 0x93 (v5);
-- PUBLISH topics are validated (wildcards -> 0x90); AUTH needs the CONNECT's method;
+- PUBLISH and will topics are validated (wildcards, and more levels or bytes than the broker's
+  ``TopicBounds``, -> 0x90); AUTH needs the CONNECT's method;
+- until CONNECT is accepted, the first packet may be at most ``max_connect_packet_size`` bytes: it is
+  refused as soon as its fixed header says it is larger, before its body is buffered;
+- ``partial_since``: when the incomplete packet now buffered began to arrive (the caller's clock,
+  passed to ``receive``), so the broker can close a connection that never finishes a packet;
 - outbound: topic aliases (optional), the client's Maximum Packet Size (MQTT-3.1.2-25) and
   the client's Receive Maximum (flow control counters the broker drives).
 
@@ -29,7 +34,7 @@ from moorline.mqtt.codec import (
     encode_properties,
     encode_publish_header,
 )
-from moorline.mqtt.errors import ProtocolError
+from moorline.mqtt.errors import PacketTooLarge, ProtocolError
 from moorline.mqtt.packets import (
     NO_PROPERTIES,
     Auth,
@@ -44,12 +49,21 @@ from moorline.mqtt.packets import (
     replace,
 )
 from moorline.mqtt.reasons import ReasonCode
-from moorline.mqtt.topics import is_shared, validate_topic_name
+from moorline.mqtt.topics import (
+    DEFAULT_TOPIC_BOUNDS,
+    TopicBounds,
+    is_shared,
+    topic_filter_error,
+    topic_name_error,
+)
 
 RC = ReasonCode
 SPEC_RECEIVE_MAXIMUM = 65535  # what a client may assume when we advertise nothing
 
 SPLIT_PAYLOAD_BYTES = 16 * 1024  # outbound payloads this large are not joined to their header
+# A CONNECT's fixed header (at most 5 bytes) plus its protocol name (6) and level (1): enough to know
+# its size and, when refusing it, whether to answer in MQTT 5.
+_CONNECT_HEAD_BYTES = 12
 
 
 class ProtocolState:
@@ -62,10 +76,20 @@ class ProtocolState:
         topic_alias_maximum_in: int = 0,
         receive_maximum_in: int = SPEC_RECEIVE_MAXIMUM,
         outbound_topic_aliases: bool = True,
+        topic_bounds: TopicBounds = DEFAULT_TOPIC_BOUNDS,
+        max_connect_packet_size: int | None = None,
     ) -> None:
         invariant(0 <= topic_alias_maximum_in <= 0xFFFF, "topic_alias_maximum_in must be 0..65535")
         invariant(1 <= receive_maximum_in <= 0xFFFF, "receive_maximum_in must be 1..65535")
         self.decoder = Decoder(max_packet_size_in, role="server")
+        self.topic_bounds = topic_bounds
+        # Bytes buffered before CONNECT is accepted: a CONNECT is small, and a socket that has not
+        # authenticated must be cheap. None = the maximum packet size.
+        self.max_connect_packet_size = min(max_connect_packet_size or max_packet_size_in, max_packet_size_in)
+        self._connect_head = b""  # the stream's first bytes, until the first packet's size is known
+        self._connect_size_known = False
+        self._refused_connect_level: int | None = None
+        self.partial_since: float | None = None  # see receive()
         self.topic_alias_maximum_in = topic_alias_maximum_in
         self.receive_maximum_in = receive_maximum_in
         self.outbound_topic_aliases = outbound_topic_aliases
@@ -85,7 +109,8 @@ class ProtocolState:
 
     @property
     def version(self) -> int | None:
-        return self.decoder.version
+        """The protocol level of the accepted CONNECT (of a refused one, when its header showed it)."""
+        return self.decoder.version or self._refused_connect_level
 
     @property
     def awaiting_connect(self) -> bool:
@@ -99,12 +124,19 @@ class ProtocolState:
             maximum_packet_size=self.decoder.max_packet_size,
         )
 
-    def receive(self, data: bytes) -> list[Packet]:
-        """Validated packets from the client's bytes; raises ProtocolError (and stays failed)."""
+    def receive(self, data: bytes, now: float = 0.0) -> list[Packet]:
+        """Validated packets from the client's bytes; raises ProtocolError (and stays failed).
+
+        ``now`` is the caller's clock (any scale): ``partial_since`` becomes the ``now`` of the call
+        in which the incomplete packet left buffered began to arrive, None when nothing is left."""
         if self._error is not None:
             raise self._error
+        decoder = self.decoder
+        had_partial = decoder.buffered_bytes > 0
         try:
-            packets = self.decoder.feed(data)
+            if not self._connect_size_known:
+                self._check_connect_size(data)
+            packets = decoder.feed(data)
             for i, packet in enumerate(packets):
                 kind = type(packet)
                 if kind is Publish:
@@ -122,7 +154,45 @@ class ProtocolState:
         except ProtocolError as e:
             self._error = e
             raise
+        if decoder.buffered_bytes:
+            if packets or not had_partial:
+                self.partial_since = now
+        else:
+            self.partial_since = None
         return packets
+
+    def _check_connect_size(self, data: bytes) -> None:
+        """Refuse the stream's first packet as soon as its fixed header says it is larger than
+        ``max_connect_packet_size``, before the decoder buffers its body (at most
+        ``_CONNECT_HEAD_BYTES`` are held, to see a CONNECT's protocol level)."""
+        head = self._connect_head + data[:_CONNECT_HEAD_BYTES - len(self._connect_head)]
+        self._connect_head = head
+        size = 0
+        for i in range(1, min(len(head), 5)):
+            size |= (head[i] & 0x7F) << (7 * (i - 1))
+            if head[i] < 0x80:
+                total = i + 1 + size
+                break
+        else:
+            if len(head) >= 5:  # a remaining length longer than 4 bytes: the decoder says malformed
+                self._connect_decided()
+            return
+        if total <= self.max_connect_packet_size:
+            self._connect_decided()
+            return
+        level_at = i + 1 + 6  # after the protocol name "MQTT" (2-byte length, 4 bytes)
+        name = head[i + 1:level_at]
+        if head[0] >> 4 == 1 and b"\x00\x04MQTT".startswith(name) and len(head) <= level_at:
+            return  # a few bytes more show a CONNECT's level: an MQTT 5 client is answered in kind
+        self._connect_decided()
+        # MQTT 5 gets CONNACK 0x95; 3.1.1 has no code for it: the connection just closes.
+        if head[0] >> 4 == 1 and name == b"\x00\x04MQTT" and head[level_at] == MQTT_5:
+            self._refused_connect_level = MQTT_5
+        raise PacketTooLarge(total, self.max_connect_packet_size)
+
+    def _connect_decided(self) -> None:
+        self._connect_size_known = True
+        self._connect_head = b""
 
     def on_connect(self, connect: Connect) -> None:
         """Accept ``connect``: version and the client's limits. ``receive`` calls this itself;
@@ -135,8 +205,10 @@ class ProtocolState:
         props = connect.properties
         if props.authentication_data is not None and props.authentication_method is None:
             raise ProtocolError(RC.PROTOCOL_ERROR, "authentication data without method")
-        if connect.will is not None and not validate_topic_name(connect.will.topic):
-            raise ProtocolError(RC.TOPIC_NAME_INVALID, "invalid will topic")
+        if connect.will is not None:
+            error = topic_name_error(connect.will.topic, self.topic_bounds)
+            if error is not None:
+                raise ProtocolError(RC.TOPIC_NAME_INVALID, f"will: {error}")
         if connect.protocol_level == MQTT_5:
             if props.receive_maximum is not None:
                 self.client_receive_maximum = props.receive_maximum
@@ -164,8 +236,9 @@ class ProtocolState:
             p = replace(p, topic=topic, properties=replace(p.properties, topic_alias=None))
         elif not topic and self.decoder.version == MQTT_5:
             raise ProtocolError(RC.PROTOCOL_ERROR, "empty topic without topic alias")
-        if not validate_topic_name(topic):
-            raise ProtocolError(RC.TOPIC_NAME_INVALID, "invalid topic name")  # MQTT-3.3.2-2
+        error = topic_name_error(topic, self.topic_bounds)
+        if error is not None:
+            raise ProtocolError(RC.TOPIC_NAME_INVALID, error)  # MQTT-3.3.2-2, and the broker's bounds
         if p.qos:
             pid = p.packet_id
             if pid not in self._inflight_in:
@@ -174,6 +247,11 @@ class ProtocolState:
                     raise ProtocolError(RC.RECEIVE_MAXIMUM_EXCEEDED, "receive maximum exceeded")  # MQTT-3.3.4-9
                 self._inflight_in.add(pid)  # type: ignore[arg-type]
         return p
+
+    def topic_filter_error(self, topic_filter: str) -> str | None:
+        """Why a SUBSCRIBE must refuse this filter (0x8F; 0x80 on 3.1.1), or None. Checks the
+        broker's bounds before the filter is split, so a deep filter allocates nothing."""
+        return topic_filter_error(topic_filter, self.topic_bounds)
 
     def _inbound_subscribe(self, s: Subscribe) -> None:
         for topic_filter, options in s.subscriptions:

@@ -6,15 +6,79 @@ Rules kept here:
   also matches the parent level (``a/#`` matches ``a``).
 - A topic starting with ``$`` is not matched by a filter starting with a wildcard (MQTT-4.7.2-1).
 - ``$share/GROUP/FILTER``: GROUP non-empty without ``+``, ``#`` or ``/``; FILTER a valid filter.
+- A broker also bounds what it accepts (``TopicBounds``: levels and UTF-8 bytes); ``topic_name_error``
+  and ``topic_filter_error`` check a name or filter against them before anything is split or stored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 MAX_TOPIC_BYTES = 65535
 SHARE_PREFIX = "$share/"
+
+
+@dataclass(frozen=True, slots=True)
+class TopicBounds:
+    """What a broker accepts beyond the protocol's own rules (``mqtt.max_topic_levels`` and
+    ``mqtt.max_topic_length``). Every level of a stored filter costs a trie node (about 300 bytes)
+    in every shard the filter is registered in, so depth is what must be bounded; a
+    65,535-byte filter of ``+/+/...`` would be 32,768 levels in each of 16 shards."""
+
+    max_levels: int = 32
+    max_bytes: int = 1024  # UTF-8 bytes; never above the protocol's 65,535
+
+
+DEFAULT_TOPIC_BOUNDS = TopicBounds()  # the broker's defaults (config.py says why these)
+UNBOUNDED = TopicBounds(max_levels=MAX_TOPIC_BYTES + 1, max_bytes=MAX_TOPIC_BYTES)  # the protocol's own
+
+
+def _bounds_error(s: str, what: str, bounds: TopicBounds) -> str | None:
+    """Why ``s`` exceeds ``bounds``, or None. Counts without splitting or encoding more than once, so
+    an oversized string costs no more than itself."""
+    limit = bounds.max_bytes
+    # len() counts code points: the UTF-8 length only differs (and needs encoding) for non-ASCII.
+    if len(s) > limit or (len(s) * 4 > limit and not s.isascii() and len(s.encode("utf-8")) > limit):
+        return f"{what} longer than {limit} bytes"
+    levels = s.count("/") + 1
+    if levels > bounds.max_levels:
+        return f"{what} has {levels} levels, more than {bounds.max_levels}"
+    return None
+
+
+def topic_name_error(topic: str, bounds: TopicBounds = UNBOUNDED) -> str | None:
+    """None if ``topic`` may be published (PUBLISH, will, HTTP) within ``bounds``; else why not, in
+    words fit for a reason string or an HTTP error."""
+    if not topic:
+        return "empty topic name"
+    if "+" in topic or "#" in topic:
+        return "wildcard in topic name"
+    if "\x00" in topic:
+        return "U+0000 in topic name"
+    return _bounds_error(topic, "topic name", bounds)
+
+
+def topic_filter_error(topic_filter: str, bounds: TopicBounds = UNBOUNDED) -> str | None:
+    """None if ``topic_filter`` (plain or ``$share/GROUP/FILTER``) may be subscribed within
+    ``bounds``; else why not. The bounds apply to the filter that is matched and stored (without
+    the ``$share/GROUP/`` prefix) and are checked before the filter is split."""
+    inner = topic_filter
+    if topic_filter.startswith(SHARE_PREFIX):  # "$share" alone is a plain filter, as parse_shared has it
+        rest = topic_filter[len(SHARE_PREFIX):]
+        slash = rest.find("/")
+        if slash <= 0 or "+" in rest[:slash] or "#" in rest[:slash]:
+            return "malformed shared subscription"
+        inner = rest[slash + 1:]
+    if not inner:
+        return "empty topic filter"
+    error = _bounds_error(inner, "topic filter", bounds)
+    if error is not None:
+        return error
+    if not validate_topic_filter(inner) or (inner is not topic_filter and len(topic_filter.encode()) > MAX_TOPIC_BYTES):
+        return "invalid topic filter"
+    return None
 
 
 def _length_ok(s: str) -> bool:

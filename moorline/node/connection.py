@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 import time
 import uuid
 from collections import deque
@@ -25,7 +27,7 @@ from moorline.mqtt.errors import ProtocolError, UnsupportedProtocol
 from moorline.mqtt.protocol import SPLIT_PAYLOAD_BYTES, ProtocolState
 from moorline.mqtt.reasons import ReasonCode as RC
 from moorline.mqtt.reasons import suback_v5_to_v3, v3_connack_applicable
-from moorline.mqtt.topics import parse_shared, validate_topic_filter
+from moorline.mqtt.topics import parse_shared
 from moorline.node.auth import Principal
 from moorline.node.delivery import LiveSession, OutboundPublish, ReadFilter
 from moorline.node.node import NodeFailure, SessionOwnedByOther
@@ -86,6 +88,8 @@ class Connection(asyncio.Protocol):
             max_packet_size_in=cfg.max_packet_size,
             topic_alias_maximum_in=cfg.topic_alias_maximum,
             receive_maximum_in=cfg.receive_maximum,
+            topic_bounds=server.topic_bounds,
+            max_connect_packet_size=cfg.max_connect_packet_bytes,
         )
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
@@ -126,6 +130,10 @@ class Connection(asyncio.Protocol):
             self._closing = True
             transport.close()
             return
+        if not self.server.admit(self, str(peer[0]) if peer else ""):  # per-address rate, pending cap
+            self._closing = True
+            transport.close()
+            return
         self.server.connections.add(self)
         if self.server.reading_paused:
             transport.pause_reading()  # type: ignore[attr-defined]
@@ -138,7 +146,7 @@ class Connection(asyncio.Protocol):
             return
         self.last_rx = time.monotonic()
         try:
-            packets = self.state.receive(data)
+            packets = self.state.receive(data, self.last_rx)
         except UnsupportedProtocol as exc:
             level = exc.level
             code = RC.UNSUPPORTED_PROTOCOL_VERSION
@@ -225,7 +233,18 @@ class Connection(asyncio.Protocol):
         self._out.clear()
         if self.transport.get_write_buffer_size() > self.cfg.max_write_buffer_bytes:
             # The client stopped reading: bounded buffer, then disconnect (unacked work is redelivered).
-            self.abort("client is not reading (write buffer full)")
+            # Reset, dropping the buffer: a close() would hold it, and the session, until the client
+            # read it all, which a client that stopped reading never does.
+            log.info("%s %s: disconnected: not reading (write buffer past mqtt.max_write_buffer_bytes)",
+                     self.peer, self.client_id)
+            self._closing = True
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                try:  # and the kernel's buffer too: linger 0 makes the close a reset
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                except OSError:
+                    pass
+            self.transport.abort()
 
     def send_packet(self, packet: p.Packet) -> None:
         data = self.state.encode_outbound(packet)
@@ -278,6 +297,8 @@ class Connection(asyncio.Protocol):
         if self.server.reading_paused or self._paused or self._acks_paused:
             # We are not reading this socket (back-pressure): the silence is ours, not the client's.
             self.last_rx = now
+            if self.state.partial_since is not None:
+                self.state.partial_since = now  # nor is a packet we stopped reading half-way slow
         if self.state.awaiting_connect:
             if now - self.connected_at >= self.cfg.connect_timeout_s:
                 self.abort("no CONNECT in time")
@@ -286,6 +307,12 @@ class Connection(asyncio.Protocol):
             deadline = self.state.keepalive_deadline(self.last_rx)
             if deadline is not None and now >= deadline:
                 self.disconnect(RC.KEEP_ALIVE_TIMEOUT, "keep alive timeout")
+                return
+            partial_since = self.state.partial_since
+            if partial_since is not None and now - partial_since >= self.cfg.packet_read_timeout_s:
+                # Keepalive counts any byte as life: without this a client sending one byte a minute
+                # would hold its connection and a partial packet for ever.
+                self.disconnect(RC.KEEP_ALIVE_TIMEOUT, "packet not completed within mqtt.packet_read_timeout_s")
                 return
             if now - self._oldest_unanswered_publish(now) > self.cfg.publish_timeout_s:
                 # Outcome unknown: close so the client retransmits (DESIGN.md promise 6).
@@ -780,7 +807,7 @@ class Connection(asyncio.Protocol):
         codes: list[int] = []
         retained_all: list[Any] = []
         for flt, opts in pk.subscriptions:
-            if not validate_topic_filter(flt) or (flt.startswith("$share/") and parse_shared(flt) is None):
+            if self.state.topic_filter_error(flt) is not None:  # syntax and mqtt.max_topic_*, before any split
                 codes.append(RC.TOPIC_FILTER_INVALID if v5 else 0x80)
                 continue
             check = parse_shared(flt)

@@ -7,12 +7,15 @@ import ipaddress
 import logging
 import signal
 import sys
+import time
+from collections import OrderedDict
 from typing import Any
 
 from moorline.config import ConfigError, NodeConfig
 from moorline.mqtt.codec import MQTT_5, encode
 from moorline.mqtt.packets import Disconnect
 from moorline.mqtt.reasons import ReasonCode as RC
+from moorline.mqtt.topics import TopicBounds
 from moorline.node.auth import Authorizer
 from moorline.node.connection import Connection
 from moorline.node.node import Node
@@ -56,16 +59,105 @@ def http_auth_required(cfg: NodeConfig, http_host: str, loopback_only: bool) -> 
     return True
 
 
+def rate_key(host: str) -> str:
+    """The address a connection rate is counted for: the IP, or for IPv6 its /64 (one host
+    usually has a whole /64, so counting single IPv6 addresses would limit nothing)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False).network_address)
+    return str(ip)
+
+
+class ConnectionRateLimiter:
+    """A token bucket per address: ``burst`` connections at once, refilled at ``rate`` a second.
+    At most ``max_addresses`` buckets are kept, the least recently seen forgotten first (a
+    forgotten address starts again with a full bucket: memory stays bounded under a flood from
+    many addresses, where a per-address limit could not help anyway). Time comes from the caller."""
+
+    def __init__(self, rate: float, burst: int, max_addresses: int) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.max_addresses = max_addresses
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # address -> (tokens, as of)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def allow(self, address: str, now: float) -> bool:
+        """Take one token for ``address``; False (nothing taken) when it has none left."""
+        bucket = self._buckets.pop(address, None)
+        if bucket is None:
+            tokens = self.burst
+            if len(self._buckets) >= self.max_addresses:
+                self._buckets.popitem(last=False)
+        else:
+            tokens = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+        allowed = tokens >= 1.0
+        self._buckets[address] = (tokens - 1.0 if allowed else tokens, now)  # now the most recently seen
+        return allowed
+
+
+REFUSAL_LOG_INTERVAL_S = 10.0  # refused connections are logged at most this often (a flood floods no log)
+
+
 class MqttServer:
     def __init__(self, node: Node, authorizer: Authorizer) -> None:
         self.node = node
         self.authorizer = authorizer
         self.connections: set[Connection] = set()
-        self.max_connections = node.cfg.listeners.max_connections
+        lcfg = node.cfg.listeners
+        self.max_connections = lcfg.max_connections
         self.reading_paused = False
+        mcfg = node.cfg.mqtt
+        self.topic_bounds = TopicBounds(mcfg.max_topic_levels, mcfg.max_topic_length)
+        # Connections that have not completed CONNECT. Ones that have (``live`` set) or closed are
+        # pruned only when the cap is reached: connection.py needs no hook for either, and the set
+        # stays bounded by the cap.
+        self.pending: set[Connection] = set()
+        self.max_pending = lcfg.max_pending_connections
+        self.rate_limiter = ConnectionRateLimiter(
+            lcfg.max_connection_rate_per_address, lcfg.connection_burst_per_address,
+            lcfg.rate_limit_tracked_addresses) if lcfg.max_connection_rate_per_address > 0 else None
+        self.rate_limit_loopback = lcfg.rate_limit_loopback
+        self.refused: dict[str, int] = {"rate": 0, "pending": 0}  # connections refused, by cause
+        self._refusals_unlogged = 0
+        self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
 
     def protocol_factory(self) -> Connection:
         return Connection(self)
+
+    def admit(self, conn: Connection, host: str) -> bool:
+        """A new socket from ``host``: within its address's connection rate and the cap on
+        connections that have not completed CONNECT? Counts it as pending when it is."""
+        now = time.monotonic()
+        limiter = self.rate_limiter
+        if (limiter is not None and (self.rate_limit_loopback or not is_loopback(host))
+                and not limiter.allow(rate_key(host), now)):
+            return self._refuse("rate", host, now)
+        if len(self.pending) >= self.max_pending:
+            self.pending = {c for c in self.pending if c.live is None and not c._closing}
+            if len(self.pending) >= self.max_pending:
+                return self._refuse("pending", host, now)
+        self.pending.add(conn)
+        return True
+
+    def _refuse(self, cause: str, host: str, now: float) -> bool:
+        self.refused[cause] += 1
+        self._refusals_unlogged += 1
+        if now - self._refusal_logged_at >= REFUSAL_LOG_INTERVAL_S:
+            what = ("connection rate of this address over listeners.max_connection_rate_per_address"
+                    if cause == "rate" else
+                    f"{self.max_pending} connections without a completed CONNECT (listeners.max_pending_connections)")
+            log.warning("refusing connections: %s (latest from %s; %d refused since the last such line)",
+                        what, host, self._refusals_unlogged)
+            self._refusal_logged_at = now
+            self._refusals_unlogged = 0
+        return False
 
     async def watch_loop_lag(self) -> None:
         """When the event loop lags past the threshold, stop reading MQTT sockets until it recovers."""

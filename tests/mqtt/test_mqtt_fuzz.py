@@ -11,6 +11,7 @@ from moorline.mqtt.codec import Decoder, encode
 from moorline.mqtt.errors import ProtocolError
 from moorline.mqtt.packets import Packet
 from moorline.mqtt.protocol import ProtocolState
+from moorline.mqtt.topics import TopicBounds
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -80,13 +81,18 @@ def test_mutated_streams_only_raise_protocol_errors(case: tuple[bytes, int, str]
     dec = Decoder(max_packet_size=max_size, role=role, version=None if role == "server" else version)  # type: ignore[arg-type]
     feed_all(dec, chunked(data, cuts))
     if role == "server":
-        # The protocol state adds its own checks (aliases, receive maximum, ordering) on top.
-        state = ProtocolState(topic_alias_maximum_in=5, receive_maximum_in=3)
+        # The protocol state adds its own checks (aliases, receive maximum, ordering, the CONNECT
+        # size bound, topic bounds) on top; before CONNECT it never holds more than the bound.
+        connect_bound = max(16, max_size // 3)
+        state = ProtocolState(topic_alias_maximum_in=5, receive_maximum_in=3, max_connect_packet_size=connect_bound,
+                              topic_bounds=TopicBounds(max_levels=3, max_bytes=20))
         for chunk in chunked(data, cuts):
             try:
                 state.receive(chunk)
             except ProtocolError:
                 break
+            if state.awaiting_connect:
+                assert state.decoder.buffered_bytes <= connect_bound
 
 
 def test_fuzz_harness_can_see_a_good_stream() -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from moorline.invariant import InvariantViolation
 from moorline.mqtt.codec import Decoder, encode, encode_properties, encode_publish_fast
-from moorline.mqtt.errors import ProtocolError
+from moorline.mqtt.errors import PacketTooLarge, ProtocolError
 from moorline.mqtt.packets import (
     NO_PROPERTIES,
     Auth,
@@ -26,6 +26,7 @@ from moorline.mqtt.packets import (
 )
 from moorline.mqtt.protocol import SPLIT_PAYLOAD_BYTES, ProtocolState
 from moorline.mqtt.reasons import ReasonCode as RC
+from moorline.mqtt.topics import TopicBounds
 
 
 def connected(version: int = 5, connect_props: Properties = NO_PROPERTIES, **kw: int) -> ProtocolState:
@@ -306,3 +307,103 @@ def test_large_outbound_payload_still_respects_the_clients_maximum_packet_size()
     assert state.encode_publish("t", b"t", b"x" * (SPLIT_PAYLOAD_BYTES + 20), 1, False, False, 1) is None
     fits = state.encode_publish("t", b"t", b"x" * SPLIT_PAYLOAD_BYTES, 1, False, False, 1)
     assert isinstance(fits, tuple) and len(fits[0]) + len(fits[1]) <= SPLIT_PAYLOAD_BYTES + 10
+
+
+# --- the broker's topic bounds (mqtt.max_topic_levels / max_topic_length) ------------------------------
+
+
+BOUNDED = TopicBounds(max_levels=3, max_bytes=16)
+
+
+@pytest.mark.parametrize("version", [4, 5])
+@pytest.mark.parametrize("topic", ["a/b/c/d", "/a/b/", "x" * 17, "é" * 9])
+def test_publish_topic_beyond_the_bounds_is_topic_name_invalid(version: int, topic: str) -> None:
+    # 0x90: MQTT 5 gets DISCONNECT 0x90, 3.1.1 a close (it has no way to refuse a PUBLISH).
+    expect_error(connected(version, topic_bounds=BOUNDED), encode(pub(topic, 1, 1), version), RC.TOPIC_NAME_INVALID)  # type: ignore[arg-type]
+
+
+def test_publish_topic_within_the_bounds_passes() -> None:
+    state = connected(5, topic_bounds=BOUNDED)  # type: ignore[arg-type]
+    out = state.receive(encode(pub("a/b/c"), 5) + encode(pub("x" * 16), 5) + encode(pub("é" * 8), 5))
+    assert [p.topic for p in out] == ["a/b/c", "x" * 16, "é" * 8]  # type: ignore[union-attr]
+
+
+def test_default_bounds_are_the_brokers_defaults() -> None:
+    state = connected(5)
+    expect_error(state, encode(pub("/".join("l" * 33)), 5), RC.TOPIC_NAME_INVALID)
+    assert connected(5).receive(encode(pub("/".join("l" * 32)), 5))
+    expect_error(connected(5), encode(pub("x" * 1025), 5), RC.TOPIC_NAME_INVALID)
+
+
+def test_topic_alias_to_a_topic_beyond_the_bounds_is_refused() -> None:
+    state = connected(5, topic_alias_maximum_in=4, topic_bounds=BOUNDED)  # type: ignore[arg-type]
+    expect_error(state, encode(pub("a/b/c/d", alias=1), 5), RC.TOPIC_NAME_INVALID)
+
+
+def test_will_topic_beyond_the_bounds_is_refused_at_connect() -> None:
+    state = ProtocolState(topic_bounds=BOUNDED)
+    expect_error(state, encode(Connect("MQTT", 5, "c", will=Will("a/b/c/d", b"w")), 5), RC.TOPIC_NAME_INVALID)
+    assert state.awaiting_connect  # answered with CONNACK 0x90
+
+
+def test_subscribe_filters_are_checked_against_the_bounds() -> None:
+    state = connected(5, topic_bounds=BOUNDED)  # type: ignore[arg-type]
+    assert state.topic_filter_error("a/+/#") is None
+    assert state.topic_filter_error("$share/g/a/+/#") is None  # the bound is on the filter matched
+    assert state.topic_filter_error("a/+/c/#") == "topic filter has 4 levels, more than 3"
+    assert state.topic_filter_error("a/#/b") == "invalid topic filter"
+
+
+# --- bytes before CONNECT (mqtt.max_connect_packet_bytes) ----------------------------------------------
+
+
+def connect_bytes(version: int, will_payload: int) -> bytes:
+    return encode(Connect("MQTT", version, "c", will=Will("w", b"w" * will_payload)), version)
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_oversized_connect_is_refused_from_its_fixed_header(version: int) -> None:
+    state = ProtocolState(max_connect_packet_size=1024)
+    data = connect_bytes(version, 5000)
+    with pytest.raises(PacketTooLarge) as info:
+        for i in range(12):  # byte by byte: refused once the header shows the size, long before the body
+            state.receive(data[i:i + 1])
+    assert info.value.reason_code == RC.PACKET_TOO_LARGE
+    assert state.decoder.buffered_bytes < 12
+    # MQTT 5 (level visible in the header) gets CONNACK 0x95; 3.1.1 has no code: a plain close.
+    assert state.awaiting_connect and state.version == (5 if version == 5 else None)
+
+
+def test_first_packet_of_any_type_is_held_to_the_connect_bound() -> None:
+    state = ProtocolState(max_connect_packet_size=1024)
+    expect_error(state, encode(pub("t", 0, payload_format_indicator=0), 4)[:1] + b"\xff\xff\x01", RC.PACKET_TOO_LARGE)
+
+
+def test_connect_up_to_the_bound_is_accepted_and_later_packets_get_the_full_size() -> None:
+    connect = connect_bytes(5, 900)
+    state = ProtocolState(max_connect_packet_size=len(connect), max_packet_size_in=1 << 20)
+    big = encode(Publish("t", b"x" * 100_000, 0, False, False, None), 5)
+    out = state.receive(connect + big)  # pipelined in one read: the CONNECT bound is for the CONNECT only
+    assert [type(p) for p in out] == [Connect, Publish]
+    expect_error(ProtocolState(max_connect_packet_size=len(connect) - 1), connect, RC.PACKET_TOO_LARGE)
+
+
+def test_connect_bound_never_exceeds_the_maximum_packet_size() -> None:
+    assert ProtocolState(max_packet_size_in=500, max_connect_packet_size=4096).max_connect_packet_size == 500
+
+
+# --- partial packets (mqtt.packet_read_timeout_s) ---------------------------------------------------------
+
+
+def test_partial_since_is_when_the_incomplete_packet_began() -> None:
+    state = connected(4)
+    assert state.partial_since is None
+    data = encode(pub("a/b"), 4)
+    state.receive(data[:3], now=10.0)
+    assert state.partial_since == 10.0
+    state.receive(data[3:5], now=11.0)
+    assert state.partial_since == 10.0  # still the same packet: trickling bytes do not reset the clock
+    state.receive(data[5:] + data[:2], now=12.0)
+    assert state.partial_since == 12.0  # that one completed; the next began in this read
+    state.receive(data[2:], now=13.0)
+    assert state.partial_since is None

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moorline.mqtt.topics import (
+    UNBOUNDED,
     SubscriptionTrie,
+    TopicBounds,
     is_shared,
     is_wildcard,
     matches,
     parse_shared,
+    topic_filter_error,
+    topic_name_error,
     validate_topic_filter,
     validate_topic_name,
 )
@@ -178,3 +184,56 @@ def test_matches_agrees_with_regex_reference(f: str, topic: str) -> None:
     if topic.startswith("$") and f[0] in "+#":
         expected = False
     assert matches(f, topic) is expected
+
+
+# --- the broker's bounds (mqtt.max_topic_levels, mqtt.max_topic_length) -------------------------------
+
+BOUNDS = TopicBounds(max_levels=4, max_bytes=12)
+
+
+@pytest.mark.parametrize("name,error", [
+    ("a/b/c/d", None), ("x" * 12, None), ("€€€€", None), ("$SYS/a/b/c", None),
+    ("a/b/c/d/e", "topic name has 5 levels, more than 4"), ("////", "topic name has 5 levels, more than 4"),
+    ("x" * 13, "topic name longer than 12 bytes"), ("€€€€a", "topic name longer than 12 bytes"),
+    ("", "empty topic name"), ("a/+", "wildcard in topic name"), ("#", "wildcard in topic name"),
+    ("a\x00", "U+0000 in topic name"),
+])
+def test_topic_name_error_names_the_bound(name: str, error: str | None) -> None:
+    assert topic_name_error(name, BOUNDS) == error
+    assert (topic_name_error(name, UNBOUNDED) is None) is validate_topic_name(name)  # the protocol's rules alone
+
+
+@pytest.mark.parametrize("f,error", [
+    ("a/+/c/#", None), ("+/+/+/+", None), ("$share/g/a/b/c/d", None), ("$share/a-long-group/x", None),
+    ("$share", None),  # not a shared subscription: a plain filter, as parse_shared has it
+    ("a/+/c/d/#", "topic filter has 5 levels, more than 4"), ("$share/g/a/b/c/d/e", "topic filter has 5 levels, more than 4"),
+    ("+" * 13, "topic filter longer than 12 bytes"),
+    ("a/#/b", "invalid topic filter"), ("a+", "invalid topic filter"), ("", "empty topic filter"),
+    ("$share/g/", "empty topic filter"), ("$share//a", "malformed shared subscription"),
+    ("$share/g+/a", "malformed shared subscription"), ("$share/g/a/#/b", "invalid topic filter"),
+])
+def test_topic_filter_error_names_the_bound(f: str, error: str | None) -> None:
+    assert topic_filter_error(f, BOUNDS) == error
+
+
+@given(f=st.text(alphabet="ab/+#$€\x00", max_size=12))
+@settings(max_examples=300)
+def test_unbounded_filter_check_agrees_with_the_protocol_rules(f: str) -> None:
+    plain_ok = validate_topic_filter(f) and not (f.startswith("$share/") and parse_shared(f) is None)
+    assert (topic_filter_error(f, UNBOUNDED) is None) is plain_ok
+
+
+def test_a_deep_filter_is_refused_without_being_split() -> None:
+    """A 65,535-byte filter of 32,768 "+" levels: the old check split it into a 32,768-string list
+    (and the trie then held a node per level in every shard); the bound needs no split."""
+    deep = "/".join(["+"] * 32768)
+    assert len(deep) == 65535 and validate_topic_filter(deep)
+    long_but_shallow = TopicBounds(max_levels=32, max_bytes=65535)
+    tracemalloc.start()
+    try:
+        errors = [topic_filter_error(deep, TopicBounds()), topic_filter_error(deep, long_but_shallow)]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert errors == ["topic filter longer than 1024 bytes", "topic filter has 32768 levels, more than 32"]
+    assert peak < 16 * 1024, f"checking the filter allocated {peak} bytes"
