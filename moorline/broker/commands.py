@@ -231,14 +231,28 @@ Command = (
 class EntryBatch(msgspec.Struct, array_like=True, frozen=True):
     version: int
     commands: list[Command]
+    # Who proposed it: (node, boot, seq), seq rising per boot. A node resends what it proposed
+    # until it sees it applied (to a new leader after a leader change), so one proposal can reach
+    # the log twice; ShardState.admit applies only the first. 0, 0, 0: unchecked (entries written
+    # before proposals had ids).
+    origin: int = 0
+    boot: int = 0
+    seq: int = 0
 
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(EntryBatch)
 
 
-def encode_entry(commands: list[Command]) -> bytes:
-    return _enc.encode(EntryBatch(ENTRY_VERSION, commands))
+def encode_entry(commands: list[Command], origin: int = 0, boot: int = 0, seq: int = 0) -> bytes:
+    return _enc.encode(EntryBatch(ENTRY_VERSION, commands, origin, boot, seq))
+
+
+def decode_batch(data: bytes) -> EntryBatch:
+    batch = _dec.decode(data)
+    if batch.version != ENTRY_VERSION:
+        raise ValueError(f"unsupported entry version {batch.version}")
+    return batch
 
 
 def decode_entry(data: bytes) -> list[Command]:

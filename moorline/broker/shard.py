@@ -7,7 +7,7 @@ replica. Cross-shard effects are returned to the host (``Effects``), never perfo
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -40,6 +40,19 @@ class ShardState:
         self.sessions = SessionState(max_session_expiry_s)
         self.sink_markers: dict[str, int] = {}
         self.applied_index = 0
+        # Proposer node -> (boot, highest seq applied): the same proposal in the log twice (resent
+        # to a new leader) is applied once; a boot older than one seen is a dead process's leftover.
+        self.proposals: dict[int, tuple[int, int]] = {}
+
+    def admit(self, origin: int, boot: int, seq: int) -> bool:
+        """Whether the entry proposed as (origin, boot, seq) is applied (first time) or skipped."""
+        if origin == 0:
+            return True
+        last = self.proposals.get(origin)
+        if last is not None and (boot, seq) <= last:
+            return False
+        self.proposals[origin] = (boot, seq)
+        return True
 
     def apply(self, cmd: c.Command, fx: Effects) -> Any:
         t = self.topics
@@ -119,6 +132,7 @@ class ShardState:
             epochs=s.epochs,
             session_ts_ms=s.last_ts_ms,
             sink_markers=dict(sorted(self.sink_markers.items())),
+            proposals=sorted((o, b, s) for o, (b, s) in self.proposals.items()),
         )
         return msgspec.msgpack.encode(snap)
 
@@ -154,6 +168,7 @@ class ShardState:
         st.sessions.epochs = snap.epochs
         st.sessions.last_ts_ms = snap.session_ts_ms
         st.sink_markers = dict(snap.sink_markers)
+        st.proposals = {o: (b, s) for o, b, s in snap.proposals}
         return st
 
 
@@ -180,6 +195,8 @@ class _Snapshot:
     epochs: int
     session_ts_ms: int
     sink_markers: dict[str, int]
+    # (origin, boot, seq); absent in snapshots from before proposal ids
+    proposals: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 __all__ = ["ShardState", "InflightDelivery", "SubscriptionState"]

@@ -40,7 +40,7 @@ from moorline.node.recent import RecentMessages
 from moorline.node.shard_host import ApplyHooks, ShardHost, ShardUnavailable, default_limits
 from moorline.raft import MemberId
 from moorline.storage.dirlock import DataDirLock
-from moorline.storage.identity import load_or_create_storage_id
+from moorline.storage.identity import load_or_create_storage_id, next_boot_number
 from moorline.storage.ledger import SyncLedger
 from moorline.storage.msgstore import MessageStore, StoreCorruption
 from moorline.storage.snapshots import SnapshotStore
@@ -114,6 +114,7 @@ class Node:
         # anywhere else).
         self.storage_id = load_or_create_storage_id(self.data_dir, adopt_existing=True)
         self.member: MemberId = (SINGLE_NODE_ID, self.storage_id)
+        self.boot = next_boot_number(self.data_dir)
         self.wal = WriteAheadLog(
             self.data_dir / "wal", segment_bytes=self.cfg.storage.wal_segment_bytes,
             max_pending_bytes=self.cfg.storage.max_pending_bytes, ledger=self.ledger,
@@ -154,6 +155,7 @@ class Node:
             )
             host = ShardHost(shard, state, raft, raft_log, store, self.snapshots, hooks,
                              self.cfg.shard.snapshot_every_entries, self.cfg.raft.max_entry_bytes, self.recent)
+            host.node_id, host.boot = self.member[0], self.boot
             self.hosts.append(host)
             if shard in corrupted or store_damage is not None:
                 raft.mark_corrupted()  # never leads, never votes with a log it cannot vouch for

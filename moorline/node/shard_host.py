@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from moorline.broker import commands as c
 from moorline.broker.effects import Effects
 from moorline.broker.messages import StoredMessage, decode_message
@@ -89,11 +91,27 @@ def _resolve(waiter: Waiter, result: Any, exc: BaseException | None) -> None:
 
 
 @dataclass(slots=True)
-class _Pending:
-    index: int
-    term: int  # the entry proposed here is the one committed at ``index`` only if its term matches
+class _Own:
+    """A proposal of this node, kept (and resent to whoever leads) until this replica applies it."""
+
+    seq: int
+    data: bytes
     commands: list[c.Command]
     futures: list[Waiter]
+    sent_tick: int = 0
+
+
+class _EntryHead(msgspec.Struct, array_like=True, frozen=True):
+    """An entry's proposal id, decoded without its commands (msgspec.Raw is not parsed)."""
+
+    version: int
+    commands: msgspec.Raw
+    origin: int = 0
+    boot: int = 0
+    seq: int = 0
+
+
+_head_decoder = msgspec.msgpack.Decoder(_EntryHead)
 
 
 @dataclass(slots=True)
@@ -107,6 +125,8 @@ class ApplyHooks:
     # Raft messages to other members (none while the group has one voter). Those of a Ready that
     # needed a sync are handed over only after it.
     send: Callable[[ShardHost, list[Message]], None] = field(default=lambda host, msgs: None)
+    # Proposals (encoded entries) for the leader, on node ``int``, when this replica does not lead.
+    forward: Callable[[ShardHost, int, list[bytes]], None] = field(default=lambda host, node, entries: None)
 
 
 class ShardHost:
@@ -141,7 +161,14 @@ class ShardHost:
         self._batch_cmds: list[c.Command] = []
         self._batch_futs: list[Waiter] = []
         self.batch_bytes = 0  # estimated bytes of the commands not yet sealed
-        self._inflight: dict[int, _Pending] = {}
+        # Proposal ids (node, boot, seq): the boot number changes with every start of the node.
+        self.node_id = 1
+        self.boot = 0
+        self._seq = 0
+        self._own: dict[int, _Own] = {}  # seq -> proposal not applied here yet, in seq order
+        self._lead_seen: Any = None  # the leader our proposals were last handed to
+        self._ticks = 0
+        self.resend_after_ticks = 30  # a proposal not applied after this many ticks is handed over again
         self._fx = Effects()
         self._entries_since_snapshot = 0
 
@@ -209,14 +236,61 @@ class ShardHost:
         return self.take_ready()
 
     def _propose_entry(self, cmds: list[c.Command], futs: list[Waiter]) -> None:
-        try:
-            index = self.raft.propose(c.encode_entry(cmds))
-        except ProposalDropped as exc:  # not the leader, or too much uncommitted: nothing entered a log
-            failure = ShardUnavailable(f"shard {self.shard}: proposal refused: {exc}")
-            for fut in futs:
-                _resolve(fut, None, failure)
+        self._seq += 1
+        own = _Own(self._seq, c.encode_entry(cmds, self.node_id, self.boot, self._seq), cmds, futs, self._ticks)
+        if self.raft.is_leader:
+            try:
+                self.raft.propose(own.data)
+            except ProposalDropped as exc:  # too much uncommitted: nothing entered a log
+                failure = ShardUnavailable(f"shard {self.shard}: proposal refused: {exc}")
+                for fut in futs:
+                    _resolve(fut, None, failure)
+                return
+            self._own[own.seq] = own
             return
-        self._inflight[index] = _Pending(index, self.raft.term, cmds, futs)
+        self._own[own.seq] = own
+        lead = self.raft.lead
+        if lead is not None:
+            self.hooks.forward(self, lead[0], [own.data])
+        # No leader known: kept, handed over when one is (check_leader).
+
+    def propose_forwarded(self, entries: list[bytes]) -> None:
+        """Another member's proposals: into the log if we lead, else dropped (its origin hands
+        them to the leader it learns of; an entry applies once whoever proposes it)."""
+        if not self.raft.is_leader or self.failed is not None:
+            return
+        for data in entries:
+            try:
+                self.raft.propose(data)
+            except ProposalDropped:
+                return  # the origin resends after resend_after_ticks
+
+    def tick(self) -> None:
+        """The logical clock (cluster mode): the core's timers, then our proposals' hand-over."""
+        self._ticks += 1
+        self.raft.tick()
+        self.check_leader()
+
+    def check_leader(self) -> None:
+        """Hands every proposal not applied yet, in original order, to a new leader; or again to
+        the same one when the oldest waited ``resend_after_ticks`` (it may have been dropped)."""
+        if not self._own:
+            self._lead_seen = self.raft.lead
+            return
+        lead = self.raft.lead
+        oldest = next(iter(self._own.values()))
+        if lead == self._lead_seen and self._ticks - oldest.sent_tick < self.resend_after_ticks:
+            return
+        self._lead_seen = lead
+        if lead is None:
+            return
+        owns = list(self._own.values())
+        for own in owns:
+            own.sent_tick = self._ticks
+        if self.raft.is_leader:
+            self.propose_forwarded([o.data for o in owns])
+        else:
+            self.hooks.forward(self, lead[0], [o.data for o in owns])
 
     def has_work(self) -> bool:
         """Commands to seal, or a Ready for the WAL."""
@@ -265,19 +339,16 @@ class ShardHost:
             log_.compact(min(self.state.applied_index, log_.last_index()))
 
     def _apply_entry(self, e: Entry) -> None:
-        pending = self._inflight.pop(e.index, None)
-        if pending is not None and pending.term != e.term:
-            # Another leader's entry took this index: what was proposed here never committed.
-            lost = ShardUnavailable(f"shard {self.shard}: leadership changed before entry {e.index} committed")
-            for fut in pending.futures:
-                _resolve(fut, None, lost)
-            pending = None
         if e.type != EntryType.NORMAL or not e.data:  # a configuration change, a leader's no-op
-            invariant(pending is None, f"shard {self.shard}: a proposal of ours at {e.index} had no data")
             self.state.applied_index = e.index
             return
-        if pending is not None:
-            self._apply_commands(e.index, pending.commands, pending.futures)
+        head = _head_decoder.decode(e.data)
+        if not self.state.admit(head.origin, head.boot, head.seq):
+            self.state.applied_index = e.index  # a proposal resent to a new leader, applied before
+            return
+        own = self._own.pop(head.seq, None) if head.origin == self.node_id and head.boot == self.boot else None
+        if own is not None:
+            self._apply_commands(e.index, own.commands, own.futures)
             return
         cmds = c.decode_entry(e.data)  # recovery, or an entry another member proposed
         none: list[Waiter] = [None] * len(cmds)
@@ -364,10 +435,10 @@ class ShardHost:
 
     def fail(self, reason: str) -> None:
         self.failed = reason
-        for pending in self._inflight.values():
-            for fut in pending.futures:
+        for own in self._own.values():
+            for fut in own.futures:
                 _resolve(fut, None, ShardUnavailable(reason))
-        self._inflight.clear()
+        self._own.clear()
         if self.recent is not None:  # nothing of a failed shard is delivered, cached or not
             self.recent.drop(self.shard, list(self.state.topics.meta))
 

@@ -53,3 +53,25 @@ def _read(path: Path) -> str:
     if f"{crc32c(sid.encode()):08x}" != crc:
         raise StorageIdError(f"{path} fails its checksum")
     return sid
+
+
+BOOT_FILE = "boot"
+
+
+def next_boot_number(data_dir: Path) -> int:
+    """This start's boot number: one more than the last start's, durable before it is used.
+
+    Proposals carry (node, boot, seq) and a shard applies one proposal once; seq restarts at 1
+    with every boot, so a boot number must never repeat (a torn or missing file is an error, not
+    a restart from 1)."""
+    path = Path(data_dir) / BOOT_FILE
+    last = 0
+    if path.exists():
+        text = path.read_text(encoding="ascii", errors="replace").strip()
+        parts = text.split(" ")
+        if len(parts) != 2 or not parts[0].isdigit() or f"{crc32c(parts[0].encode()):08x}" != parts[1]:
+            raise StorageIdError(f"{path} is malformed: refusing to reuse boot numbers")
+        last = int(parts[0])
+    boot = last + 1
+    write_file_atomically(path, f"{boot} {crc32c(str(boot).encode()):08x}\n".encode())
+    return boot
