@@ -14,6 +14,7 @@ from moorline.sim.marks import Marks
 from moorline.sim.simulation import ALL_BUGS, SeedResult, SimConfig, Simulation
 
 TRACE_LINES = 40
+SIM_CLUSTER_SIZES = (1, 3, 5)  # what draw_faults models: odd voter counts a shard may have
 
 
 class SeedProgress:
@@ -101,7 +102,7 @@ def _print_failure(r: SeedResult) -> None:
 def sim(
     seeds: Annotated[int, typer.Option(help="number of seeds to run")] = 100,
     start: Annotated[int, typer.Option(help="first seed")] = 0,
-    nodes: Annotated[int, typer.Option(help="cluster size: 3 or 5 (1 also works)")] = 3,
+    nodes: Annotated[int, typer.Option(help="cluster size: 1, 3 or 5")] = 3,
     replay: Annotated[int | None, typer.Option(help="run only this seed and print its trace")] = None,
     ops: Annotated[int, typer.Option(help="client operations per seed")] = 1000,
     bug: Annotated[
@@ -117,6 +118,10 @@ def sim(
     linearizability checkers. Exits 1 on the first seed with a violation."""
     if bug is not None and bug not in ALL_BUGS:
         raise typer.BadParameter(f"unknown bug {bug!r}; known: {', '.join(ALL_BUGS)}")
+    if nodes not in SIM_CLUSTER_SIZES:
+        # Checked here, before any seed runs: the simulation would otherwise raise from inside its
+        # first seed and show a traceback instead of a usage error.
+        raise typer.BadParameter(f"--nodes must be 1, 3 or 5, not {nodes}")
     if progress_every < 0:
         raise typer.BadParameter("--progress-every must be 0 or more seconds")
     todo = [replay] if replay is not None else list(range(start, start + seeds))
