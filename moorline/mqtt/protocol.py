@@ -34,7 +34,7 @@ from moorline.mqtt.codec import (
     encode_properties,
     encode_publish_header,
 )
-from moorline.mqtt.errors import PacketTooLarge, ProtocolError
+from moorline.mqtt.errors import ProtocolError
 from moorline.mqtt.packets import (
     NO_PROPERTIES,
     Auth,
@@ -188,7 +188,8 @@ class ProtocolState:
         # MQTT 5 gets CONNACK 0x95; 3.1.1 has no code for it: the connection just closes.
         if head[0] >> 4 == 1 and name == b"\x00\x04MQTT" and head[level_at] == MQTT_5:
             self._refused_connect_level = MQTT_5
-        raise PacketTooLarge(total, self.max_connect_packet_size)
+        raise ProtocolError(RC.PACKET_TOO_LARGE, f"first packet of {total} bytes, more than the "
+                            f"{self.max_connect_packet_size} accepted before CONNECT")
 
     def _connect_decided(self) -> None:
         self._connect_size_known = True

@@ -7,7 +7,7 @@ import pytest
 
 from moorline.invariant import InvariantViolation
 from moorline.mqtt.codec import Decoder, encode, encode_properties, encode_publish_fast
-from moorline.mqtt.errors import PacketTooLarge, ProtocolError
+from moorline.mqtt.errors import ProtocolError
 from moorline.mqtt.packets import (
     NO_PROPERTIES,
     Auth,
@@ -365,10 +365,11 @@ def connect_bytes(version: int, will_payload: int) -> bytes:
 def test_oversized_connect_is_refused_from_its_fixed_header(version: int) -> None:
     state = ProtocolState(max_connect_packet_size=1024)
     data = connect_bytes(version, 5000)
-    with pytest.raises(PacketTooLarge) as info:
+    with pytest.raises(ProtocolError) as info:
         for i in range(12):  # byte by byte: refused once the header shows the size, long before the body
             state.receive(data[i:i + 1])
     assert info.value.reason_code == RC.PACKET_TOO_LARGE
+    assert "more than the 1024 accepted before CONNECT" in str(info.value)
     assert state.decoder.buffered_bytes < 12
     # MQTT 5 (level visible in the header) gets CONNACK 0x95; 3.1.1 has no code: a plain close.
     assert state.awaiting_connect and state.version == (5 if version == 5 else None)
