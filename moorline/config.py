@@ -141,9 +141,27 @@ class StorageConfig:
 
 @dataclass
 class RaftConfig:
-    # A single node runs each shard as a one-voter group; election and append limits arrive with
-    # replication. The entry size bound already applies (one entry holds one batch of commands).
+    # One entry holds one batch of commands; appends to followers carry at most this much too.
     max_entry_bytes: int = 1 << 20
+    # The logical clock of every group (cluster mode): heartbeats every tick, elections after
+    # election_ticks..2*election_ticks ticks without a leader (100 ms x 10: 1-2 s).
+    tick_interval_ms: float = 100.0
+    election_ticks: int = 10
+
+
+@dataclass
+class ClusterConfig:
+    """Cluster mode (all unset: one node, zero configuration). Static bootstrap, etcd-style: every
+    node is started with the same initial_cluster."""
+
+    node_id: str | None = None  # this node's name in initial_cluster, e.g. "n1"
+    listen: str | None = None  # HOST:PORT for peers; outgoing connections leave from this host
+    initial_cluster: str | None = None  # "n1=HOST:PORT,n2=HOST:PORT,n3=HOST:PORT" (1, 3 or 5 nodes)
+    secret_file: str | None = None  # shared secret; without one the listener must be on loopback
+    cluster_id: str = "moorline"  # nodes of different clusters refuse each other
+    # Waiting at first start for every initial member to announce its storage id (a member is
+    # (node, storage id): a node whose storage is wiped is refused as a voter).
+    bootstrap_timeout_s: float = 60.0
 
 
 @dataclass
@@ -218,6 +236,7 @@ class NodeConfig:
     share: ShareConfig = field(default_factory=ShareConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     raft: RaftConfig = field(default_factory=RaftConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     pins: PinConfig = field(default_factory=PinConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
@@ -264,6 +283,15 @@ class NodeConfig:
         a = self.auth
         if a.max_parallel_hashes < 1 or a.max_failed_logins < 1 or a.login_rate_addresses < 1:
             raise ConfigError("auth.max_parallel_hashes, max_failed_logins and login_rate_addresses must be 1 or more")
+        if not a.failed_login_window_s > 0 or a.login_cache_entries < 0 or a.acl_cache_entries < 0:
+            raise ConfigError("auth.failed_login_window_s must be positive, auth.*_cache_entries 0 or more")
+        if not isinstance(a.admin_users, list) or not all(isinstance(u, str) for u in a.admin_users):
+            raise ConfigError("auth.admin_users must be a list of user names")
+        pins = self.pins
+        if not 0 < pins.reader_pin_ttl_s <= pins.max_ttl_s:
+            raise ConfigError("pins.reader_pin_ttl_s must be positive and at most pins.max_ttl_s")
+        if pins.max_pins_per_principal < 1 or pins.max_sink_markers_per_principal < 1:
+            raise ConfigError("pins.max_pins_per_principal and max_sink_markers_per_principal must be 1 or more")
 
 
 def _show(value: Any) -> str:

@@ -30,11 +30,21 @@ def run(
     config: Annotated[Path | None, typer.Option(help="TOML configuration file")] = None,
     shards: Annotated[int | None, typer.Option(help="shard count (fixed when the data dir is created)")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
+    node_id: Annotated[str | None, typer.Option(help="cluster: this node's name in --initial-cluster")] = None,
+    cluster: Annotated[str | None, typer.Option(help="cluster: HOST:PORT for peers (outgoing traffic leaves from HOST)")] = None,
+    initial_cluster: Annotated[str | None, typer.Option(help="cluster: n1=HOST:PORT,n2=HOST:PORT,n3=HOST:PORT")] = None,
+    cluster_secret_file: Annotated[Path | None, typer.Option(help="cluster: shared secret file (required off loopback)")] = None,
 ) -> None:
-    """Start one moorline node (single node, embedded default)."""
+    """Start a moorline node: one node with no cluster flags (the embedded default), else a member
+    of the cluster named by --initial-cluster."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     overrides: dict[str, object] = {}
+    for key, value in (("cluster.node_id", node_id), ("cluster.listen", cluster),
+                       ("cluster.initial_cluster", initial_cluster),
+                       ("cluster.secret_file", str(cluster_secret_file) if cluster_secret_file else None)):
+        if value is not None:
+            overrides[key] = value
     if data_dir is not None:
         overrides["data_dir"] = str(data_dir)
     if mqtt is not None:
@@ -54,13 +64,16 @@ def run(
         uvloop.install()
     except ImportError:
         pass
+    from moorline.cluster import ClusterConfigError
+    from moorline.node.cluster_link import StorageMismatch
     from moorline.node.server import serve
     from moorline.storage.dirlock import DataDirInUse, DataDirUnusable
+    from moorline.storage.identity import StorageIdError
     from moorline.storage.wal import WalCorruption
 
     try:
         code = asyncio.run(serve(cfg, _injected_faults))
-    except (DataDirInUse, DataDirUnusable) as exc:
+    except (DataDirInUse, DataDirUnusable, ClusterConfigError, StorageMismatch, StorageIdError) as exc:
         typer.echo(f"moorline: {exc}", err=True)
         raise typer.Exit(2) from exc
     except WalCorruption as exc:

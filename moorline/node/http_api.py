@@ -127,8 +127,14 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
             t = h.state.topics
             out.append({"shard": h.shard, "incarnation": t.incarnation, "low_water": t.low_water,
                         "next_offset": t.next_offset, "available": h.failed is None,
-                        **({"error": h.failed} if h.failed else {})})
+                        **({"error": h.failed} if h.failed else {}), **node.raft_status(h.shard)})
         return web.json_response({"shard_count": node.shard_count, "shards": out})
+
+    @routes.get("/v1/cluster")
+    async def cluster(req: web.Request) -> web.Response:
+        if (refused := admin_only()) is not None:
+            return refused
+        return web.json_response(node.cluster_status())
 
     @routes.get("/v1/shards/{shard}/messages")
     async def messages(req: web.Request) -> web.Response:

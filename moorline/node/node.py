@@ -33,13 +33,15 @@ from moorline.config import NodeConfig
 from moorline.hashing import guid128, shard_of
 from moorline.invariant import invariant
 from moorline.mqtt.topics import is_wildcard, parse_shared
+from moorline.node.cluster_link import ClusterLink, parse_cluster
 from moorline.node.delivery import LiveSession
 from moorline.node.group_commit import GroupCommit
 from moorline.node.raft_group import build_replica, encode_vote
 from moorline.node.recent import RecentMessages
 from moorline.node.shard_host import ApplyHooks, ShardHost, ShardUnavailable, default_limits
-from moorline.raft import MemberId
+from moorline.raft import MemberId, Message
 from moorline.storage.dirlock import DataDirLock
+from moorline.storage.fsutil import write_file_atomically
 from moorline.storage.identity import load_or_create_storage_id, next_boot_number
 from moorline.storage.ledger import SyncLedger
 from moorline.storage.msgstore import MessageStore, StoreCorruption
@@ -103,29 +105,46 @@ class Node:
         seed = faults.cross_shard_chaos_seed
         self._chaos = random.Random(seed) if seed is not None else None
         self.stats = {"published": 0, "delivered": 0, "refused": 0, "delivery_batches_committed": 0}
+        self.link: ClusterLink | None = None  # cluster mode: peers, forwarding
 
     # --- startup / recovery ----------------------------------------------------------------------
     def open(self) -> None:
+        """One node: every shard a group of one voter, this node."""
+        self.prepare()
+        self.open_groups([self.member])
+
+    def prepare(self, node_id: int = SINGLE_NODE_ID, cluster_key: str | None = None) -> None:
+        """Lock the data directory, learn this node's identity, open the WAL (no groups yet).
+        ``cluster_key`` (cluster mode) makes the shards' incarnations the same on every node."""
         self.dir_lock = DataDirLock(self.data_dir)
         self.dir_lock.acquire()  # before anything is opened: DataDirInUse / DataDirUnusable
-        meta = self._cluster_meta()
         # Half of this node's Raft identity (node id, storage id): a wiped data directory is a new
         # member. Data written by a single node before ids existed adopts one (it never voted
-        # anywhere else).
-        self.storage_id = load_or_create_storage_id(self.data_dir, adopt_existing=True)
-        self.member: MemberId = (SINGLE_NODE_ID, self.storage_id)
+        # anywhere else); a cluster member's never does. First, so a new directory gets it first.
+        self.storage_id = load_or_create_storage_id(self.data_dir, adopt_existing=cluster_key is None)
+        self._meta = self._cluster_meta(cluster_key)
+        self.member: MemberId = (node_id, self.storage_id)
         self.boot = next_boot_number(self.data_dir)
         self.wal = WriteAheadLog(
             self.data_dir / "wal", segment_bytes=self.cfg.storage.wal_segment_bytes,
             max_pending_bytes=self.cfg.storage.max_pending_bytes, ledger=self.ledger,
             preallocate=self.cfg.storage.wal_preallocate,
         )
-        rec = self.wal.open()  # WalCorruption here refuses to start, naming file and offset
-        for torn in rec.torn_tails:  # names the sync batch and how many records went
+        self._recovery = self.wal.open()  # WalCorruption here refuses to start, naming file and offset
+        for torn in self._recovery.torn_tails:  # names the sync batch and how many records went
             log.warning("WAL %s", torn.describe())
         self.snapshots = SnapshotStore(self.data_dir / "snapshots", ledger=self.ledger)
+
+    def open_groups(self, voters: list[MemberId]) -> None:
+        """Every shard's replica, with ``voters`` (this node among them), recovered and applied up
+        to what its log commits. With one voter the node campaigns at once; in a cluster the
+        shard's preferred node (voters[shard % n], spreading leaders) campaigns at its first start
+        and elections do the rest."""
+        rec, meta = self._recovery, self._meta
         limits = default_limits(self.cfg)
-        hooks = ApplyHooks(on_effects=self._on_effects)
+        hooks = ApplyHooks(on_effects=self._on_effects, on_results=self._on_results,
+                           send=self._send_raft, forward=self._forward)
+        voters = sorted(voters)
         corrupted = {r.group: r for r in rec.corrupted if r.group is not None}
         for shard in range(self.shard_count):
             loaded = self.snapshots.load_latest(shard)
@@ -148,10 +167,11 @@ class Node:
             grec = rec.groups.get(shard)
             hs = grec.hard_state if grec is not None else None
             raft, raft_log = build_replica(
-                self.member, [self.member], snap_index, snap_term,
+                self.member, voters, snap_index, snap_term,
                 [(e.term, e.index, e.type, e.data) for e in grec.entries] if grec is not None else [],
                 (hs.term, hs.vote, hs.commit) if hs is not None else None, state.applied_index,
-                random.Random(f"{self.storage_id}/{shard}"), max_entry_bytes=self.cfg.raft.max_entry_bytes,
+                random.Random(f"{self.storage_id}/{shard}"), election_tick=self.cfg.raft.election_ticks,
+                max_entry_bytes=self.cfg.raft.max_entry_bytes,
             )
             host = ShardHost(shard, state, raft, raft_log, store, self.snapshots, hooks,
                              self.cfg.shard.snapshot_every_entries, self.cfg.raft.max_entry_bytes, self.recent)
@@ -160,7 +180,9 @@ class Node:
             if shard in corrupted or store_damage is not None:
                 raft.mark_corrupted()  # never leads, never votes with a log it cannot vouch for
             else:
-                raft.campaign()  # one voter: leader at once, with a no-op of a new term
+                fresh = raft_log.last_index() == 0 and hs is None
+                if len(voters) == 1 or (fresh and voters[shard % len(voters)] == self.member):
+                    raft.campaign()  # one voter: leader at once, with a no-op of a new term
                 self._recover_group(host)
             present = set(state.topics.meta)
             gone = [o for o in range(store.low_water, state.topics.next_offset) if o not in present]
@@ -175,6 +197,148 @@ class Node:
                 log.error("shard %d refuses service: %s", shard, host.failed)
         if self.faults.drop_on_restart:
             self._test_drop_last_messages()
+
+    async def open_async(self) -> None:
+        """``open`` for either mode: with cluster settings, start the link to the peers, learn (or
+        recall) every initial member's storage id, then open the groups with all of them as voters."""
+        spec = parse_cluster(self.cfg.cluster)
+        if spec is None:
+            self.open()
+            return
+        self.prepare(spec.my_id, f"{self.cfg.cluster.cluster_id}/{','.join(spec.names)}")
+        link = ClusterLink(spec, self.cfg.cluster, self.storage_id, self.known_members(), random.Random())
+        self.attach_cluster(link)
+        await link.start()
+        members = await link.wait_for_members(self.cfg.cluster.bootstrap_timeout_s)
+        self.save_members(members)
+        self.open_groups([(spec.node_id(name), sid) for name, sid in members.items()])
+
+    # --- cluster (none of this runs on a single node) ---------------------------------------------
+    def attach_cluster(self, link: ClusterLink) -> None:
+        """Raft traffic of this node's groups goes through ``link`` from now on."""
+        self.link = link
+        link.on_raft = self._on_raft_message
+        link.on_forward = self._on_forwarded
+
+    def known_members(self) -> dict[str, str] | None:
+        members = self._meta.get("members")
+        return dict(members) if isinstance(members, dict) else None
+
+    def save_members(self, members: dict[str, str]) -> None:
+        """The initial members' storage ids, once known: a restart needs no bootstrap, and a peer
+        that comes back with other storage is recognised as wiped."""
+        if self._meta.get("members") == members:
+            return
+        self._meta["members"] = dict(sorted(members.items()))
+        write_file_atomically(self.data_dir / "cluster.json", json.dumps(self._meta).encode())
+
+    def _send_raft(self, host: ShardHost, msgs: list[Message]) -> None:
+        if self.link is not None:
+            self.link.send(host.shard, msgs)
+
+    def _forward(self, host: ShardHost, node_id: int, entries: list[bytes]) -> None:
+        if self.link is not None:
+            self.link.forward(host.shard, node_id, entries)
+
+    def _on_raft_message(self, shard: int, m: Message) -> None:
+        if not 0 <= shard < len(self.hosts):
+            return  # groups not open yet (bootstrap), or a shard this node does not have
+        host = self.hosts[shard]
+        if host.failed is not None or getattr(self, "commit", None) is None:
+            return  # not serving yet: the sender retransmits
+        try:
+            host.raft.step(m)
+        except Exception as exc:  # a peer's message must never take a group (or the node) down
+            log.warning("shard %d: dropped a raft message from %s: %s", shard, m.from_, exc)
+            return
+        if host.raft.has_ready():
+            self.commit.kick(shard)
+
+    def _on_forwarded(self, shard: int, entries: list[bytes]) -> None:
+        if 0 <= shard < len(self.hosts) and getattr(self, "commit", None) is not None:
+            self.hosts[shard].propose_forwarded(entries)
+            self.commit.kick(shard)
+
+    async def _tick_loop(self) -> None:
+        interval = self.cfg.raft.tick_interval_ms / 1000
+        while not self.stopping.is_set():
+            await asyncio.sleep(interval)
+            for host in self.hosts:
+                if host.failed is None:
+                    host.tick()
+                    if host.has_work():
+                        self.commit.kick(host.shard)
+
+    def _on_results(self, host: ShardHost, cmds: list[c.Command], results: list[Any]) -> None:
+        """A session opened elsewhere (another node, a newer epoch) ends this node's connection of
+        it: 0x8E on 5.0 (the new owner already serves; this one's commands are stale)."""
+        if self.link is None:
+            return
+        for cmd, res in zip(cmds, results, strict=False):
+            if type(cmd) is c.SessionOpen and res is not None and not res.refused:
+                conn = self.connections.get(cmd.client_id)
+                live = getattr(conn, "live", None)
+                if conn is not None and live is not None and live.epoch != res.epoch:
+                    conn.disconnect(0x8E, "session taken over on another node")
+
+    def node_name(self, node_id: int) -> str:
+        """A Raft node id as operators know it: its --initial-cluster name ("n1" on a single node)."""
+        if self.link is not None and 1 <= node_id <= len(self.link.spec.names):
+            return self.link.spec.name_of(node_id)
+        return f"n{node_id}"
+
+    def raft_status(self, shard: int) -> dict[str, Any]:
+        """The shard's Raft view from this replica, for GET /v1/shards: leader (None while there is
+        none), voters, learners, term, commit/applied, and per replica its match (known on the leader)."""
+        host = self.hosts[shard]
+        raft = host.raft
+        conf = raft.active_conf_state
+        lead = raft.lead
+        replicas = {self.node_name(m[0]): {"match": (raft.progress[m].match if raft.is_leader and m in raft.progress
+                                                     else None)} for m in conf.members()}
+        replicas[self.node_name(self.member[0])]["applied"] = host.state.applied_index
+        return {
+            "leader": self.node_name(lead[0]) if lead is not None else None,
+            "voters": [self.node_name(m[0]) for m in conf.voters],
+            "learners": [self.node_name(m[0]) for m in conf.learners],
+            "term": raft.term,
+            "commit": raft.log.committed,
+            "applied_index": host.state.applied_index,
+            "replicas": replicas,
+        }
+
+    def cluster_status(self) -> dict[str, Any]:
+        """Nodes of the cluster (GET /v1/cluster): names, addresses, storage ids, reachability, and
+        how many groups each leads as this node sees it."""
+        led: dict[str, int] = {}
+        for h in self.hosts:
+            if h.raft.lead is not None:
+                name = self.node_name(h.raft.lead[0])
+                led[name] = led.get(name, 0) + 1
+        if self.link is None:
+            me = self.node_name(self.member[0])
+            return {"nodes": [{"id": me, "storage_id": self.storage_id, "self": True, "reachable": True,
+                               "groups_led": led.get(me, 0), "mqtt": self.cfg.listeners.mqtt,
+                               "http": self.cfg.listeners.http}]}
+        stats = self.link.stats().get("peers", {})
+        nodes = []
+        for name in self.link.spec.names:
+            peer = stats.get(name, {})
+            is_me = name == self.link.spec.me
+            streams_up = peer.get("connected_streams") or []
+            nodes.append({
+                "id": name, "cluster": "{}:{}".format(*self.link.spec.addresses[name]),
+                "storage_id": self.link.members.get(name), "self": is_me,
+                "reachable": True if is_me else bool(streams_up),
+                "groups_led": led.get(name, 0),
+                **({} if is_me else {"transport": peer}),
+            })
+        return {"nodes": nodes}
+
+    def leads(self, shard: int) -> bool:
+        """Whether this node proposes the shard's leader-only commands (housekeeping, wills,
+        $share dispatch, queue-cap drops). A single node leads every shard."""
+        return self.hosts[shard].raft.is_leader
 
     def _recover_group(self, host: ShardHost) -> None:
         """Before serving: the new term's no-op is made durable, and with it the core hands out as
@@ -191,7 +355,7 @@ class Node:
             self.wal.sync()
             host.after_sync(lambda shard, hs: self.wal.set_hard_state(shard, hs.term, encode_vote(hs.vote), hs.commit))
 
-    def _cluster_meta(self) -> dict[str, Any]:
+    def _cluster_meta(self, cluster_key: str | None = None) -> dict[str, Any]:
         path = self.data_dir / "cluster.json"
         if path.exists():
             meta: dict[str, Any] = json.loads(path.read_text())
@@ -204,7 +368,10 @@ class Node:
         meta = {
             "shard_count": self.shard_count,
             "hash": "crc32c",
-            "incarnations": [os.urandom(8).hex() for _ in range(self.shard_count)],
+            # A shard's incarnation is the same on every replica: drawn at random by a single node,
+            # derived from the cluster's key (id and initial members) in a cluster.
+            "incarnations": [os.urandom(8).hex() if cluster_key is None else
+                             guid128(cluster_key, shard)[:8].hex() for shard in range(self.shard_count)],
             "created_ms": int(time.time() * 1000),
         }
         tmp = path.with_suffix(".tmp")
@@ -241,12 +408,20 @@ class Node:
                                   unsafe_ack_before_sync=self.faults.unsafe_ack_before_sync,
                                   slow_sync_s=self.faults.slow_sync_s)
         self._tasks.append(asyncio.create_task(self.commit.run(), name="group-commit"))
+        if self.link is not None:
+            self._tasks.append(asyncio.create_task(self._tick_loop(), name="raft-ticks"))
         await self._reconcile_after_restart()
         self._tasks.append(asyncio.create_task(self._housekeeping_loop(), name="housekeeping"))
 
     async def _reconcile_after_restart(self) -> None:
         """Sessions that were connected when the node stopped are now disconnected (wills may
-        fire); every subscription is registered again (idempotent) in case a crash cut that short."""
+        fire); every subscription is registered again (idempotent) in case a crash cut that short.
+
+        Single node only: in a cluster a session marked connected may be served by another node
+        right now, and this node's replicas may lag; there the owner lease (to come) ends the
+        sessions of a node that died, and registrations are repaired by their owners."""
+        if self.link is not None:
+            return
         now = self.now_ms()
         futs: list[Any] = []
         wanted: set[str] = set()  # plain registration keys some session's subscription stands behind
@@ -620,8 +795,8 @@ class Node:
         are dropped by committed, counted DropOwed commands. Messages already sent and not yet
         acknowledged are never dropped: the client may be acknowledging them right now."""
         reg = host.state.topics.regs.get(reg_key)
-        if reg is None or len(self.hosts) < self.shard_count:
-            return  # recovering: shards are still being opened (caps hold again from the next apply)
+        if reg is None or len(self.hosts) < self.shard_count or not host.raft.is_leader:
+            return  # recovering (caps hold again from the next apply), or the leader's to enforce
         cap_n, cap_b = self.cfg.session.max_queued_messages, self.cfg.session.max_queued_bytes
         shards = self.shards_for_filter(reg.filter)
         total_n = total_b = 0
@@ -680,6 +855,8 @@ class Node:
         """The $share dispatcher for (shard, group): claims are committed before they are pushed."""
         self._share_pending.discard((shard, reg_key))
         host = self.hosts[shard]
+        if not host.raft.is_leader:
+            return  # a group's dispatcher runs on the shard's leader
         reg = host.state.topics.regs.get(reg_key)
         if reg is None or not reg.members:
             return
@@ -747,8 +924,8 @@ class Node:
             await asyncio.sleep(interval)
             now = self.now_ms()
             for host in self.hosts:
-                if host.failed is not None:
-                    continue
+                if host.failed is not None or not host.raft.is_leader:
+                    continue  # leader-proposed: entry times are the leader's, and proposed once
                 t = host.state.topics
                 if t.meta or t.dedup:
                     self.propose_lazy(host.shard, c.Housekeeping(now, self._pin_floor(host.shard, now)))
@@ -813,6 +990,8 @@ class Node:
                 await t
             except (asyncio.CancelledError, Exception):
                 pass
+        if self.link is not None:
+            await self.link.close()
         self.commit.stop()
         for host in self.hosts:
             try:

@@ -186,7 +186,7 @@ async def serve(cfg: NodeConfig, faults: Faults = NO_FAULTS) -> int:
     http_auth = http_auth_required(cfg, http_host, loopback)  # refuses an open non-loopback HTTP listener
     authorizer = Authorizer(cfg.auth, loopback_only=loopback)
     node = Node(cfg, faults)
-    node.open()
+    await node.open_async()  # a cluster node also connects to its peers and bootstraps here
     await node.start()
     tune_gc(cfg.runtime)
     tune_allocator(cfg.runtime)
