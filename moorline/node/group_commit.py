@@ -218,6 +218,16 @@ class GroupCommit:
                 self._wake.set()
                 continue
             rd = host.seal()
+            if rd is not None and not rd.must_sync and not rd.entries and rd.snapshot is None:
+                # Nothing this Ready's messages depend on needs a sync (a follower's heartbeat
+                # response, a new commit index): handled now, its hard state riding on the next sync.
+                if rd.hard_state is not None:
+                    self.stage_hard_state(shard, rd.hard_state)
+                if host.after_sync(self.stage_hard_state):
+                    self._dirty.add(shard)
+                    self._urgent = True
+                    self._wake.set()
+                continue
             if rd is not None:
                 if rd.entries:
                     self.wal.append_entries(shard, [(e.term, e.index, int(e.type), e.data) for e in rd.entries])

@@ -40,6 +40,9 @@ from moorline.storage.snapshots import SnapshotStore
 
 log = logging.getLogger("moorline.shard")
 
+# Entries a multi-voter group keeps in memory below its snapshot, for followers that lag.
+MULTI_VOTER_LOG_MARGIN = 50_000
+
 
 class ShardUnavailable(Exception):
     """The shard refuses service (e.g. corruption detected in synced data)."""
@@ -323,6 +326,14 @@ class ShardHost:
         return False
 
     def _persisted(self, rd: Ready) -> None:
+        if rd.snapshot is not None:
+            # Installing a leader's snapshot (state plus message store) is not built yet, and the
+            # host never makes one a follower could need (MULTI_VOTER_LOG_MARGIN). Refuse loudly
+            # rather than apply an empty state.
+            self.fail(f"asked to install a snapshot at index {rd.snapshot.meta.index}: not supported yet; "
+                      "this replica fell too far behind its leader")
+            log.error("shard %d: %s", self.shard, self.failed)
+            return
         log_ = self.raft_log
         if rd.entries:
             log_.append(rd.entries)
@@ -429,7 +440,13 @@ class ShardHost:
         term = self.raft_log.term(index)
         self.snapshots.save(self.shard, index, term, data)
         self.raft_log.create_snapshot(index, self.raft.conf_state, b"")
-        self.raft_log.compact(index)
+        conf = self.raft.active_conf_state
+        if len(conf.voters) > 1 or conf.learners:
+            # Followers catch up from entries: keep a margin of them in memory (a leader's snapshot
+            # to a follower further behind is not built yet).
+            self.raft_log.compact(max(self.raft_log.first_index() - 1, index - MULTI_VOTER_LOG_MARGIN))
+        else:
+            self.raft_log.compact(index)
         self._entries_since_snapshot = 0
         return index, term
 
