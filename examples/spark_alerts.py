@@ -1,6 +1,6 @@
 """Sensor alerts from moorline, published back to moorline, exactly once.
 
-    spark-submit --master 'local[*]' examples/spark_alerts.py --servers 127.0.0.1:8080 \\
+    spark-submit --master 'local[*]' examples/spark_alerts.py --servers 127.0.0.1:8888 \\
         --checkpoint /tmp/alerts-ckpt [--threshold 80] [--once]
 
 Reads ``sensors/#`` (payload: a decimal reading, e.g. ``b"73.5"``) and publishes, for every

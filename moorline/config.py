@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 @dataclass
 class ListenerConfig:
     mqtt: str = "127.0.0.1:1883"
-    http: str = "127.0.0.1:8883"
+    # 8888, as VerneMQ's HTTP listener: 8883 is MQTT over TLS's registered port, 8080 any web server's.
+    http: str = "127.0.0.1:8888"
     max_connections: int = 10_000
     # Sockets that have not completed CONNECT (not yet authenticated): a cap of their own, so a flood
     # of idle or slow handshakes cannot take every connection slot. Each holds at most

@@ -26,7 +26,7 @@ def inject_faults(faults: Faults) -> None:
 def run(
     data_dir: Annotated[Path | None, typer.Option(help="data directory [default: ./moorline-data]")] = None,
     mqtt: Annotated[str | None, typer.Option(help="MQTT listener HOST:PORT [default: 127.0.0.1:1883]")] = None,
-    http: Annotated[str | None, typer.Option(help="HTTP (admin/fetch) listener HOST:PORT [default: 127.0.0.1:8883]")] = None,
+    http: Annotated[str | None, typer.Option(help="HTTP (admin/fetch) listener HOST:PORT [default: 127.0.0.1:8888]")] = None,
     config: Annotated[Path | None, typer.Option(help="TOML configuration file")] = None,
     shards: Annotated[int | None, typer.Option(help="shard count (fixed when the data dir is created)")] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",

@@ -455,7 +455,7 @@ class Connection(asyncio.Protocol):
             pids.append(pk.packet_id)  # type: ignore[arg-type]
             size += len(pk.payload)
             i += 1
-        node.stats["published"] += len(cmds)
+        node.published["mqtt"] += len(cmds)
         try:
             node.propose_group(shard, cmds, self._queue_ack(("puback_group", pids, 0), len(pids)))
         except ShardUnavailable as exc:
@@ -561,12 +561,13 @@ class Connection(asyncio.Protocol):
                                 self._read_filter())
         self.node.live[client_id] = self.live
         ack_props = p.NO_PROPERTIES
+        keep = None
+        if pk.keepalive > self.cfg.max_keepalive_s:
+            # 5.0 is told (Server Keep Alive below); 3.1.1 cannot be, but the cap holds for it too.
+            keep = self.cfg.max_keepalive_s
+            self.state.keepalive = keep
         if v5:
             base = self.state.connack_properties()
-            keep = None
-            if pk.keepalive > self.cfg.max_keepalive_s:
-                keep = self.cfg.max_keepalive_s
-                self.state.keepalive = keep
             ack_props = p.Properties(
                 receive_maximum=base.receive_maximum,
                 topic_alias_maximum=base.topic_alias_maximum,
@@ -611,6 +612,7 @@ class Connection(asyncio.Protocol):
             return False
         v5 = self.version == MQTT_5
         log.warning("%s: publish to %r denied by ACL", self.client_id, pk.topic)
+        self.node.publish_denied["mqtt"] += 1
         if pk.qos == 1:
             self._queue_ack(("puback", pk.packet_id, RC.NOT_AUTHORIZED if v5 else 0))(None, None)
         elif pk.qos == 2:
@@ -665,7 +667,7 @@ class Connection(asyncio.Protocol):
         )
         shard = self.node.topic_shard(pk.topic)
         cmd = c.Publish(msg, self.principal.username or "", producer, seq)
-        self.node.stats["published"] += 1
+        self.node.published["mqtt"] += 1
         kind = "puback" if pk.qos == 1 else "pubrec"
         try:
             if pk.qos == 0:

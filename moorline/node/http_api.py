@@ -34,12 +34,16 @@ from moorline.broker.messages import MessageProps, StoredMessage, decode_message
 from moorline.mqtt.topics import matches, validate_topic_filter, validate_topic_name
 from moorline.node.auth import Authorizer, Login, Principal
 from moorline.node.node import Node
+from moorline.node.openapi import openapi_document
 from moorline.node.shard_host import ShardUnavailable
 
 MAX_FETCH = 10_000
 MAX_PUBLISH_BATCH = 10_000
 MAX_ID_CHARS = 200  # reader ids (pins) and query ids (sink markers)
 OPEN_STATUS_PATHS = frozenset({"/metrics", "/v1/health"})
+# The Spark sink's client sends this User-Agent (moorline/spark/node_client.py): its publishes count
+# as source="spark" in the metrics. A label for operators, not a proof of who sent them.
+SPARK_USER_AGENT_PREFIX = "moorline-spark/"
 ANONYMOUS = Principal(None, "")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -227,6 +231,7 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
         guid or producer sequence). A malformed item fails the whole request before anything is
         proposed."""
         caller: Caller = CALLER.get()
+        source = "spark" if req.headers.get("User-Agent", "").startswith(SPARK_USER_AGENT_PREFIX) else "http"
         try:
             body = await req.json()
             items = body["messages"]
@@ -253,7 +258,9 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
                 continue
             if not authorizer.can_publish(caller.principal, msg.topic):
                 entry["reason"] = "not authorized"
+                node.publish_denied[source] += 1
                 continue
+            node.published[source] += 1
             try:
                 fut = node.propose(shard, c.Publish(msg, caller.key, producer, seq))
             except ShardUnavailable as exc:
@@ -378,10 +385,19 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
         failed = {h.shard: h.failed for h in node.hosts if h.failed}
         return web.json_response({"ok": not failed, "failed_shards": failed}, status=200 if not failed else 503)
 
+    api_doc = openapi_document()
+
+    @routes.get("/v1/openapi.json")
+    async def openapi(_req: web.Request) -> web.Response:
+        return web.json_response(api_doc)
+
     @routes.get("/metrics")
     async def metrics(_req: web.Request) -> web.Response:
         lines = [
-            "# TYPE moorline_published_total counter", f"moorline_published_total {node.stats['published']}",
+            "# TYPE moorline_published_total counter",
+            *(f'moorline_published_total{{source="{s}"}} {n}' for s, n in node.published.items()),
+            "# TYPE moorline_publish_denied_total counter",
+            *(f'moorline_publish_denied_total{{source="{s}"}} {n}' for s, n in node.publish_denied.items()),
             "# TYPE moorline_delivered_total counter", f"moorline_delivered_total {node.stats['delivered']}",
             "# TYPE moorline_wal_syncs_total counter", f"moorline_wal_syncs_total {node.commit.syncs}",
             "# TYPE moorline_wal_syncs_lazy_total counter", f"moorline_wal_syncs_lazy_total {node.commit.lazy_syncs}",

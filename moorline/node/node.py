@@ -104,7 +104,12 @@ class Node:
         self.ledger = SyncLedger(Path(faults.sync_ledger)) if faults.sync_ledger else None
         seed = faults.cross_shard_chaos_seed
         self._chaos = random.Random(seed) if seed is not None else None
-        self.stats = {"published": 0, "delivered": 0, "refused": 0, "delivery_batches_committed": 0}
+        self.stats = {"delivered": 0, "refused": 0, "delivery_batches_committed": 0}
+        # Publishes proposed, and publishes the ACL refused, by where they entered: "mqtt" (PUBLISH
+        # packets, wills), "http" (POST /v1/publish), "spark" (the Spark sink's POST /v1/publish).
+        # /metrics: moorline_published_total{source}, moorline_publish_denied_total{source}.
+        self.published = {"mqtt": 0, "http": 0, "spark": 0}
+        self.publish_denied = {"mqtt": 0, "http": 0, "spark": 0}
         self.link: ClusterLink | None = None  # cluster mode: peers, forwarding
 
     # --- startup / recovery ----------------------------------------------------------------------
@@ -559,7 +564,7 @@ class Node:
     ) -> PublishResult | None:
         shard = self.topic_shard(msg.topic)
         fut = self.propose(shard, c.Publish(msg, principal, producer, seq), want=wait)
-        self.stats["published"] += 1
+        self.published["mqtt"] += 1  # a will: an MQTT client's message
         if fut is None:
             return None
         return await fut  # type: ignore[no-any-return]

@@ -2,7 +2,7 @@
 
 from moorline.spark import MoorlineDataSource
 spark.dataSource.register(MoorlineDataSource)
-spark.readStream.format("moorline").option("servers", "127.0.0.1:8080").option("topics", "sensors/#").load()
+spark.readStream.format("moorline").option("servers", "127.0.0.1:8888").option("topics", "sensors/#").load()
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ class MoorlineUnavailable(ConnectionError):
 # because a node killed while answering also closes a fresh connection without a reply.
 NOT_HTTP_AFTER = 3
 ATTEMPT_MIN_S = 0.5  # socket timeout of an attempt started just before the call's deadline
+# Sent with every request, so the node tells the Spark integration's publishes from other HTTP
+# clients' (moorline_published_total{source="spark"}: moorline/node/http_api.py checks the prefix).
+USER_AGENT = "moorline-spark/1"
 
 
 class MoorlineHTTPError(RuntimeError):
@@ -112,6 +115,7 @@ class NodeClient:
         in turn, with jittered exponential backoff between rounds, until ``timeout_s`` has passed."""
         body = None if doc is None else json.dumps(doc, separators=(",", ":")).encode()
         headers = {"Content-Type": "application/json"} if body is not None else {}
+        headers["User-Agent"] = USER_AGENT
         if self._authorization is not None:
             headers["Authorization"] = self._authorization
         deadline = self._clock() + self._timeout_s

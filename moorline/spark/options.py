@@ -150,7 +150,7 @@ def check_known(options: Mapping[str, str], allowed: set[str], what: str) -> Non
 
 def parse_servers(value: str | None) -> tuple[str, ...]:
     if value is None or not value.strip():
-        raise MoorlineOptionError('option "servers" is required, e.g. .option("servers", "127.0.0.1:8080")')
+        raise MoorlineOptionError('option "servers" is required, e.g. .option("servers", "127.0.0.1:8888")')
     out: list[str] = []
     for part in value.split(","):
         hp = part.strip()

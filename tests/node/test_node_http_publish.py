@@ -35,6 +35,8 @@ class StandInNode:
         self.outcome = outcome
         self.proposed: list[str] = []
         self.pending: list[asyncio.Future[Any]] = []
+        self.published = {"mqtt": 0, "http": 0, "spark": 0}  # counters the route keeps, by source
+        self.publish_denied = {"mqtt": 0, "http": 0, "spark": 0}
 
     def now_ms(self) -> int:
         return 1_000

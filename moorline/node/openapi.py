@@ -1,0 +1,286 @@
+"""The node's HTTP API as data: every route, its parameters, bodies and answers, and the OpenAPI 3
+document built from them (served at ``GET /v1/openapi.json``).
+
+This table is the reference the tests hold the code and the prose to: every route aiohttp
+registers in ``http_api.make_app`` has an entry here and a section in docs/http-api.md, and the
+JSON the routes answer matches these schemas (tests/node/test_node_openapi.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import moorline
+
+Schema = dict[str, Any]
+
+OPENAPI_VERSION = "3.0.3"
+
+# What a route needs of its caller (see http_api: the authentication middleware and admin_only).
+CALLER = "caller"  # anyone the listener accepts: anonymous on an open loopback listener, else credentials
+ADMIN = "admin"  # a caller with the admin role (auth.admin_users; anonymous on an open loopback listener)
+OPEN_STATUS = "open_status"  # no credentials while auth.http_open_status is true (the default)
+
+
+def _t(kind: str, description: str | None = None, **extra: Any) -> Schema:
+    out: Schema = {"type": kind, **extra}
+    if description:
+        out["description"] = description
+    return out
+
+
+def integer(description: str | None = None, **extra: Any) -> Schema:
+    return _t("integer", description, **extra)
+
+
+def string(description: str | None = None, **extra: Any) -> Schema:
+    return _t("string", description, **extra)
+
+
+def boolean(description: str | None = None) -> Schema:
+    return _t("boolean", description)
+
+
+def number(description: str | None = None) -> Schema:
+    return _t("number", description)
+
+
+def array(items: Schema, description: str | None = None, **extra: Any) -> Schema:
+    return _t("array", description, items=items, **extra)
+
+
+def obj(props: dict[str, Schema], required: tuple[str, ...] = (), description: str | None = None,
+        more: bool | Schema = False) -> Schema:
+    """An object with these properties; ``more``: whether (or as what) other properties may appear."""
+    out = _t("object", description, properties=props, additionalProperties=more)
+    if required:
+        out["required"] = list(required)
+    return out
+
+
+def nullable(schema: Schema) -> Schema:
+    return {**schema, "nullable": True}
+
+
+GUID = string("32 hex characters (16 bytes)", pattern="^[0-9a-f]{32}$")
+INCARNATION = string("the shard's incarnation id (hex); it changes only if the shard is rebuilt")
+USER_PROPERTIES = array(array(string(), minItems=2, maxItems=2),
+                        "MQTT 5 user properties as [name, value] pairs, in order")
+ERROR = obj({"error": string("what is wrong, in words")}, ("error",),
+            "an error; some carry more fields that say where to resume (named per route)", more=True)
+
+SHARD = obj({
+    "shard": integer(), "incarnation": INCARNATION,
+    "low_water": integer("lowest offset from which every message is still present (only rises)"),
+    "next_offset": integer("the offset the next accepted message gets"),
+    "available": boolean("false once the shard stopped on damage"),
+    "error": string("why the shard stopped (file and offset); only when it did"),
+}, ("shard", "incarnation", "low_water", "next_offset", "available"),
+    more=True)  # and, as this replica sees the shard's Raft group: leader, voters, term, commit, ...
+
+MESSAGE = obj({
+    "offset": integer(), "topic": string(), "payload": string("the payload, base64", format="byte"),
+    "qos": integer(enum=[0, 1, 2]), "retain": boolean(), "guid": GUID,
+    "timestamp_ms": integer("publish time: when the node stamped the message, ms since the epoch"),
+    "user_properties": USER_PROPERTIES,
+}, ("offset", "topic", "payload", "qos", "retain", "guid", "timestamp_ms", "user_properties"))
+
+PUBLISH_ITEM = obj({
+    "topic": string("topic name (no wildcards)"),
+    "payload": string("the payload, base64 (default: empty)", format="byte"),
+    "qos": integer("default 1; the answer waits for the outcome at any QoS", enum=[0, 1, 2]),
+    "retain": boolean("default false"),
+    "user_properties": USER_PROPERTIES,
+    "guid": GUID,
+    "producer": string("a sequenced producer's id: 16 hex characters (8 bytes); with seq", pattern="^[0-9a-f]{16}$"),
+    "seq": integer("the producer's sequence number; the GUID is then producer followed by seq"),
+}, ("topic",))
+
+PUBLISH_RESULT = obj({
+    "status": string("ok or duplicate: stored (at offset); refused: it entered no log (reason); "
+                     "unknown: it may have, send it again with the same guid or producer sequence (error)",
+                     enum=["ok", "duplicate", "refused", "unknown"]),
+    "shard": integer(),
+    "offset": integer("the message's offset (the original's for a duplicate); -1 when there is none or it is "
+                      "not known (a sequenced producer's duplicate below its highest sequence)"),
+    "reason": string("why it was refused"),
+    "error": string("why the outcome is unknown"),
+}, ("status", "shard", "offset"))
+
+DROP = obj({
+    "guid": GUID, "reason": string("the counted limit that removed it, e.g. queue_cap, message_expiry, "
+                                   "session_expired, clean_start, share_qos2_member_gone"),
+    "shard": integer(), "offset": integer(),
+    "session": nullable(string("the client id whose subscription it was owed to; null for a $share group")),
+    "subscription": string("the subscription: client id / filter, or the $share group's key"),
+}, ("guid", "reason", "shard", "offset", "session", "subscription"))
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    where: str  # "path" | "query"
+    schema: Schema
+    description: str
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str  # lower case, as OpenAPI writes it
+    path: str  # aiohttp's and OpenAPI's template syntax agree: /v1/shards/{shard}/messages
+    summary: str
+    access: str  # CALLER, ADMIN or OPEN_STATUS
+    responses: dict[int, tuple[str, Schema | None]]  # status -> (meaning, JSON schema; None: not JSON)
+    params: tuple[Param, ...] = ()
+    body: Schema | None = None
+    tags: tuple[str, ...] = field(default=())
+
+
+ROUTES: tuple[Route, ...] = (
+    Route("get", "/v1/shards", "Shards: incarnation, low-water mark and next offset of each", ADMIN, {
+        200: ("every shard of the node", obj({"shard_count": integer(), "shards": array(SHARD)},
+                                            ("shard_count", "shards"))),
+    }, tags=("fetch",)),
+    Route("get", "/v1/cluster", "Nodes of the cluster as this node sees them", ADMIN, {
+        200: ("the nodes: one on a single node", obj({"nodes": array(obj({
+            "id": string("the node's name"), "storage_id": nullable(string()), "self": boolean(),
+            "reachable": boolean(), "groups_led": integer("shards this node leads, as seen from here"),
+        }, ("id", "self", "reachable", "groups_led"), more=True))}, ("nodes",))),
+    }, tags=("admin",)),
+    Route("get", "/v1/shards/{shard}/messages", "Committed messages of a shard by offset (reading never consumes)",
+          CALLER, {
+              200: ("a page of messages; continue from scanned_to", obj({
+                  "shard": integer(), "incarnation": INCARNATION, "low_water": integer(), "next_offset": integer(),
+                  "scanned_to": integer("the offset after the last one examined: the next page's from"),
+                  "messages": array(MESSAGE),
+              }, ("shard", "incarnation", "low_water", "next_offset", "scanned_to", "messages"))),
+              400: ("shard, from or max not an integer, or an invalid filter", ERROR),
+              403: ("the filter reaches no topic the caller may read", ERROR),
+              404: ("no such shard (shard_count says how many there are)", ERROR),
+              409: ("the shard's incarnation is not the one asked for (incarnation says the current one)", ERROR),
+              410: ("from is below the low-water mark (low_water says where to resume)", ERROR),
+              500: ("a committed message cannot be read from the store (offset names it)", ERROR),
+              503: ("the shard stopped on damage", ERROR),
+          }, params=(
+              Param("shard", "path", integer(minimum=0), "shard number, 0 .. shard_count - 1", required=True),
+              Param("from", "query", integer(minimum=0, default=0), "first offset to examine"),
+              Param("max", "query", integer(minimum=1, default=1000, maximum=10_000),
+                    "at most this many messages (capped at 10,000)"),
+              Param("filter", "query", string(), "an MQTT topic filter; only matching messages come back"),
+              Param("incarnation", "query", string(), "fail with 409 unless the shard still has this incarnation"),
+          ), tags=("fetch",)),
+    Route("post", "/v1/publish", "Publish messages; answered per item", CALLER, {
+        200: ("one result per item, in order", obj({"results": array(PUBLISH_RESULT)}, ("results",))),
+        400: ("the body is not JSON, messages is not a list of at most 10,000, or an item is malformed "
+              "(item says which; nothing was proposed)", ERROR),
+    }, body=obj({"messages": array(PUBLISH_ITEM, maxItems=10_000)}, ("messages",)), tags=("publish",)),
+    Route("post", "/v1/pins", "Set or renew a reader's retention pin", ADMIN, {
+        200: ("the pin as set (ttl_ms as granted)", obj({
+            "reader": string(), "offsets": obj({}, more=integer()), "ttl_ms": integer(),
+        }, ("reader", "offsets", "ttl_ms"))),
+        400: ("a malformed pin", ERROR),
+        403: ("the pin is held by another principal", ERROR),
+        429: ("too many pins: pins.max_pins for the node or pins.max_pins_per_principal", ERROR),
+    }, body=obj({
+        "reader": string("the reader's id, 1-200 characters"),
+        "offsets": obj({}, description="shard number (as a string) -> first offset the reader still needs",
+                       more=integer(minimum=0)),
+        "ttl_ms": number("how long the pin holds without renewal (default pins.reader_pin_ttl_s; "
+                         "cut to pins.max_ttl_s)"),
+    }, ("reader", "offsets")), tags=("fetch",)),
+    Route("delete", "/v1/pins/{reader}", "Remove a reader's pin", ADMIN, {
+        200: ("removed (or there was none)", obj({"ok": boolean()}, ("ok",))),
+        403: ("the pin is held by another principal", ERROR),
+    }, params=(Param("reader", "path", string(), "the reader's id", required=True),), tags=("fetch",)),
+    Route("get", "/v1/sink-markers/{query_id}", "A Spark sink's last committed batch", ADMIN, {
+        200: ("the marker; null when none was set", obj({"batch_id": nullable(integer())}, ("batch_id",))),
+    }, params=(Param("query_id", "path", string(), "the streaming query's id", required=True),), tags=("spark",)),
+    Route("put", "/v1/sink-markers/{query_id}", "Move a Spark sink's commit marker (it never goes back)", ADMIN, {
+        200: ("the marker now: the higher of the old and the new batch id", obj({"batch_id": integer()},
+                                                                                ("batch_id",))),
+        400: ("query id longer than 200 characters or batch_id not an integer", ERROR),
+        429: ("this principal created pins.max_sink_markers_per_principal new markers in this run", ERROR),
+        503: ("the shard is unavailable, or the outcome is unknown: set it again", ERROR),
+    }, params=(Param("query_id", "path", string(), "the streaming query's id (1-200 characters)", required=True),),
+        body=obj({"batch_id": integer()}, ("batch_id",)), tags=("spark",)),
+    Route("get", "/v1/drops", "Messages removed by a counted limit before every owed ack", ADMIN, {
+        200: ("every recorded drop still in shard state", obj({"drops": array(DROP)}, ("drops",))),
+    }, tags=("admin",)),
+    Route("get", "/v1/health", "Whether every shard serves", OPEN_STATUS, {
+        200: ("every shard serves", obj({"ok": boolean(), "failed_shards": obj({}, more=string())},
+                                        ("ok", "failed_shards"))),
+        503: ("a shard stopped: failed_shards maps it to the reason",
+              obj({"ok": boolean(), "failed_shards": obj({}, more=string())}, ("ok", "failed_shards"))),
+    }, tags=("admin",)),
+    Route("get", "/metrics", "Prometheus metrics (text exposition format; docs/metrics.md)", OPEN_STATUS, {
+        200: ("metrics, text/plain", None),
+    }, tags=("admin",)),
+    Route("get", "/v1/openapi.json", "This description of the API (OpenAPI 3)", CALLER, {
+        200: ("an OpenAPI 3 document", obj({}, more=True)),
+    }, tags=("admin",)),
+)
+
+
+def _operation(route: Route) -> Schema:
+    responses: dict[str, Any] = {}
+    for status, (text, schema) in sorted(route.responses.items()):
+        resp: Schema = {"description": text}
+        if schema is not None:
+            resp["content"] = {"application/json": {"schema": schema}}
+        elif route.path == "/metrics":
+            resp["content"] = {"text/plain": {"schema": string()}}
+        responses[str(status)] = resp
+    # What the middleware and the admin check may answer on top of each route's own.
+    auth_errors = {"401": "credentials missing or wrong (when the listener requires them)",
+                   "429": "too many failed logins from this address (Retry-After says when to try again)"}
+    if route.access == ADMIN:
+        auth_errors["403"] = "the caller lacks the admin role (auth.admin_users)"
+    for code, text in auth_errors.items():
+        responses.setdefault(code, {"description": text, "content": {"application/json": {"schema": ERROR}}})
+    op: Schema = {
+        "operationId": f"{route.method}_{route.path.strip('/').replace('/', '_').replace('{', '').replace('}', '')}"
+                       .replace(".", "_"),
+        "summary": route.summary,
+        "tags": list(route.tags),
+        "x-moorline-access": route.access,
+        "responses": dict(sorted(responses.items())),
+    }
+    if route.params:
+        op["parameters"] = [{"name": p.name, "in": p.where, "required": p.required or p.where == "path",
+                             "description": p.description, "schema": p.schema} for p in route.params]
+    if route.body is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": route.body}}}
+    if route.access == OPEN_STATUS:
+        op["security"] = [{}, {"basic": []}, {"bearer": []}]
+    return op
+
+
+def openapi_document() -> Schema:
+    """The OpenAPI 3 document of ROUTES (the same every call: a fresh dict)."""
+    paths: dict[str, dict[str, Any]] = {}
+    for route in ROUTES:
+        paths.setdefault(route.path, {})[route.method] = _operation(route)
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {
+            "title": "moorline node HTTP API",
+            "version": moorline.__version__,
+            "description": (
+                "Fetch committed messages by offset, publish, pins, Spark sink markers, drops, health and "
+                "metrics. Credentials (HTTP Basic from auth.password_file, or a Bearer token from "
+                "auth.token_file) are needed when anonymous clients are not allowed or the listener is off "
+                "loopback; on an open loopback listener a request without them is served as the anonymous "
+                "admin. x-moorline-access says what a route needs: caller, admin (auth.admin_users) or "
+                "open_status (open while auth.http_open_status is true). Every GET route also answers HEAD. "
+                "See docs/http-api.md."
+            ),
+        },
+        "components": {"securitySchemes": {
+            "basic": {"type": "http", "scheme": "basic"},
+            "bearer": {"type": "http", "scheme": "bearer", "description": "a token from `moorline token`"},
+        }},
+        "security": [{}, {"basic": []}, {"bearer": []}],
+        "paths": paths,
+    }
