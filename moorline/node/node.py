@@ -53,6 +53,8 @@ log = logging.getLogger("moorline.node")
 
 SHARE_PREFIX = c.SHARE_PREFIX
 SINGLE_NODE_ID = 1  # a node started without cluster flags is member 1 of every group
+REBALANCE_EVERY_TICKS = 50  # cluster: leaders move back to their preferred nodes this often (5 s)
+REBALANCE_MAX_TRANSFERS = 2  # per round
 
 
 def reg_key_for(client_id: str, topic_filter: str) -> tuple[str, str, str | None]:
@@ -111,6 +113,7 @@ class Node:
         self.published = {"mqtt": 0, "http": 0, "spark": 0}
         self.publish_denied = {"mqtt": 0, "http": 0, "spark": 0}
         self.link: ClusterLink | None = None  # cluster mode: peers, forwarding
+        self._handing_over = False  # shutting down: leaderships go away, none come back
 
     # --- startup / recovery ----------------------------------------------------------------------
     def open(self) -> None:
@@ -266,13 +269,64 @@ class Node:
 
     async def _tick_loop(self) -> None:
         interval = self.cfg.raft.tick_interval_ms / 1000
+        ticks = 0
         while not self.stopping.is_set():
             await asyncio.sleep(interval)
+            ticks += 1
             for host in self.hosts:
                 if host.failed is None:
                     host.tick()
                     if host.has_work():
                         self.commit.kick(host.shard)
+            if ticks % REBALANCE_EVERY_TICKS == 0 and not self._handing_over:
+                self._rebalance_leaders()
+
+    def _rebalance_leaders(self) -> None:
+        """Leaders go back to each shard's preferred node (voters[shard % n], the spread a fresh
+        cluster starts with) once that node is caught up: after failures and restarts leadership
+        piles up on the survivors. A few transfers per round, so a flapping node causes no storm."""
+        moved = 0
+        for host in self.hosts:
+            raft = host.raft
+            if host.failed is not None or not raft.is_leader or raft.lead_transferee is not None:
+                continue
+            voters = sorted(raft.active_conf_state.voters)
+            preferred = voters[host.shard % len(voters)]
+            pr = raft.progress.get(preferred)
+            if preferred == self.member or pr is None or not pr.recent_active or pr.match < raft.log.last_index():
+                continue
+            raft.transfer_leader(preferred)
+            self.commit.kick(host.shard)
+            moved += 1
+            if moved >= REBALANCE_MAX_TRANSFERS:
+                return
+
+    async def hand_over_leadership(self, timeout_s: float) -> None:
+        """Graceful shutdown: every shard this node leads is handed to its most caught-up voter, so
+        clients see a leader change rather than an election timeout. Bounded by ``timeout_s``."""
+        if self.link is None:
+            return
+        self._handing_over = True
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            leading = [h for h in self.hosts if h.failed is None and h.raft.is_leader]
+            if not leading:
+                return
+            for host in leading:
+                raft = host.raft
+                others = [m for m in raft.active_conf_state.voters if m != self.member and m in raft.progress]
+                if not others or raft.lead_transferee is not None:
+                    continue
+                best = max(others, key=lambda m: (raft.progress[m].recent_active, raft.progress[m].match))
+                try:
+                    raft.transfer_leader(best)
+                except Exception:  # noqa: BLE001 - not leader any more, or the member is gone
+                    continue
+                self.commit.kick(host.shard)
+            await asyncio.sleep(0.05)
+        left = sum(1 for h in self.hosts if h.failed is None and h.raft.is_leader)
+        if left:
+            log.warning("stopping while still leading %d shard(s): they elect a new leader after a timeout", left)
 
     def _on_results(self, host: ShardHost, cmds: list[c.Command], results: list[Any]) -> None:
         """A session opened elsewhere (another node, a newer epoch) ends this node's connection of
@@ -986,6 +1040,7 @@ class Node:
     async def stop(self) -> None:
         for live in list(self.live.values()):
             await live.close()
+        await self.hand_over_leadership(timeout_s=min(self.cfg.shutdown_drain_s, 3.0))
         if not await self.commit.flush(timeout_s=1.0):  # acks and reports proposed lazily, too
             log.warning("stopping: the last proposals were not synced within 1 s")
         for t in self._tasks:

@@ -217,6 +217,9 @@ async def serve(cfg: NodeConfig, faults: Faults = NO_FAULTS) -> int:
     lag_watcher.cancel()
     log.info("stopping: closing listeners and connections")
     mqtt.close()
+    # Cluster: hand every leadership to a caught-up peer while this node's clients are still
+    # connected, so their in-flight publishes commit and are acknowledged (bounded).
+    await node.hand_over_leadership(timeout_s=min(cfg.shutdown_drain_s, 3.0))
     for conn in list(server.connections):
         if conn.version == MQTT_5 and not conn._closing and conn.live is not None:
             conn._write(encode(Disconnect(RC.SERVER_SHUTTING_DOWN), MQTT_5))
