@@ -1,6 +1,7 @@
 """/metrics counts publishes by where they entered (moorline only): MQTT, POST /v1/publish, the Spark
 sink's client; and publishes the ACL refused, by the same sources: a 3.1.1 client gets a normal
-PUBACK and its message is dropped, a 5.0 client gets 0x87, an HTTP item is answered "refused"."""
+PUBACK and its message is dropped, a 5.0 client gets 0x87, an HTTP item is answered "refused".
+Every metric the endpoint emits, with its labels, is in docs/metrics.md, and nothing else is."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ import json
 import re
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from e2e_broker import BrokerProc, running_broker
-from rawclient import RawClient
+from rawclient import RawClient, encode_connect
 
 pytestmark = [pytest.mark.e2e, pytest.mark.moorline_only]
 HOST = "127.0.0.1"
 SOURCES = ("mqtt", "http", "spark")
+METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 # Anonymous clients on loopback; with a rule present, what no rule allows is denied (nope/...).
 CONFIG = """
@@ -80,3 +83,28 @@ def test_publishes_and_acl_refusals_are_counted_by_source(acl_broker: BrokerProc
 
     assert delta(published, counters(acl_broker, "moorline_published_total")) == {"mqtt": 1, "http": 2, "spark": 1}
     assert delta(denied, counters(acl_broker, "moorline_publish_denied_total")) == {"mqtt": 2, "http": 1, "spark": 1}
+
+
+def documented_metrics() -> dict[str, set[str]]:
+    """docs/metrics.md's table: metric name -> its label names."""
+    rows = re.findall(r"^\| `(moorline_\w+)` \|\s*(\w+)\s*\|([^|]*)\|", METRICS_DOC.read_text(), re.M)
+    return {name: set(re.findall(r"`(\w+)`", labels)) for name, _, labels in rows}
+
+
+def test_every_metric_the_endpoint_emits_is_documented(acl_broker: BrokerProc) -> None:
+    # A refused login and a refused publish first, so that labelled metrics have samples to show
+    # their labels.
+    bad = RawClient(HOST, acl_broker.mqtt_port, 5)
+    bad.send(encode_connect("metrics-bad-login", 5, username="nobody", password=b"x"))
+    bad.wait_closed(10)
+    with urllib.request.urlopen(acl_broker.http_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    emitted: dict[str, set[str]] = {m.group(1): set() for m in re.finditer(r"^# TYPE (\w+) \w+$", text, re.M)}
+    for m in re.finditer(r"^(\w+)(?:\{([^}]*)\})? \S+$", text, re.M):
+        assert m.group(1) in emitted, f"sample without a # TYPE line: {m.group(0)}"
+        emitted[m.group(1)] |= set(re.findall(r'(\w+)="', m.group(2) or ""))
+    documented = documented_metrics()
+    assert sorted(set(emitted) - set(documented)) == [], "metrics /metrics emits that docs/metrics.md lacks"
+    assert sorted(set(documented) - set(emitted)) == [], "metrics docs/metrics.md lists that /metrics lacks"
+    wrong = {n: (labels, documented[n]) for n, labels in emitted.items() if labels - documented[n]}
+    assert wrong == {}, "labels emitted (left) that docs/metrics.md does not name (right)"
