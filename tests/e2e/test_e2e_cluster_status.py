@@ -1,0 +1,43 @@
+"""GET /v1/shards and /v1/cluster carry the Raft view, on a single node too (a cluster of one), and
+`moorline cluster status` prints them as tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from e2e_broker import REPO_ROOT, BrokerProc
+
+pytestmark = [pytest.mark.e2e, pytest.mark.moorline_only]
+
+
+def _get(b: BrokerProc, path: str) -> dict:  # type: ignore[type-arg]
+    with urllib.request.urlopen(b.http_url + path, timeout=10) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def test_a_single_node_is_a_cluster_of_one(broker: BrokerProc) -> None:
+    shards = _get(broker, "/v1/shards")["shards"]
+    assert len(shards) == 16
+    for s in shards:
+        assert s["leader"] == "n1" and s["voters"] == ["n1"] and s["learners"] == []
+        assert s["term"] >= 1 and s["commit"] >= 1 and s["replicas"]["n1"]["applied"] == s["applied_index"]
+    nodes = _get(broker, "/v1/cluster")["nodes"]
+    assert [(n["id"], n["self"], n["reachable"], n["groups_led"]) for n in nodes] == [("n1", True, True, 16)]
+    assert len(nodes[0]["storage_id"]) == 32
+
+
+def test_cluster_status_prints_tables(broker: BrokerProc) -> None:
+    r = subprocess.run([sys.executable, "-m", "moorline.cli", "cluster", "status", "--http",
+                        f"127.0.0.1:{broker.http_port}"], capture_output=True, text=True, timeout=60,
+                       cwd=str(REPO_ROOT), env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "COLUMNS": "160"})
+    assert r.returncode == 0, r.stderr
+    assert "n1 (this)" in r.stdout and "shards (16)" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "moorline.cli", "cluster", "status", "--http", "127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=60, cwd=str(REPO_ROOT),
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert r.returncode != 0 and "cannot reach" in (r.stdout + r.stderr) and "Traceback" not in r.stderr
