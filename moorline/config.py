@@ -57,6 +57,9 @@ class MqttConfig:
     write_buffer_high_bytes: int = 4 << 20  # delivery pauses while a client's socket buffer is above this
     max_write_buffer_bytes: int = 16 << 20  # a client that stops reading is disconnected past this
     publish_timeout_s: float = 10.0  # outcome unknown after this: close the connection (0x89)
+    # CONNECT, SUBSCRIBE and UNSUBSCRIBE whose commit does not come within this (a shard without a
+    # quorum) are answered with a failure: CONNACK 0x88 (3.1.1: 3), SUBACK 0x80 for that filter.
+    control_timeout_s: float = 15.0
     max_queued_packets: int = 1024  # decoded packets waiting for the handler before reading pauses
     # MQTT 5: add a "guid" user property to delivered messages that carry none, so a history can match
     # deliveries to publishes. Off by default: messages are forwarded unaltered (MQTT-3.3.2-17), and

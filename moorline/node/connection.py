@@ -552,6 +552,12 @@ class Connection(asyncio.Protocol):
                 del self.node.connections[client_id]
             self._connack_refuse(RC.NOT_AUTHORIZED)
             return
+        except ShardUnavailable as exc:  # the session's shard has no quorum (or failed)
+            if self.node.connections.get(client_id) is self:
+                del self.node.connections[client_id]
+            log.warning("%s: CONNECT of %r refused: %s", self.peer, client_id, exc)
+            self._connack_refuse(RC.SERVER_UNAVAILABLE)  # 3.1.1: return code 3
+            return
         if self._closing:
             return
         client_rm = props.receive_maximum if v5 and props.receive_maximum else self.cfg.max_inflight_out

@@ -676,7 +676,7 @@ class Node:
         filter can match; returns the retained messages to deliver. SUBACK may follow."""
         fut = self.propose(live.shard, c.SessionSubscribe(live.client_id, live.epoch, flt, qos, no_local, rap, rh, sub_id))
         assert fut is not None
-        res = await fut
+        res = await self.bounded(fut, live.shard)
         sess = live.session()
         if res is None or sess is None or sess.epoch != live.epoch or flt not in sess.subs:
             raise NodeFailure("session taken over")
@@ -685,7 +685,7 @@ class Node:
         want = rh == 0 or (rh == 1 and not existed)
         futs: list[Any] = []
         refused = self._register_everywhere(sess, flt, sub, want, futs)
-        results = await asyncio.gather(*futs, return_exceptions=True)
+        results = await asyncio.gather(*(self.bounded(f, -1) for f in futs), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if refused or errors:
             # Failed part-way: undone everywhere it reached, so nothing registered goes on collecting
@@ -706,7 +706,10 @@ class Node:
         registration removed when the session's subscriptions are reconciled)."""
         fut = self.propose(live.shard, c.SessionUnsubscribe(live.client_id, live.epoch, flt))
         assert fut is not None
-        undone = await fut
+        try:
+            undone = await self.bounded(fut, live.shard)
+        except ShardUnavailable:
+            undone = None
         reg_key, inner, group = reg_key_for(live.client_id, flt)
         futs = []
         for shard in self.shards_for_filter(inner):
@@ -718,12 +721,22 @@ class Node:
                         reg_key, live.incarnation, "subscribe_failed", undone if undone else version)))
             except ShardUnavailable:
                 continue
-        await asyncio.gather(*futs, return_exceptions=True)
+        await asyncio.gather(*(self.bounded(f, -1) for f in futs), return_exceptions=True)
+
+    async def bounded(self, fut: asyncio.Future[Any], shard: int) -> Any:
+        """A command's result within mqtt.control_timeout_s, else ShardUnavailable (a shard without
+        a quorum commits nothing: the request is answered with a failure instead of hanging)."""
+        limit = self.cfg.mqtt.control_timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), limit)
+        except TimeoutError:
+            where = f"shard {shard}" if shard >= 0 else "a shard"
+            raise ShardUnavailable(f"{where} committed nothing within {limit:g} s (no quorum?)") from None
 
     async def unsubscribe(self, live: LiveSession, flt: str) -> bool:
         fut = self.propose(live.shard, c.SessionUnsubscribe(live.client_id, live.epoch, flt))
         assert fut is not None
-        version = await fut
+        version = await self.bounded(fut, live.shard)
         if version is None:
             raise NodeFailure("session taken over")
         if not version:
@@ -796,7 +809,7 @@ class Node:
         fut = self.propose(shard, c.SessionOpen(self.now_ms(), client_id, clean_start, expiry_s, will, principal,
                                                 not self.takeover_across_users()))
         assert fut is not None
-        res = await fut
+        res = await self.bounded(fut, shard)
         if res.refused:
             raise SessionOwnedByOther(client_id)
         if res.ended is not None:
