@@ -1,4 +1,4 @@
-"""``moorline bench`` / ``python -m bench``: moorline next to Mosquitto and amqtt on loopback."""
+"""``python -m bench`` (from the repository root): moorline next to Mosquitto and amqtt on loopback."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Configuration: every limit has a key and a default (DESIGN.md, "Limits").
+"""Configuration: every limit has a key and a default (docs/design.md, "Limits").
 
 Loaded from a TOML file whose tables mirror the dataclasses below, e.g.::
 

@@ -1,7 +1,7 @@
 """Replicated commands: what a shard's Raft log carries. One log entry holds a batch of them.
 
 Every command is a tagged msgspec struct; the entry is ``EntryBatch(version, commands)`` so the
-format can evolve behind a feature level (DESIGN.md, "Determinism"). Times inside commands are
+format can evolve behind a feature level (docs/design.md, "Determinism"). Times inside commands are
 stamped by the proposing host; apply never reads a clock.
 """
 

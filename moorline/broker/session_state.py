@@ -2,7 +2,7 @@
 
 The session's shard is the only authority for per-session state: subscriptions, expiry, will,
 epoch, inbound QoS 2 packet ids and the delivery log. Every command carries the owner's epoch
-and is ignored at apply when stale (DESIGN.md, "Sessions").
+and is ignored at apply when stale (docs/design.md, "Sessions").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The topic side of a shard's state machine (pure): message offsets, "owed", retained, de-dup.
 
 A message is *owed* to every registration in this shard whose filter matched its topic when it
-was applied; that set is decided here, at apply, so every replica agrees (DESIGN.md, "Durable
+was applied; that set is decided here, at apply, so every replica agrees (docs/design.md, "Durable
 subscriptions and owed"). A message leaves the store only when nothing is owed and it is older
 than ``retention.min_age``, or through a counted limit that records its GUID and reason.
 """

@@ -315,7 +315,7 @@ class Connection(asyncio.Protocol):
                 self.disconnect(RC.KEEP_ALIVE_TIMEOUT, "packet not completed within mqtt.packet_read_timeout_s")
                 return
             if now - self._oldest_unanswered_publish(now) > self.cfg.publish_timeout_s:
-                # Outcome unknown: close so the client retransmits (DESIGN.md promise 6).
+                # Outcome unknown: close so the client retransmits (docs/design.md promise 6).
                 self.disconnect(RC.SERVER_BUSY, "publish outcome unknown within publish_timeout")
                 return
         self._arm_timer(self._timer_interval())

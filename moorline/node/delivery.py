@@ -1,6 +1,6 @@
 """Outbound delivery for one connected session.
 
-Order of operations for every batch (DESIGN.md, "Delivery"): pick owed messages in offset order
+Order of operations for every batch (docs/design.md, "Delivery"): pick owed messages in offset order
 per shard, commit a ``Deliver`` batch in the session's shard (seqno -> packet id), and only then
 write the PUBLISH packets. Acknowledgements are committed in batches; after they commit, the
 topic shards get ``AckReport`` commands and may release the messages. On reconnect the session

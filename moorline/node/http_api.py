@@ -277,7 +277,7 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
                 if r.status == "refused":
                     entry["reason"] = r.reason
             else:
-                # Proposed, so it may be in a log: never call that a refusal (DESIGN.md promise 6).
+                # Proposed, so it may be in a log: never call that a refusal (docs/design.md promise 6).
                 fut.add_done_callback(_consume)
                 entry["status"] = "unknown"
                 entry["error"] = (f"outcome unknown: {fut.exception()!r}" if fut.done() and not fut.cancelled()

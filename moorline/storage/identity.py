@@ -1,7 +1,7 @@
 """The storage id: half of a Raft member's identity ``(node id, storage id)``.
 
 A node whose storage is new or wiped gets a new storage id and so rejoins only as a new learner
-(DESIGN.md, "Raft requirements"). The id is created once, when the data directory is empty, and
+(docs/design.md, "Raft"). The id is created once, when the data directory is empty, and
 stored in ``<data_dir>/storage.id`` (32 hex characters and a CRC32C, written atomically). A data
 directory that holds other files but no id is refused: a new id on top of old state would let a
 replica vote with a log it does not really have.

@@ -17,7 +17,7 @@ snapshot) makes them durable and records the *sync point* (next offset at that s
 damage at or after the sync point (or ``expected_next_offset``, the snapshot's next offset, if that
 is higher) as a lost unsynced tail and cuts it with everything after it; damage before it is
 corruption (``StoreCorruption``), as is a store that ends before it. Only data after the last sync
-point is ever truncated (DESIGN.md).
+point is ever truncated (docs/design.md).
 
 What is durable across restart: the records themselves, reclaimed segments (gone), the low-water
 mark as of the last ``sync`` (and as implied by missing offsets). What is *not*: the set of

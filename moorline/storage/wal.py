@@ -34,7 +34,7 @@ commit u64 | vote bytes``; truncate ``from_index u64``; snapshot mark ``index u6
 checkpoint ``has_hard_state u8 | term u64 | commit u64 | snapshot_index u64 | snapshot_term u64 |
 last_index u64 | vote bytes``; remove (empty body): everything of the group before it is forgotten.
 
-Recovery rule (DESIGN.md, sharpened by sync batches): damage (a checksum failure, a zeroed page
+Recovery rule (docs/design.md, sharpened by sync batches): damage (a checksum failure, a zeroed page
 hole, garbage) is a **torn tail** when nothing valid follows it, or when every record after it in
 the segment belongs to the highest batch and that batch started at or before the damage (its
 ``batch_start``, and the damaged record's own header where it survived, say so): that batch's

@@ -1,5 +1,5 @@
 """POST /v1/publish answers per item and never calls "refused" what may have entered a log
-(DESIGN.md promise 6): items are validated before anything is proposed, a proposal whose outcome
+(docs/design.md promise 6): items are validated before anything is proposed, a proposal whose outcome
 fails or does not come within mqtt.publish_timeout_s is "unknown", and only what was never proposed
 (or what the shard refused at apply) is "refused". Runs the HTTP app against a stand-in node."""
 
