@@ -145,3 +145,14 @@ def test_the_benchmark_command_the_docs_name_runs() -> None:
     # pip installs the moorline package only; bench/ lives in the checkout, so the docs name
     # `python -m bench` (run from the repository root).
     assert named == [], f"`moorline bench` is not installed by pip, yet named in {named}"
+
+
+def test_one_port_per_purpose_in_the_docs_and_examples() -> None:
+    """HTTP listens on 8888 by default; 8883 is MQTT over TLS's registered port and appears only
+    where TLS is meant; 8080 is nobody's here."""
+    wrong = []
+    for path in [*markdown_files(), *sorted((REPO / "examples").glob("*.py")), REPO / "moorline" / "config.py"]:
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if ":8080" in line or (":8883" in line and not re.search(r"mqtts|TLS", line)):
+                wrong.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert wrong == [], "\n".join(wrong)
