@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from e2e_broker import BrokerProc
+from e2e_broker import BROKER_KIND, BrokerFactory, BrokerProc
 from e2e_support import Paho
 
 pytestmark = pytest.mark.e2e
@@ -39,8 +39,22 @@ def test_wildcard_matching(shared_broker: BrokerProc, uniq: str, flt: str, expec
     sub.disconnect()
 
 
-def test_dollar_topics_not_matched_by_leading_wildcards(shared_broker: BrokerProc, uniq: str) -> None:
-    port = shared_broker.mqtt_port
+# moorline: `$`-topics are the broker's; a client may publish one only where an ACL rule whose pattern
+# itself starts with `$` grants it (mosquitto lets anyone publish them).
+DOLLAR_GRANT = """
+[[auth.acl]]
+action = "all"
+pattern = "$e2e/#"
+
+[[auth.acl]]
+action = "all"
+pattern = "#"
+"""
+
+
+def test_dollar_topics_not_matched_by_leading_wildcards(broker_factory: BrokerFactory, uniq: str) -> None:
+    b = broker_factory(config_text=DOLLAR_GRANT if BROKER_KIND == "moorline" else None)
+    port = b.mqtt_port
     hash_sub = Paho(port, f"{uniq}-hash", version=5)
     hash_sub.connect()
     hash_sub.subscribe("#", 0)
