@@ -47,6 +47,15 @@ LOOP_STALL_GRACE_S = 0.5
 AFTER_STALL_RECHECK_S = 0.05
 
 
+def _log_retained_error(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        exc = task.exception()
+        if isinstance(exc, (ShardUnavailable, NodeFailure)):
+            log.info("retained delivery stopped: %s", exc)
+        else:
+            log.error("retained delivery failed", exc_info=exc)
+
+
 def _log_task_error(task: asyncio.Task[Any]) -> None:
     if task.cancelled() or task.exception() is None:
         return
@@ -846,7 +855,10 @@ class Connection(asyncio.Protocol):
         if retained_all and live.read_filter is not None:
             retained_all = [r for r in retained_all if live.read_filter.can_read(r[0].topic)]
         if retained_all:
-            await live.deliver_retained(retained_all)
+            # In a task of its own: it waits for window room, which this connection's PUBACKs free,
+            # and those are read by this handler once it returns (awaiting here would deadlock).
+            task = asyncio.get_running_loop().create_task(live.deliver_retained(retained_all))
+            task.add_done_callback(_log_retained_error)
 
     async def _on_unsubscribe(self, pk: p.Unsubscribe) -> None:
         live = self.live

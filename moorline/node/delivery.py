@@ -45,7 +45,7 @@ _UNSEEN: Any = object()
 # still unacknowledged would reuse its packet id.
 PACKET_ID_SPACE = 65535
 READ_FILTER_CACHE_ENTRIES = 4096  # registrations whose read-check answer a session remembers
-RETAINED_PACKET_ID_WAIT_S = 0.1  # retained messages waiting for packet-id room look again this often
+RETAINED_PACKET_ID_WAIT_S = 0.05  # retained messages waiting for window or packet-id room look again this often
 
 
 class OutboundPublish(msgspec.Struct, gc=False):
@@ -423,10 +423,18 @@ class LiveSession:
             c.DeliveryItem(-1, -1, min(q, m.qos), True, (sid,) if sid else (), (), m) for m, q, sid in retained
         ]
         msgs = [m for m, _, _ in retained]
+        batch_max = self.node.cfg.session.delivery_batch_max
         while items and not self.closed:
-            n = self._packet_id_room()
-            if n <= 0:  # rare: 65,535 deliveries past one the client never acknowledged
-                await asyncio.sleep(RETAINED_PACKET_ID_WAIT_S)
+            # The same bounds as any delivery: packet ids never reused while in flight, the
+            # client's in-flight window (receive maximum), the socket's write-buffer pause.
+            limit = min(self._packet_id_room(), batch_max, len(items))
+            room = self._room()
+            n = 0
+            while n < limit and (items[n].qos == 0 or room > 0):
+                room -= items[n].qos > 0
+                n += 1
+            if n == 0 or not self.writable:
+                await asyncio.sleep(RETAINED_PACKET_ID_WAIT_S)  # acknowledgements or a drained socket free room
                 continue
             await self._commit_and_send(items[:n], msgs[:n])
             items, msgs = items[n:], msgs[n:]

@@ -141,3 +141,33 @@ def test_retained_survives_clean_restart(shared_broker: BrokerProc, uniq: str) -
     m = sub.get()
     assert (m.payload, m.retain) == (b"durable-retained", True)
     sub.disconnect()
+
+
+@pytest.mark.moorline_only
+def test_retained_messages_on_subscribe_respect_the_inflight_window(broker_factory: BrokerFactory, uniq: str) -> None:
+    """A SUBSCRIBE matching many retained QoS 1 messages gets at most the window
+    (mqtt.max_inflight_out for 3.1.1) before it acknowledges any, then the rest as it does."""
+    from rawclient import RawClient  # noqa: PLC0415 - the raw client reads what paho would ack
+
+    b = broker_factory(config_text="[mqtt]\nmax_inflight_out = 10\n")
+    pub = RawClient("127.0.0.1", b.mqtt_port, 4)
+    assert pub.connect(f"{uniq}-p").reason == 0
+    for i in range(40):
+        pub.publish_and_wait(f"{uniq}/r/{i}", b"v%d" % i, qos=1, retain=True)
+    sub = RawClient("127.0.0.1", b.mqtt_port, 4)
+    assert sub.connect(f"{uniq}-s").reason == 0
+    sub.send(__import__("rawclient").encode_subscribe(1, [(f"{uniq}/r/#", 1)], 4))
+    got = []
+    while (pkt := sub.recv_or_none(1.0)) is not None:
+        if pkt.type == 3:
+            got.append(pkt)
+    assert len(got) == 10, f"{len(got)} retained QoS 1 messages in flight with a window of 10"
+    for pkt in got:
+        sub.ack(pkt)
+    while (pkt := sub.recv_or_none(1.0)) is not None:
+        if pkt.type == 3:
+            got.append(pkt)
+            sub.ack(pkt)
+    assert sorted(p.topic for p in got) == sorted(f"{uniq}/r/{i}" for i in range(40))
+    pub.close()
+    sub.close()
