@@ -19,6 +19,12 @@ _COMMANDS: list[tuple[str, str, str]] = [
     ("bench", "bench.cli", "bench"),
 ]
 
+# (group name, module, typer app): commands with subcommands (``moorline certs dev``).
+_GROUPS: list[tuple[str, str, str]] = [
+    ("certs", "moorline.certs", "app"),
+    ("cluster", "moorline.node.cluster_cli", "app"),
+]
+
 for _name, _module, _func in _COMMANDS:
     try:
         _mod = importlib.import_module(_module)
@@ -27,6 +33,9 @@ for _name, _module, _func in _COMMANDS:
             continue
         raise
     app.command(_name)(getattr(_mod, _func))
+
+for _name, _module, _attr in _GROUPS:
+    app.add_typer(getattr(importlib.import_module(_module), _attr), name=_name)
 
 
 def main() -> None:

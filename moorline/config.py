@@ -44,6 +44,13 @@ class ListenerConfig:
     # Loopback peers are local processes (a TLS terminator or bridge forwarding many clients, tests):
     # not rate-limited unless this is set.
     rate_limit_loopback: bool = False
+    # Further listeners, HOST:PORT each, off when unset: MQTT over TLS (8883 by convention), HTTPS (the
+    # HTTP API over TLS, beside the plain one), MQTT over WebSocket and over secure WebSocket (path /mqtt,
+    # subprotocol mqtt). TLS ones need tls.cert_file and tls.key_file.
+    mqtts: str | None = None
+    https: str | None = None
+    ws: str | None = None
+    wss: str | None = None
 
 
 @dataclass
@@ -208,6 +215,25 @@ class AuthConfig:
 
 
 @dataclass
+class TlsConfig:
+    """Certificates of every TLS listener (listeners.mqtts, https, wss); re-read on SIGHUP."""
+
+    cert_file: str | None = None  # PEM: the server certificate, then any intermediates
+    key_file: str | None = None  # PEM private key
+    ca_file: str | None = None  # PEM CAs that sign client certificates
+    require_client_cert: bool = False  # refuse a handshake without a client certificate from ca_file
+    # The MQTT username is the client certificate's subject CN (Mosquitto's use_identity_as_username):
+    # the certificate is the login (no password checked); ACLs apply to that username.
+    use_identity_as_username: bool = False
+
+
+@dataclass
+class SysConfig:
+    # $SYS/... statistics are published to subscribed clients this often (seconds); 0 = no $SYS topics.
+    interval_s: float = 10.0
+
+
+@dataclass
 class PinConfig:
     reader_pin_ttl_s: float = 600.0
     max_pins: int = 1000
@@ -242,6 +268,8 @@ class NodeConfig:
     raft: RaftConfig = field(default_factory=RaftConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    sys: SysConfig = field(default_factory=SysConfig)
     pins: PinConfig = field(default_factory=PinConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
 
@@ -278,6 +306,17 @@ class NodeConfig:
             raise ConfigError("runtime.* must be positive")
         if rt.malloc_mmap_threshold_bytes > 32 << 20:
             raise ConfigError("runtime.malloc_mmap_threshold_bytes must not exceed 32 MiB (glibc's limit)")
+        t = self.tls
+        tls_listeners = [k for k in ("mqtts", "https", "wss") if getattr(li, k)]
+        if tls_listeners and not (t.cert_file and t.key_file):
+            raise ConfigError(f"listeners.{tls_listeners[0]} needs tls.cert_file and tls.key_file")
+        if t.require_client_cert and not t.ca_file:
+            raise ConfigError("tls.require_client_cert needs tls.ca_file (the CAs that sign client certificates)")
+        if t.use_identity_as_username and not t.require_client_cert:
+            raise ConfigError("tls.use_identity_as_username needs tls.require_client_cert = true: the certificate "
+                              "is then the login")
+        if not 0 <= self.sys.interval_s <= 86400:
+            raise ConfigError("sys.interval_s must be 0 (off) .. 86400")
         if self.auth.session_takeover_across_users and self.auth.password_file:
             raise ConfigError("auth.session_takeover_across_users cannot be true with auth.password_file: "
                               "any user could then resume another user's session")

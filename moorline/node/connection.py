@@ -9,6 +9,7 @@ commit before the next packet is handled, so a client's later publishes see its 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 import struct
@@ -32,6 +33,8 @@ from moorline.node.auth import Principal
 from moorline.node.delivery import LiveSession, OutboundPublish, ReadFilter
 from moorline.node.node import NodeFailure, SessionOwnedByOther
 from moorline.node.shard_host import Callback, ShardUnavailable
+from moorline.node.sys_topics import is_sys_filter
+from moorline.node.tls import certificate_login
 
 if TYPE_CHECKING:
     from moorline.node.server import MqttServer
@@ -199,6 +202,8 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self.server.connections.discard(self)
+        if self.server.sys_topics is not None:
+            self.server.sys_topics.drop(self)
         if self._timer is not None:
             self._timer.cancel()
         self._queue_event.set()
@@ -511,8 +516,14 @@ class Connection(asyncio.Protocol):
                 self._connack_refuse(RC.CLIENT_IDENTIFIER_NOT_VALID)
                 return
             client_id = assigned = f"auto-{uuid.uuid4().hex}"
-        refusal = await self.server.authorizer.connack_refusal(  # scrypt off the loop, rate-limited per address
-            pk.username, pk.password, self.peer.rpartition(":")[0], v5, lambda: not self._closing)
+        cert_user = certificate_login(self.transport, self.node.cfg.tls)
+        refusal: int | None
+        if cert_user is not None:  # tls.use_identity_as_username: the verified certificate is the login
+            pk = dataclasses.replace(pk, username=cert_user, password=None)
+            refusal = None if cert_user else RC.NOT_AUTHORIZED  # a certificate without a CN names nobody
+        else:
+            refusal = await self.server.authorizer.connack_refusal(  # scrypt off the loop, rate-limited per address
+                pk.username, pk.password, self.peer.rpartition(":")[0], v5, lambda: not self._closing)
         if self._closing:
             return
         if refusal is not None:
@@ -822,6 +833,7 @@ class Connection(asyncio.Protocol):
         v5 = self.version == MQTT_5
         sub_id = pk.properties.subscription_identifiers[0] if pk.properties.subscription_identifiers else None
         codes: list[int] = []
+        sys_granted: list[str] = []  # $SYS filters granted: their current values follow the SUBACK
         retained_all: list[Any] = []
         for flt, opts in pk.subscriptions:
             if self.state.topic_filter_error(flt) is not None:  # syntax and mqtt.max_topic_*, before any split
@@ -829,6 +841,11 @@ class Connection(asyncio.Protocol):
                 continue
             check = parse_shared(flt)
             inner = check[1] if check else flt
+            if is_sys_filter(inner) and self.server.sys_topics is not None:
+                codes.append(self._subscribe_sys(flt, min(opts.qos, 2), check is not None, v5))
+                if codes[-1] < 0x80:
+                    sys_granted.append(flt)
+                continue
             if not self.server.authorizer.can_subscribe(self.principal, inner):
                 codes.append(RC.NOT_AUTHORIZED if v5 else 0x80)
                 continue
@@ -852,6 +869,8 @@ class Connection(asyncio.Protocol):
         if self._closing or self.live is not live:
             return
         self.send_packet(p.Suback(pk.packet_id, tuple(codes if v5 else [suback_v5_to_v3(x) for x in codes])))
+        for flt in sys_granted:
+            self.server.sys_topics.send_current(self, flt)  # type: ignore[union-attr]
         if retained_all and live.read_filter is not None:
             retained_all = [r for r in retained_all if live.read_filter.can_read(r[0].topic)]
         if retained_all:
@@ -859,6 +878,20 @@ class Connection(asyncio.Protocol):
             # and those are read by this handler once it returns (awaiting here would deadlock).
             task = asyncio.get_running_loop().create_task(live.deliver_retained(retained_all))
             task.add_done_callback(_log_retained_error)
+
+    def _subscribe_sys(self, flt: str, qos: int, shared: bool, v5: bool) -> int:
+        """A $SYS filter is node-local (moorline/node/sys_topics.py), never registered in a shard.
+        Needs a grant; no $share group. Granted at the QoS asked (as Mosquitto): its messages are
+        QoS 0, and a message is delivered at the lower of the two."""
+        sys_topics = self.server.sys_topics
+        assert sys_topics is not None
+        if shared:
+            return RC.SHARED_SUBSCRIPTIONS_NOT_SUPPORTED if v5 else 0x80
+        if not sys_topics.may_subscribe(self.principal, flt):
+            return RC.NOT_AUTHORIZED if v5 else 0x80
+        if not sys_topics.subscribe(self, flt):
+            return RC.QUOTA_EXCEEDED if v5 else 0x80
+        return qos
 
     async def _on_unsubscribe(self, pk: p.Unsubscribe) -> None:
         live = self.live
@@ -868,7 +901,10 @@ class Connection(asyncio.Protocol):
         for flt in pk.filters:
             if self._closing or self.live is not live:
                 return
-            existed = await self.node.unsubscribe(live, flt)
+            if is_sys_filter(flt) and self.server.sys_topics is not None:
+                existed = self.server.sys_topics.unsubscribe(self, flt)
+            else:
+                existed = await self.node.unsubscribe(live, flt)
             codes.append(0 if existed else RC.NO_SUBSCRIPTION_EXISTED)
         if self._closing or self.live is not live:
             return

@@ -6,6 +6,7 @@ import asyncio
 import ipaddress
 import logging
 import signal
+import socket
 import sys
 import time
 from collections import OrderedDict
@@ -18,18 +19,15 @@ from moorline.mqtt.reasons import ReasonCode as RC
 from moorline.mqtt.topics import TopicBounds
 from moorline.node.auth import Authorizer
 from moorline.node.connection import Connection
+from moorline.node.listeners import BACKLOG, Listener, bind_all, close_all, configured
+from moorline.node.listeners import parse_hostport as parse_hostport
 from moorline.node.node import Node
 from moorline.node.runtime import tune_allocator, tune_gc
+from moorline.node.sys_topics import SysTopics
+from moorline.node.tls import TlsContexts
 from moorline.testing.faults import NO_FAULTS, Faults
 
 log = logging.getLogger("moorline.server")
-
-
-def parse_hostport(value: str, what: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"{what} must be HOST:PORT, not {value!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def is_loopback(host: str) -> bool:
@@ -127,6 +125,7 @@ class MqttServer:
         self.refused: dict[str, int] = {"rate": 0, "pending": 0}  # connections refused, by cause
         self._refusals_unlogged = 0
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
+        self.sys_topics: SysTopics | None = None  # $SYS subscribers of this node (serve() sets it)
 
     def protocol_factory(self) -> Connection:
         return Connection(self)
@@ -134,6 +133,8 @@ class MqttServer:
     def admit(self, conn: Connection, host: str) -> bool:
         """A new socket from ``host``: within its address's connection rate and the cap on
         connections that have not completed CONNECT? Counts it as pending when it is."""
+        if conn in self.pending:
+            return True  # admitted at accept, before its TLS handshake or WebSocket upgrade (node/tls.py)
         now = time.monotonic()
         limiter = self.rate_limiter
         if (limiter is not None and (self.rate_limit_loopback or not is_loopback(host))
@@ -180,10 +181,37 @@ class MqttServer:
 
 
 async def serve(cfg: NodeConfig, faults: Faults = NO_FAULTS) -> int:
-    mqtt_host, mqtt_port = parse_hostport(cfg.listeners.mqtt, "--mqtt")
-    http_host, http_port = parse_hostport(cfg.listeners.http, "--http")
-    loopback = is_loopback(mqtt_host) and is_loopback(http_host)
-    http_auth = http_auth_required(cfg, http_host, loopback)  # refuses an open non-loopback HTTP listener
+    """Bind every listener, then open the node, serve until SIGINT/SIGTERM (or a fatal error), stop.
+    SIGHUP re-reads the TLS certificates: new handshakes use them, open connections stay."""
+    listeners = configured(cfg)
+    loopback = all(is_loopback(li.host) for li in listeners)
+    http_auth = False
+    for li in listeners:  # refuses an open non-loopback HTTP(S) listener
+        if li.key in ("http", "https"):
+            http_auth = http_auth_required(cfg, li.host, loopback) or http_auth
+    tls = TlsContexts(cfg.tls) if any(li.tls for li in listeners) else None  # unreadable certificates: stop here
+    bind_all(listeners)  # a port in use stops us here, before the data directory is touched
+    try:
+        return await _serve_bound(cfg, faults, listeners, loopback, http_auth, tls)
+    finally:
+        close_all(listeners)
+
+
+async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener], loopback: bool, http_auth: bool,
+                       tls: TlsContexts | None) -> int:
+    from aiohttp import web
+
+    from moorline.node.http_api import make_app
+    from moorline.node.tls import AdmittingListener
+    from moorline.node.ws_transport import WebSocketListeners
+
+    by_key = {li.key: li for li in listeners}
+
+    def sock(key: str) -> socket.socket:
+        bound = by_key[key].sock
+        assert bound is not None
+        return bound
+
     authorizer = Authorizer(cfg.auth, loopback_only=loopback)
     node = Node(cfg, faults)
     await node.open_async()  # a cluster node also connects to its peers and bootstraps here
@@ -191,18 +219,42 @@ async def serve(cfg: NodeConfig, faults: Faults = NO_FAULTS) -> int:
     tune_gc(cfg.runtime)
     tune_allocator(cfg.runtime)
     server = MqttServer(node, authorizer)
+    server.sys_topics = SysTopics(node, authorizer, cfg.sys.interval_s,
+                                  open_to_all=not authorizer.rules and authorizer.allow_anonymous and loopback,
+                                  max_filters_per_connection=cfg.session.max_subscriptions)
     loop = asyncio.get_running_loop()
-    mqtt = await loop.create_server(server.protocol_factory, mqtt_host, mqtt_port, backlog=1024)
-    mqtt_bound = mqtt.sockets[0].getsockname()
-    from moorline.node.http_api import start_http
-
-    http_runner, http_bound = await start_http(node, authorizer, http_auth, http_host, http_port)
+    handshake_s = cfg.mqtt.connect_timeout_s
+    servers: list[asyncio.AbstractServer] = []
+    servers.append(await loop.create_server(server.protocol_factory, sock=sock("mqtt"), backlog=BACKLOG))
+    accepting: list[AdmittingListener] = []  # listeners that admit a socket before its handshake or upgrade
+    if "mqtts" in by_key:
+        accepting.append(AdmittingListener(server, sock("mqtts"), tls, lambda conn: conn))
+    http_runner = web.AppRunner(make_app(node, authorizer, http_auth), access_log=None)
+    await http_runner.setup()
+    await web.SockSite(http_runner, sock("http"), backlog=BACKLOG).start()
+    if "https" in by_key:
+        assert tls is not None and http_runner.server is not None
+        servers.append(await loop.create_server(http_runner.server, sock=sock("https"), ssl=tls.listening,
+                                                ssl_handshake_timeout=handshake_s, backlog=BACKLOG))
+    ws_runner: web.AppRunner | None = None
+    if "ws" in by_key or "wss" in by_key:
+        ws = WebSocketListeners(server)
+        ws_runner = web.AppRunner(ws.app, access_log=None, handle_signals=False)
+        await ws_runner.setup()
+        ws.handlers = ws_runner.server
+        for key, ctx in (("ws", None), ("wss", tls)):
+            if key in by_key:
+                accepting.append(AdmittingListener(server, sock(key), ctx, ws.make_protocol, ws.on_expired))
+    for listener in accepting:
+        listener.start()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
             loop.add_signal_handler(sig, stop.set)
         except NotImplementedError:  # pragma: no cover
             pass
+    if tls is not None:
+        loop.add_signal_handler(signal.SIGHUP, _reload_tls, tls)
 
     async def watch_fatal() -> None:
         await node.stopping.wait()
@@ -210,13 +262,19 @@ async def serve(cfg: NodeConfig, faults: Faults = NO_FAULTS) -> int:
 
     watcher = asyncio.create_task(watch_fatal())
     lag_watcher = asyncio.create_task(server.watch_loop_lag())
-    print(f"moorline ready mqtt={mqtt_bound[0]}:{mqtt_bound[1]} http={http_bound[0]}:{http_bound[1]}", flush=True)
+    sys_publisher = asyncio.create_task(server.sys_topics.run())
+    bound = " ".join(f"{li.key}={li.bound()[0]}:{li.bound()[1]}" for li in listeners)
+    print(f"moorline ready {bound}", flush=True)
     log.info("data dir %s, %d shards", cfg.data_dir, node.shard_count)
     await stop.wait()
     watcher.cancel()
     lag_watcher.cancel()
+    sys_publisher.cancel()
     log.info("stopping: closing listeners and connections")
-    mqtt.close()
+    for srv in servers:
+        srv.close()
+    for listener in accepting:
+        listener.close()
     # Cluster: hand every leadership to a caught-up peer while this node's clients are still
     # connected, so their in-flight publishes commit and are acknowledged (bounded).
     await node.hand_over_leadership(timeout_s=min(cfg.shutdown_drain_s, 3.0))
@@ -229,6 +287,8 @@ async def serve(cfg: NodeConfig, faults: Faults = NO_FAULTS) -> int:
     # Let session closes (committed SessionClose) finish, bounded.
     if pending:
         await asyncio.wait(pending, timeout=min(cfg.shutdown_drain_s, 2.0))
+    if ws_runner is not None:
+        await ws_runner.cleanup()
     await http_runner.cleanup()
     authorizer.close()
     await node.stop()
@@ -236,3 +296,12 @@ async def serve(cfg: NodeConfig, faults: Faults = NO_FAULTS) -> int:
         print(f"moorline: fatal: {node.fatal}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _reload_tls(tls: TlsContexts) -> None:
+    try:
+        tls.reload()
+    except ConfigError as exc:
+        log.error("SIGHUP: TLS certificates not reloaded, the previous ones stay in use: %s", exc)
+        return
+    log.info("SIGHUP: TLS certificates reloaded from %s (new connections use them)", tls.cfg.cert_file)

@@ -1,0 +1,236 @@
+"""MQTT over WebSocket (``listeners.ws`` / ``listeners.wss``): aiohttp's WebSocket server on path
+``/mqtt``, subprotocol ``mqtt``, feeding the same MQTT ``Connection`` as a TCP socket does.
+
+The ``Connection`` is an asyncio Protocol, so ``WebSocketTransport`` gives it what it uses of a
+transport over an aiohttp ``WebSocketResponse``. MQTT packets may be split across binary frames or
+joined in one anywhere (MQTT-6.0.0-2): received frames are fed to the connection as stream bytes, and
+what it writes leaves in frames of up to ``FRAME_BYTES``, joined as they queue. Back-pressure is the
+TCP listener's: writes queue here while the socket drains; past the high-water mark the protocol's
+``pause_writing`` stops deliveries, below a quarter of it ``resume_writing`` starts them again, and
+``get_write_buffer_size`` (the queue plus the socket's own buffer) is what ``mqtt.max_write_buffer_bytes``
+bounds. ``pause_reading`` stops taking frames from aiohttp, whose bounded queue then stops reading the
+socket. Text frames are refused (MQTT-6.0.0-1).
+
+Each socket of these listeners is admitted (rate, pending cap) before its HTTP request is read and
+must complete the upgrade within ``mqtt.connect_timeout_s`` (``moorline.node.tls.AdmittingListener``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import WSMsgType, web
+
+if TYPE_CHECKING:
+    from moorline.node.connection import Connection
+    from moorline.node.server import MqttServer
+
+log = logging.getLogger("moorline.ws")
+
+WS_PATH = "/mqtt"
+SUBPROTOCOL = "mqtt"
+FRAME_BYTES = 256 << 10  # queued writes are joined into binary frames of at most about this size
+CLOSE_TIMEOUT_S = 2.0  # after our close frame, wait this long for the client's before dropping the socket
+
+
+class WebSocketTransport(asyncio.Transport):
+    """A transport for one MQTT ``Connection`` over one WebSocket (module docstring)."""
+
+    def __init__(self, ws: Any, raw: asyncio.BaseTransport) -> None:
+        super().__init__()
+        self._ws = ws  # aiohttp WebSocketResponse (or a stand-in with send_bytes/close)
+        self._raw = raw  # the TCP or TLS transport under the HTTP request
+        self._protocol: asyncio.Protocol | None = None
+        self._queue: deque[bytes] = deque()
+        self._queued = 0  # bytes in _queue plus the frame being sent
+        self._high = 64 << 10
+        self._low = 16 << 10
+        self._writing_paused = False
+        self._closing = False
+        self._aborted = False
+        self._wake = asyncio.Event()
+        self.reading = asyncio.Event()  # set while the handler may take the next frame
+        self.reading.set()
+        self._pump_task: asyncio.Task[None] | None = None
+        self.pump_done = asyncio.Event()
+
+    def start(self, protocol: asyncio.Protocol) -> None:
+        self._protocol = protocol
+        self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+        protocol.connection_made(self)
+
+    # --- what Connection uses ------------------------------------------------------------------
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._raw.get_extra_info(name, default)  # peername, socket, peercert, ssl_object, ...
+
+    def is_closing(self) -> bool:
+        return self._closing or self._raw.is_closing()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closing:
+            return
+        if data:
+            self._queue.append(bytes(data))
+            self._queued += len(data)
+            self._wake.set()
+            self._check_high()
+
+    def writelines(self, list_of_data: Any) -> None:
+        for data in list_of_data:
+            self.write(data)
+
+    def get_write_buffer_size(self) -> int:
+        return self._queued + self._raw_buffer()
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._low, self._high
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        if high is None:
+            high = 4 * low if low is not None else 64 << 10
+        if low is None:
+            low = high // 4
+        self._high, self._low = high, low
+        self._check_high()
+
+    def pause_reading(self) -> None:
+        self.reading.clear()
+
+    def resume_reading(self) -> None:
+        self.reading.set()
+
+    def is_reading(self) -> bool:
+        return self.reading.is_set()
+
+    def close(self) -> None:
+        """Send what is queued, then a close frame (bounded by CLOSE_TIMEOUT_S)."""
+        if self._closing:
+            return
+        self._closing = True
+        self._wake.set()
+
+    def abort(self) -> None:
+        """Drop what is queued and the socket at once."""
+        self._closing = True
+        self._aborted = True
+        self._queue.clear()
+        self._queued = 0
+        self._raw.abort()  # type: ignore[attr-defined]
+        self._wake.set()
+        self.reading.set()  # the handler's wait ends; its receive sees the socket gone
+
+    # --- internals -----------------------------------------------------------------------------
+    def _raw_buffer(self) -> int:
+        try:
+            return int(self._raw.get_write_buffer_size())  # type: ignore[attr-defined]
+        except (AttributeError, RuntimeError):
+            return 0
+
+    def _check_high(self) -> None:
+        if not self._writing_paused and self._protocol is not None and self.get_write_buffer_size() > self._high:
+            self._writing_paused = True
+            self._protocol.pause_writing()
+
+    def _check_low(self) -> None:
+        if self._writing_paused and self._protocol is not None and self.get_write_buffer_size() <= self._low:
+            self._writing_paused = False
+            self._protocol.resume_writing()
+
+    async def _pump(self) -> None:
+        """The one task that sends frames, in order; ends after the close frame or on abort."""
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._queue and not self._aborted:
+                    parts: list[bytes] = []
+                    size = 0
+                    while self._queue and size < FRAME_BYTES:
+                        part = self._queue.popleft()
+                        parts.append(part)
+                        size += len(part)
+                    await self._ws.send_bytes(parts[0] if len(parts) == 1 else b"".join(parts))  # waits for drain
+                    if self._aborted:
+                        return  # abort() already dropped the queue and its count
+                    self._queued -= size
+                    self._check_low()
+                if self._aborted:
+                    return
+                if self._closing:
+                    await self._ws.close(code=1000)
+                    return
+        except (TimeoutError, ConnectionError, RuntimeError, OSError):
+            self._closing = True  # the socket went away under a send: the handler's receive ends too
+            if not self._raw.is_closing():
+                self._raw.abort()  # type: ignore[attr-defined]
+        finally:
+            self.pump_done.set()
+            self.reading.set()
+
+
+class WebSocketListeners:
+    """The aiohttp app behind ``listeners.ws`` and ``listeners.wss``: one route, ``GET /mqtt``."""
+
+    def __init__(self, server: MqttServer) -> None:
+        self.server = server
+        cfg = server.node.cfg.mqtt
+        # A frame may join packets: allow two of the largest packet, then close (1009) past that.
+        self.max_frame_bytes = 2 * cfg.max_packet_size + 16
+        # The MQTT connection admitted with each socket, by the socket's aiohttp request handler, until
+        # the upgrade claims it (or the socket expires: AdmittingListener).
+        self.admitted: dict[asyncio.BaseProtocol, Connection] = {}
+        self.app = web.Application()
+        self.app.router.add_get(WS_PATH, self.handle)
+        self.handlers: Any = None  # the runner's web.Server, set once the runner is set up
+
+    def make_protocol(self, conn: Connection) -> asyncio.BaseProtocol:
+        handler: asyncio.BaseProtocol = self.handlers()
+        self.admitted[handler] = conn
+        return handler
+
+    def on_expired(self, conn: Connection) -> None:
+        for handler, c in list(self.admitted.items()):
+            if c is conn:
+                del self.admitted[handler]
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = request.transport
+        conn = self.admitted.pop(request.protocol, None)
+        if conn is None or conn._closing or raw is None:
+            # A second request on a socket whose connection was used or expired.
+            return web.Response(status=400, text="one MQTT connection per socket\n")
+        ws = web.WebSocketResponse(protocols=(SUBPROTOCOL,), compress=False, max_msg_size=self.max_frame_bytes,
+                                   timeout=CLOSE_TIMEOUT_S, autoping=True, heartbeat=None)
+        ready = ws.can_prepare(request)
+        if not ready.ok or ready.protocol != SUBPROTOCOL:
+            conn._closing = True
+            return web.Response(status=400, text="expected a WebSocket upgrade offering subprotocol 'mqtt'\n")
+        await ws.prepare(request)
+        transport = WebSocketTransport(ws, raw)
+        transport.start(conn)
+        try:
+            while not transport._aborted:
+                await transport.reading.wait()
+                if transport._aborted:
+                    break
+                msg = await ws.receive()
+                if msg.type is WSMsgType.BINARY:
+                    conn.data_received(msg.data)
+                elif msg.type is WSMsgType.TEXT:
+                    log.info("%s: text frame on MQTT over WebSocket: closing (MQTT-6.0.0-1)", conn.peer)
+                    conn.abort("text frame")
+                    break
+                else:  # CLOSE, CLOSING, CLOSED, ERROR (an oversized frame: 1009 already sent)
+                    break
+        finally:
+            transport._closing = True
+            transport._wake.set()
+            try:
+                await asyncio.wait_for(transport.pump_done.wait(), CLOSE_TIMEOUT_S + 1.0)
+            except TimeoutError:
+                transport.abort()
+            conn.connection_lost(None)
+        return ws

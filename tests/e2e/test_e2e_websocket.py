@@ -1,0 +1,156 @@
+"""MQTT over WebSocket (listeners.ws / listeners.wss, path /mqtt, subprotocol mqtt): paho's WebSocket
+transport with 3.1.1 and 5.0, and a raw client whose binary frames split packets anywhere or join
+several in one; the same ACLs; what is not MQTT over WebSocket is refused without an error logged."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from conftest import BrokerFactory
+from listener_support import (
+    WsSocket,
+    broker_errors,
+    client_tls_context,
+    dev_certs,
+    listener_ports,
+    paho_client,
+    split_every,
+    tls_config,
+    ws_raw_client,
+)
+from rawclient import CONNACK, PUBACK, PUBLISH, SUBACK, encode_connect, encode_publish, encode_subscribe
+
+pytestmark = [pytest.mark.e2e, pytest.mark.moorline_only, pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+def ws_broker(broker_factory: BrokerFactory, tmp_path: Path) -> tuple[object, dict[str, int], Path]:
+    certs = dev_certs(tmp_path)
+    broker = broker_factory(config_text=tls_config(certs, listeners=("ws", "wss")))
+    return broker, listener_ports(broker), certs.ca_cert
+
+
+@pytest.mark.parametrize("version", [4, 5])
+@pytest.mark.parametrize("secure", [False, True])
+def test_paho_over_websocket(ws_broker: tuple[object, dict[str, int], Path], uniq: str, version: int,
+                             secure: bool) -> None:
+    broker, ports, ca = ws_broker
+    tls = client_tls_context(ca) if secure else None
+    port = ports["wss" if secure else "ws"]
+    sub = paho_client(port, version, transport="websockets", tls=tls)
+    sub.connect()
+    sub.subscribe(f"{uniq}/#", qos=1)
+    pub = paho_client(port, version, transport="websockets", tls=tls)
+    pub.connect()
+    for i in range(20):
+        pub.publish(f"{uniq}/t", f"m{i}".encode() * 50, qos=1)
+    got = [m.payload for m in sub.collect(20)]
+    assert got == [f"m{i}".encode() * 50 for i in range(20)]
+    # ... and to a plain TCP client: one broker, whatever the transport
+    tcp = paho_client(broker.mqtt_port, version)  # type: ignore[attr-defined]
+    tcp.connect()
+    tcp.publish(f"{uniq}/tcp", b"from tcp", qos=1)
+    assert sub.get().payload == b"from tcp"
+    for c in (sub, pub, tcp):
+        c.disconnect()
+    assert broker_errors(broker) == []  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_frames_split_and_join_packets_anywhere(ws_broker: tuple[object, dict[str, int], Path], uniq: str,
+                                                version: int) -> None:
+    broker, ports, _ = ws_broker
+    sub, sub_ws = ws_raw_client(ports["ws"], version)
+    # CONNECT and SUBSCRIBE joined in one frame
+    sub_ws.send_frame(encode_connect(f"{uniq}-s", version) + encode_subscribe(1, [(f"{uniq}/#", 1)], version))
+    assert sub.expect(CONNACK).reason == 0
+    assert sub.expect(SUBACK).pid == 1
+    pub, pub_ws = ws_raw_client(ports["ws"], version)
+    pub_ws.framer = split_every(1)  # every byte a frame of its own: packets split everywhere
+    assert pub.connect(f"{uniq}-p").reason == 0
+    pub_ws.framer = split_every(7)
+    assert pub.publish_and_wait(f"{uniq}/a", b"split in sevens").type == PUBACK
+    # three PUBLISHes in one frame, then one PUBLISH across two frames cut in its topic
+    joined = b"".join(encode_publish(f"{uniq}/j", f"j{i}".encode(), 1, False, 10 + i, False, version)
+                      for i in range(3))
+    pub_ws.send_frame(joined)
+    acks = sorted(pub.expect(PUBACK).pid for _ in range(3))  # type: ignore[type-var]
+    assert acks == [10, 11, 12]
+    last = encode_publish(f"{uniq}/cut", b"x" * 3000, 1, False, 20, False, version)
+    pub_ws.send_frame(last[:5])
+    pub_ws.send_frame(last[5:])
+    assert pub.expect(PUBACK).pid == 20
+    got = []
+    for _ in range(5):
+        msg = sub.next_message()
+        assert msg.type == PUBLISH
+        got.append((msg.topic, msg.payload))
+        sub.ack(msg)
+    assert got == [(f"{uniq}/a", b"split in sevens"), (f"{uniq}/j", b"j0"), (f"{uniq}/j", b"j1"),
+                   (f"{uniq}/j", b"j2"), (f"{uniq}/cut", b"x" * 3000)]
+    sub.disconnect()
+    pub.disconnect()
+    assert broker_errors(broker) == []  # type: ignore[arg-type]
+
+
+def test_what_is_not_mqtt_over_websocket_is_refused(ws_broker: tuple[object, dict[str, int], Path],
+                                                    uniq: str) -> None:
+    broker, ports, _ = ws_broker
+    no_protocol = WsSocket("127.0.0.1", ports["ws"], protocol=None)
+    assert no_protocol.status == 400, no_protocol.response
+    no_protocol.close()
+    wrong_path = WsSocket("127.0.0.1", ports["ws"], path="/other")
+    assert wrong_path.status == 404
+    wrong_path.close()
+    # a text frame closes the connection (MQTT-6.0.0-1)
+    client, ws = ws_raw_client(ports["ws"], 4)
+    assert client.connect(f"{uniq}-t").reason == 0
+    ws.send_frame(b"hello", opcode=0x1)
+    ws.settimeout(10)
+    assert client.wait_closed(10) == []
+    # a socket that never upgrades is closed after mqtt.connect_timeout_s (10 s here): not waited for;
+    # one that sends garbage instead of HTTP is closed at once
+    with socket.create_connection(("127.0.0.1", ports["ws"]), timeout=10) as raw:
+        raw.sendall(b"\x10\x0c\x00\x04MQTT\x04\x02\x00\x3c\x00\x00")
+        deadline = time.monotonic() + 10
+        data = b""
+        try:
+            while chunk := raw.recv(4096):
+                data += chunk
+                assert time.monotonic() < deadline
+        except ConnectionResetError:
+            pass
+        assert b"400" in data or data == b""
+    assert broker_errors(broker) == []  # type: ignore[arg-type]
+
+
+def test_a_websocket_that_never_upgrades_is_closed_and_counts_as_pending(broker_factory: BrokerFactory,
+                                                                         tmp_path: Path) -> None:
+    extra = "max_pending_connections = 2\n[mqtt]\nconnect_timeout_s = 1.5\n"
+    broker = broker_factory(config_text=f'[listeners]\nws = "127.0.0.1:0"\n{extra}')
+    port = listener_ports(broker)["ws"]
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+    time.sleep(0.3)
+    third = socket.create_connection(("127.0.0.1", port), timeout=10)
+    third.settimeout(1.0)
+    try:
+        assert third.recv(10) == b""  # refused at once: the two idle sockets hold the pending slots
+    except ConnectionResetError:
+        pass
+    t0 = time.monotonic()
+    for s in idle:
+        s.settimeout(10)
+        try:
+            assert s.recv(10) == b""
+        except ConnectionResetError:
+            pass
+    assert time.monotonic() - t0 < 5.0
+    for s in (*idle, third):
+        s.close()
+    client, _ = ws_raw_client(port, 5)
+    assert client.connect("after-idle").reason == 0
+    client.disconnect()
+    assert broker_errors(broker) == []
