@@ -31,10 +31,10 @@ class BrokerUnavailable(Exception):
     """The broker cannot be run here; the message says why (it is printed and the broker skipped)."""
 
 
-def free_port() -> int:
-    """A port the OS just handed out on loopback (tiny race until the broker binds it; acceptable for a bench)."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS just handed out on ``host`` (tiny race until the broker binds it; acceptable for a bench)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
@@ -61,13 +61,32 @@ class RunningBroker:
     protocol: int
     workdir: Path
     _log_files: list[IO[bytes]] = field(default_factory=list)
+    # Where the W1/W2 publisher and subscriber connect (0: ``port``). A cluster puts them on different nodes.
+    publish_port: int = 0
+    subscribe_port: int = 0
+
+    def __post_init__(self) -> None:
+        self.publish_port = self.publish_port or self.port
+        self.subscribe_port = self.subscribe_port or self.port
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
+    def topic_for(self, base: str) -> str:
+        """The topic a workload named ``base`` uses (a cluster may pick one whose shard a given node leads)."""
+        return base
+
     def cpu_seconds(self) -> float:
         return procstat.tree_cpu_seconds(self.pid)
+
+    def cpu_seconds_by_member(self) -> dict[str, float]:
+        """CPU per member process tree (one member unless this is a cluster)."""
+        return {self.name: self.cpu_seconds()}
+
+    def findings(self) -> dict[str, object]:
+        """What the broker's own logs say about the run, read after stop() (clusters: errors, warnings)."""
+        return {}
 
     def peak_rss_bytes(self) -> int:
         return procstat.tree_peak_rss_bytes(self.pid)
@@ -315,8 +334,13 @@ class Moorline(Broker):
 
 
 def _read_ready_line(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    return _read_ready_ports(proc, timeout_s)[0]
+
+
+def _read_ready_ports(proc: subprocess.Popen[bytes], timeout_s: float) -> tuple[int, int]:
+    """The MQTT and HTTP ports of moorline's ready line."""
     assert proc.stdout is not None
-    found: list[int] = []
+    found: list[tuple[int, int]] = []
     seen: list[bytes] = []
 
     def reader() -> None:
@@ -325,7 +349,7 @@ def _read_ready_line(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
             seen.append(line)
             match = _READY.search(line)
             if match:
-                found.append(int(match.group(2)))
+                found.append((int(match.group(2)), int(match.group(4))))
                 return
 
     thread = threading.Thread(target=reader, daemon=True)

@@ -8,33 +8,65 @@ import platform
 import time
 from pathlib import Path
 
+import typer
 from rich.console import Console
 
-from bench import machine, runner
+from bench import cluster, machine, runner
 from bench import report as report_mod
+
+CLUSTER_SIZES = (3,)  # node addresses 127.0.0.11-13; the issue's cluster benchmark is three nodes
 
 
 def bench(
-    brokers: str = "moorline,mosquitto,amqtt",
+    brokers: str | None = None,
     reps: int = 3,
     quick: bool = False,
-    json_out: Path = Path("bench-results.json"),
+    json_out: Path | None = None,
+    cluster_nodes: int = typer.Option(0, "--cluster", help="N: W1 and W2 against N-node clusters (moorline, "
+                                      "NATS JetStream RN, RabbitMQ quorum queue) instead of single nodes"),
 ) -> None:
     """Side-by-side benchmark: W1 (QoS 1, 100 B x 20,000), W2 (64 KiB x 2,000), a saturation sweep with a lean
     load generator, a shallow pipeline (one pair, 16 in flight), and the cost of moorline's strict packet ids. Each broker is started fresh on loopback and
-    stopped after. --quick: few messages, one repetition (smoke test)."""
+    stopped after. --quick: few messages, one repetition (smoke test). --cluster 3: W1 and W2 against 3-node
+    clusters of moorline, NATS JetStream and RabbitMQ (default brokers moorline,nats,rabbitmq)."""
     console = Console()
     if not console.is_terminal:
         console = Console(width=140)  # keep the tables readable in logs
-    names = tuple(name.strip() for name in brokers.split(",") if name.strip())
-    config = runner.quick_config(names) if quick else runner.full_config(names, max(1, reps))
+    if cluster_nodes and cluster_nodes not in CLUSTER_SIZES:
+        raise typer.BadParameter(f"--cluster must be one of {CLUSTER_SIZES}, not {cluster_nodes}")
+    default_brokers = cluster.DEFAULT_CLUSTER_BROKERS if cluster_nodes else "moorline,mosquitto,amqtt"
+    names = tuple(name.strip() for name in (brokers or default_brokers).split(",") if name.strip())
+    if json_out is None:
+        json_out = Path("bench-cluster-results.json" if cluster_nodes else "bench-results.json")
     started = time.time()
     load_at_start = os.getloadavg()
     speed = machine.probe()
     console.print(f"machine: 10M Python loop iterations {speed['python_loop_10m_s']:.3f} s, "
-                  f"one system call from Python {speed['syscall_us']:.2f} µs")
+                  f"one system call from Python {speed['syscall_us']:.2f} µs, "
+                  f"load average {load_at_start[0]:.2f} / {load_at_start[1]:.2f} / {load_at_start[2]:.2f}")
+    if cluster_nodes:
+        cluster_config = (cluster.quick_config(names, cluster_nodes) if quick
+                          else cluster.full_config(names, cluster_nodes, max(1, reps)))
+        result = cluster.run(cluster_config, log=console.print)
+        result["meta"] = _meta(started, quick, load_at_start, speed)
+        if quick:
+            cluster.mark_quick(result["comparison"])
+        cluster.print_report(console, result)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        console.print(f"wrote {json_out}")
+        return
+    config = runner.quick_config(names) if quick else runner.full_config(names, max(1, reps))
     result = runner.run(config, log=console.print)
-    result["meta"] = {
+    result["meta"] = _meta(started, quick, load_at_start, speed)
+    if quick:
+        report_mod.mark_quick(result["comparison"])
+    report_mod.print_report(console, result)
+    json_out.write_text(json.dumps(result, indent=2) + "\n")
+    console.print(f"wrote {json_out}")
+
+
+def _meta(started: float, quick: bool, load_at_start: tuple[float, float, float], speed: dict[str, float]) -> dict[str, object]:
+    return {
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "duration_s": round(time.time() - started, 1),
         "quick": quick,
@@ -47,8 +79,3 @@ def bench(
         "python": platform.python_version(),
         "machine": platform.machine(),
     }
-    if quick:
-        report_mod.mark_quick(result["comparison"])
-    report_mod.print_report(console, result)
-    json_out.write_text(json.dumps(result, indent=2) + "\n")
-    console.print(f"wrote {json_out}")

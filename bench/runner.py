@@ -128,21 +128,28 @@ def _with_broker(
             if not broker.alive():
                 raise RuntimeError(f"{kind.name} died during the run (exit {broker.proc.returncode})")
             result["peak_rss_mb"] = broker.peak_rss_bytes() / 2**20
-            return result
         except Exception as exc:
             broker.stop()
             # The temporary dir goes away with the broker's log: keep the end of it in the error.
             raise RuntimeError(f"{exc}{_stderr_tail(workdir)}") from exc
         finally:
             broker.stop()
+        result.update(broker.findings())  # read from its logs after it stopped, before the dir goes
+        return result
 
 
 def _stderr_tail(workdir: Path, limit: int = 800) -> str:
-    try:
-        text = (workdir / "stderr.log").read_text(errors="replace").strip()
-    except OSError:
-        return ""
-    return f" | broker stderr: ...{text[-limit:]}" if text else ""
+    """The end of the broker's stderr; a cluster's members each have theirs in a subdirectory."""
+    tails = []
+    for path in [workdir / "stderr.log", *sorted(workdir.glob("*/stderr.log"))]:
+        try:
+            text = path.read_text(errors="replace").strip()
+        except OSError:
+            continue
+        if text:
+            where = "" if path.parent == workdir else f" ({path.parent.name})"
+            tails.append(f" | broker stderr{where}: ...{text[-limit:]}")
+    return "".join(tails)
 
 
 def run_paho_once(
@@ -152,19 +159,20 @@ def run_paho_once(
     ctx = multiprocessing.get_context("spawn")
 
     def body(broker: RunningBroker) -> dict[str, Any]:
-        topic = f"bench/{workload.name}"
+        topic = broker.topic_for(f"bench/{workload.name}")
         sub_conn, sub_child = ctx.Pipe()
         pub_conn, pub_child = ctx.Pipe()
-        common = (broker.port, broker.protocol, topic, workload.warmup, workload.messages)
+        common = (broker.protocol, topic, workload.warmup, workload.messages)
         sub = ctx.Process(
             target=paho_clients.subscriber_main,
-            args=(sub_child, *common, workload.window, timeout_s, workload.persistent_subscriber),
+            args=(sub_child, broker.subscribe_port, *common, workload.window, timeout_s,
+                  workload.persistent_subscriber),
             name="paho-subscriber",
             daemon=True,
         )
         pub = ctx.Process(
             target=paho_clients.publisher_main,
-            args=(pub_child, *common, workload.payload_bytes, workload.window, timeout_s),
+            args=(pub_child, broker.publish_port, *common, workload.payload_bytes, workload.window, timeout_s),
             name="paho-publisher",
             daemon=True,
         )
@@ -178,13 +186,15 @@ def run_paho_once(
             _expect(sub_conn, "warm_done", timeout_s, sub)
             if not warm_ok:
                 raise RuntimeError("warm-up publishes were not all acknowledged in time")
-            cpu_before = broker.cpu_seconds()
+            cpu_before = broker.cpu_seconds_by_member()
             pub_conn.send("go")
             _, pub_result = _expect(pub_conn, "done", timeout_s + 10, pub)
             _, sub_result = _expect(sub_conn, "result", timeout_s + 10, sub)
-            cpu = broker.cpu_seconds() - cpu_before
+            cpu_after = broker.cpu_seconds_by_member()
         finally:
             _stop_clients([pub, sub])
+        cpu_by_member = {member: cpu_after[member] - cpu_before[member] for member in cpu_before}
+        cpu = sum(cpu_by_member.values())  # a cluster's figure is the sum over all its nodes
         elapsed_s = (sub_result["last_receive_ns"] - pub_result["first_publish_ns"]) / 1e9
         received = sub_result["received"]
         return {
@@ -199,6 +209,7 @@ def run_paho_once(
             "latency_max_ms": sub_result["latency_max_ns"] / 1e6,
             "cpu_s": cpu,
             "cpu_s_per_10k": cpu / received * 10_000 if received else None,
+            **({"topic": topic, "cpu_s_by_member": cpu_by_member} if len(cpu_by_member) > 1 else {}),
         }
 
     return _with_broker(kind, env, body)

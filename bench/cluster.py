@@ -1,0 +1,869 @@
+"""``python -m bench --cluster 3``: W1 and W2 against three-node clusters on this machine, side by side.
+
+moorline: three nodes (cluster addresses 127.0.0.11-13, clients on 127.0.0.1), the publisher connected to node 1,
+the subscriber to node 2, and a topic whose shard node 3 leads, so every message crosses all three nodes: it is
+forwarded to the leader, replicated to a quorum and read by the subscriber's node from its own replica.
+NATS JetStream R3: three nats-server processes clustered with JetStream and the MQTT listener on (MQTT streams
+with 3 replicas), publisher on node 1, subscriber on node 2. RabbitMQ: a three-node cluster and a quorum queue
+whose leader is node 3 (declared there with the client-local locator), AMQP publisher with confirms on node 1,
+consumer with manual acks on node 2.
+
+Every figure is per cluster: broker CPU-seconds are summed over all nodes' process trees, peak RSS too.
+Each run starts a fresh cluster in a temporary directory and stops every process of it afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from bench import amqp_clients, runner
+from bench.brokers import (
+    CACHE_DIR,
+    STOP_TIMEOUT_S,
+    Broker,
+    BrokerUnavailable,
+    Moorline,
+    RunningBroker,
+    _drain,
+    _read_ready_ports,
+    _spawn,
+    free_port,
+)
+from bench.report import QUICK_LABEL, target_format, target_met
+
+Log = Callable[[str], None]
+
+NODE_HOSTS = ("127.0.0.11", "127.0.0.12", "127.0.0.13", "127.0.0.14", "127.0.0.15")
+CLUSTER_READY_TIMEOUT_S = 120.0  # three nodes starting at once on 2 shared cores, then elections
+PIKA_VERSION = "1.4.4"
+PIKA_DIR = CACHE_DIR / f"pika-{PIKA_VERSION}"
+LOGS_KEPT_DIR = CACHE_DIR / "cluster-logs"  # node logs of runs whose logs had errors or warnings
+
+
+def hosts_bindable(nodes: int) -> str | None:
+    """None if every node's cluster address can be bound here, else why not."""
+    for host in NODE_HOSTS[:nodes]:
+        try:
+            free_port(host)
+        except OSError as exc:
+            return f"cannot bind {host}: {exc}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A running cluster: several member process trees measured and stopped as one broker.
+
+
+@dataclass
+class _LogPattern:
+    error: re.Pattern[str]
+    warning: re.Pattern[str]
+
+
+@dataclass
+class RunningCluster(RunningBroker):
+    """Members are the nodes (and helpers such as RabbitMQ's epmd). CPU and peak RSS are sums over all of them."""
+
+    members: list[RunningBroker] = field(default_factory=list)
+    log_pattern: _LogPattern | None = None
+    log_name: str = "stderr.log"  # each member's log, in its own directory
+    notes: dict[str, Any] = field(default_factory=dict)
+    _ready_offsets: dict[str, int] = field(default_factory=dict)
+    _stop_offsets: dict[str, int] = field(default_factory=dict)
+    _stopped: bool = False
+
+    def cpu_seconds_by_member(self) -> dict[str, float]:
+        return {member.name: member.cpu_seconds() for member in self.members}
+
+    def cpu_seconds(self) -> float:
+        return sum(self.cpu_seconds_by_member().values())
+
+    def peak_rss_bytes(self) -> int:
+        return sum(member.peak_rss_bytes() for member in self.members)
+
+    def alive(self) -> bool:
+        return all(member.alive() for member in self.members)
+
+    def _log_path(self, member: RunningBroker) -> Path:
+        return member.workdir / self.log_name
+
+    def _offsets(self) -> dict[str, int]:
+        out = {}
+        for member in self.members:
+            try:
+                out[member.name] = self._log_path(member).stat().st_size
+            except OSError:
+                out[member.name] = 0
+        return out
+
+    def mark_ready(self) -> None:
+        """Log lines from here on belong to the run (before: start-up, which has its own expected warnings)."""
+        self._ready_offsets = self._offsets()
+        self.notes["member_pids"] = {member.name: member.pid for member in self.members}
+
+    def before_stop(self) -> None:
+        """Hook: read what the cluster says about itself while it still runs (leaders at the end)."""
+
+    def stop(self) -> None:
+        """SIGTERM to every member's process group at once, then wait (bounded) and SIGKILL what is left."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.alive():
+            try:
+                self.before_stop()
+            except Exception as exc:  # a reading that failed must not keep the cluster running
+                self.notes["before_stop_error"] = f"{type(exc).__name__}: {exc}"
+        self._stop_offsets = self._offsets()
+        for member in self.members:
+            if member.proc.poll() is None:
+                try:
+                    os.killpg(member.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for member in self.members:
+            try:
+                member.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.notes.setdefault("killed_after_stop_timeout", []).append(member.name)
+                try:
+                    os.killpg(member.proc.pid, signal.SIGKILL)  # its own group, created by _spawn
+                except ProcessLookupError:
+                    pass
+        for member in self.members:
+            member.stop()  # each has exited by now: this reaps it and closes its log files
+
+    def findings(self) -> dict[str, Any]:
+        """Errors and warnings the members logged while the run was measured (after start-up, before stop),
+        and during shutdown; members' logs are kept under LOGS_KEPT_DIR when the run logged any."""
+        out: dict[str, Any] = dict(self.notes)
+        if self.log_pattern is None:
+            return out
+        counts = {"log_errors": 0, "log_warnings": 0, "shutdown_log_errors": 0}
+        samples: list[str] = []
+        for member in self.members:
+            try:
+                data = self._log_path(member).read_bytes()
+            except OSError:
+                continue
+            start = self._ready_offsets.get(member.name, 0)
+            end = self._stop_offsets.get(member.name, len(data))
+            for line in data[start:end].decode(errors="replace").splitlines():
+                if self.log_pattern.error.search(line) or "Traceback" in line:
+                    counts["log_errors"] += 1
+                    if len(samples) < 6:
+                        samples.append(f"{member.name}: {line.strip()[:300]}")
+                elif self.log_pattern.warning.search(line):
+                    counts["log_warnings"] += 1
+                    if len(samples) < 6:
+                        samples.append(f"{member.name}: {line.strip()[:300]}")
+            for line in data[end:].decode(errors="replace").splitlines():
+                if self.log_pattern.error.search(line) or "Traceback" in line:
+                    counts["shutdown_log_errors"] += 1
+        out.update(counts)
+        if samples:
+            out["log_samples"] = samples
+        if counts["log_errors"] or counts["log_warnings"] or counts["shutdown_log_errors"]:
+            kept = LOGS_KEPT_DIR / f"{time.strftime('%Y%m%dT%H%M%S')}-{self.name}-{os.getpid()}-{id(self)}"
+            kept.mkdir(parents=True, exist_ok=True)
+            for member in self.members:
+                for path in member.workdir.glob("*.log"):
+                    shutil.copy(path, kept / f"{member.name}-{path.name}")
+            out["logs_kept"] = str(kept)
+        return out
+
+
+def _stop_all(members: list[RunningBroker]) -> None:
+    for member in members:
+        member.stop()
+
+
+def _get_json(url: str, timeout_s: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 - loopback only
+        return json.loads(response.read())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# moorline
+
+
+@dataclass
+class RunningMoorlineCluster(RunningCluster):
+    http_ports: list[int] = field(default_factory=list)
+    leader_node: str = "n3"  # the node whose shard the workload's topic is on
+    _chosen: list[tuple[str, int]] = field(default_factory=list)
+
+    def shards(self, node: int = 0) -> dict[str, Any]:
+        result: dict[str, Any] = _get_json(f"http://127.0.0.1:{self.http_ports[node]}/v1/shards")
+        return result
+
+    def topic_for(self, base: str) -> str:
+        """A topic whose shard ``leader_node`` leads now (leaders are read after every shard has one)."""
+        from moorline.hashing import shard_of
+
+        report = self.shards()
+        leaders = {entry["shard"]: entry.get("leader") for entry in report["shards"]}
+        for index in range(100_000):
+            topic = f"{base}/{index}"
+            shard = shard_of(topic, report["shard_count"])
+            if leaders.get(shard) == self.leader_node:
+                self._chosen.append((topic, shard))
+                self.notes.update({"topic": topic, "topic_shard": shard, "topic_leader_at_start": self.leader_node})
+                return topic
+        raise RuntimeError(f"no shard is led by {self.leader_node}: {leaders}")
+
+    def before_stop(self) -> None:
+        if not self._chosen:
+            return
+        _, shard = self._chosen[-1]
+        entry = next(e for e in self.shards()["shards"] if e["shard"] == shard)
+        self.notes["topic_leader_at_end"] = entry.get("leader")
+        self.notes["topic_shard_term_at_end"] = entry.get("term")
+
+
+class MoorlineCluster(Broker):
+    """``python -m moorline run`` three times, each a member of one static cluster (--initial-cluster)."""
+
+    name = "moorline"
+
+    def __init__(self, nodes: int = 3) -> None:
+        self.nodes = nodes
+        self.single = Moorline()
+
+    def prepare(self, log: Log) -> str:
+        why = hosts_bindable(self.nodes)
+        if why is not None:
+            raise BrokerUnavailable(f"the nodes' cluster addresses are not usable here: {why}")
+        return f"{self.single.prepare(log)}, {self.nodes} nodes"
+
+    def start(self, workdir: Path, env: Mapping[str, str] | None = None) -> RunningBroker:
+        names = [f"n{i + 1}" for i in range(self.nodes)]
+        hosts = NODE_HOSTS[: self.nodes]
+        cluster_addrs = [f"{host}:{free_port(host)}" for host in hosts]
+        initial = ",".join(f"{name}={addr}" for name, addr in zip(names, cluster_addrs, strict=True))
+        procs: list[tuple[str, Path, subprocess.Popen[bytes]]] = []
+        members: list[RunningBroker] = []
+        try:
+            for name, addr in zip(names, cluster_addrs, strict=True):
+                node_dir = workdir / name
+                (node_dir / "data").mkdir(parents=True)
+                argv = [*self.single._argv(), "--node-id", name, "--cluster", addr, "--initial-cluster", initial,
+                        "--data-dir", str(node_dir / "data"), "--mqtt", "127.0.0.1:0", "--http", "127.0.0.1:0"]
+                procs.append((name, node_dir, _spawn(argv, node_dir, Moorline._checkout_env(env), stdout_pipe=True)))
+            http_ports = []
+            for name, node_dir, proc in procs:
+                # A node prints its ready line once the cluster is formed; all of them start at once.
+                mqtt_port, http_port = _read_ready_ports(proc, CLUSTER_READY_TIMEOUT_S)
+                assert proc.stdout is not None
+                sink = open(node_dir / "stdout.log", "wb")  # noqa: SIM115 - closed by RunningBroker.stop
+                threading.Thread(target=_drain, args=(proc.stdout, sink), daemon=True).start()
+                member = RunningBroker(name, proc, mqtt_port, protocol=5, workdir=node_dir)
+                member._log_files.append(sink)
+                members.append(member)
+                http_ports.append(http_port)
+            cluster = RunningMoorlineCluster(
+                self.name, members[0].proc, members[0].port, protocol=5, workdir=workdir,
+                publish_port=members[0].port, subscribe_port=members[1].port, members=members,
+                log_pattern=_LogPattern(re.compile(r" (ERROR|CRITICAL) "), re.compile(r" WARNING ")),
+                http_ports=http_ports, leader_node=names[-1],
+            )
+            _wait_for_moorline_leaders(cluster, CLUSTER_READY_TIMEOUT_S)
+            cluster.mark_ready()
+            return cluster
+        except BaseException:
+            started = {member.proc.pid for member in members}
+            _stop_all(members)
+            for name, node_dir, proc in procs:
+                if proc.pid not in started:
+                    RunningBroker(name, proc, 0, 5, node_dir).stop()
+            raise
+
+
+def _wait_for_moorline_leaders(cluster: RunningMoorlineCluster, timeout_s: float) -> None:
+    """Every node sees a leader for every shard (a fresh cluster elects them within a few seconds)."""
+    deadline = time.monotonic() + timeout_s
+    missing: Any = "no answer yet"
+    while time.monotonic() < deadline:
+        if not cluster.alive():
+            raise RuntimeError("a moorline node exited while the cluster formed")
+        try:
+            missing = {}
+            for node in range(len(cluster.http_ports)):
+                report = cluster.shards(node)
+                leaderless = [e["shard"] for e in report["shards"] if not e.get("leader")]
+                if leaderless:
+                    missing[cluster.members[node].name] = leaderless
+            if not missing:
+                return
+        except OSError as exc:
+            missing = f"{type(exc).__name__}: {exc}"
+        time.sleep(0.2)
+    raise RuntimeError(f"shards without a leader after {timeout_s} s: {missing}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NATS
+
+
+@dataclass
+class RunningNatsCluster(RunningCluster):
+    monitor_ports: list[int] = field(default_factory=list)
+
+    def before_stop(self) -> None:
+        """Where JetStream put the MQTT message stream's leader (NATS places it itself)."""
+        report = _get_json(f"http://127.0.0.1:{self.monitor_ports[0]}/jsz?streams=true")
+        for account in report.get("account_details", []):
+            for stream in account.get("stream_detail", []):
+                if stream.get("name") == "$MQTT_msgs":
+                    self.notes["mqtt_msgs_stream_leader"] = stream.get("cluster", {}).get("leader")
+
+
+class NatsCluster(Broker):
+    """Three nats-server processes with JetStream, clustered, MQTT listener on with 3 stream replicas."""
+
+    name = "nats"
+
+    def __init__(self, nodes: int = 3) -> None:
+        self.nodes = nodes
+        self.binary: str | None = None
+
+    def _find(self) -> str | None:
+        return shutil.which("nats-server") or next(
+            (p for p in ("/usr/bin/nats-server", "/usr/sbin/nats-server") if os.path.exists(p)), None
+        )
+
+    def prepare(self, log: Log) -> str:
+        why = hosts_bindable(self.nodes)
+        if why is not None:
+            raise BrokerUnavailable(f"the nodes' route addresses are not usable here: {why}")
+        self.binary = self._find() or _apt_install("nats-server", self._find, log)
+        out = subprocess.run([self.binary, "--version"], capture_output=True, timeout=30)
+        match = re.search(r"v?(\d+\.\d+\.\d+)", (out.stdout + out.stderr).decode())
+        return f"{match.group(1) if match else 'unknown'}, {self.nodes} nodes, R{self.nodes}"
+
+    def start(self, workdir: Path, env: Mapping[str, str] | None = None) -> RunningBroker:
+        assert self.binary is not None, "prepare() first"
+        names = [f"n{i + 1}" for i in range(self.nodes)]
+        hosts = NODE_HOSTS[: self.nodes]
+        routes = [f"nats://{host}:{free_port(host)}" for host in hosts]
+        members: list[RunningBroker] = []
+        monitor_ports = []
+        try:
+            for name, route in zip(names, routes, strict=True):
+                node_dir = workdir / name
+                node_dir.mkdir()
+                client_port, mqtt_port, monitor_port = free_port(), free_port(), free_port()
+                conf = node_dir / "nats.conf"
+                conf.write_text(
+                    f"server_name: {name}\n"
+                    f"listen: 127.0.0.1:{client_port}\n"
+                    f"http: 127.0.0.1:{monitor_port}\n"
+                    f'jetstream {{\n  store_dir: "{node_dir / "js"}"\n}}\n'
+                    "cluster {\n  name: bench\n"
+                    f"  listen: {route.removeprefix('nats://')}\n"
+                    f"  routes: [{', '.join(routes)}]\n}}\n"
+                    # R3 for the MQTT sessions and messages streams; 256 consumer-side credit, like every peer.
+                    f"mqtt {{\n  listen: 127.0.0.1:{mqtt_port}\n  stream_replicas: {self.nodes}\n"
+                    "  max_ack_pending: 256\n}\n"
+                )
+                proc = _spawn([self.binary, "-c", str(conf)], node_dir, env, stdout_pipe=False)
+                members.append(RunningBroker(name, proc, mqtt_port, protocol=4, workdir=node_dir))
+                monitor_ports.append(monitor_port)
+            cluster = RunningNatsCluster(
+                self.name, members[0].proc, members[0].port, protocol=4, workdir=workdir,
+                publish_port=members[0].port, subscribe_port=members[1].port, members=members,
+                log_pattern=_LogPattern(re.compile(r"\[(ERR|FTL)\]"), re.compile(r"\[WRN\]")),
+                monitor_ports=monitor_ports,
+            )
+            deadline = time.monotonic() + CLUSTER_READY_TIMEOUT_S
+            for member in members:
+                # JetStream must have its meta leader and the MQTT streams before a CONNECT is accepted.
+                _wait_for_mqtt_connack(member, deadline)
+            cluster.mark_ready()
+            return cluster
+        except BaseException:
+            _stop_all(members)
+            raise
+
+
+def _wait_for_mqtt_connack(member: RunningBroker, deadline: float) -> None:
+    """A 3.1.1 CONNECT to ``member`` is accepted (CONNACK return code 0) before ``deadline``."""
+    client_id = f"bench-probe-{os.urandom(4).hex()}".encode()
+    body = b"\x00\x04MQTT\x04\x02\x00\x3c" + len(client_id).to_bytes(2, "big") + client_id  # clean session
+    packet = bytes([0x10, len(body)]) + body
+    last = "no attempt"
+    while time.monotonic() < deadline:
+        if member.proc.poll() is not None:
+            raise RuntimeError(f"{member.name} exited with {member.proc.returncode} while the cluster formed")
+        try:
+            with socket.create_connection(("127.0.0.1", member.port), timeout=5) as sock:
+                sock.sendall(packet)
+                answer = sock.recv(4)
+            if len(answer) == 4 and answer[0] == 0x20 and answer[3] == 0:
+                return
+            last = f"CONNACK {answer.hex()}"
+        except OSError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(0.3)
+    raise RuntimeError(f"{member.name}: no successful MQTT CONNECT in time (last: {last})")
+
+
+def _apt_install(package: str, find: Callable[[], str | None], log: Log) -> str:
+    """Install a Debian package when running as root (as the bench does for mosquitto); its path or unavailable."""
+    if os.geteuid() != 0:
+        raise BrokerUnavailable(f"{package} is not installed and we are not root (apt-get install {package})")
+    log(f"{package} missing: apt-get install -y {package}")
+    apt_env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    command = ["apt-get", "install", "-y", package]
+    result = subprocess.run(command, env=apt_env, capture_output=True, timeout=900)
+    if result.returncode != 0:
+        subprocess.run(["apt-get", "update"], env=apt_env, capture_output=True, timeout=600)
+        result = subprocess.run(command, env=apt_env, capture_output=True, timeout=900)
+    found = find()
+    if found is None:
+        raise BrokerUnavailable(f"apt-get install {package} failed: {result.stderr.decode()[-300:]}")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RabbitMQ
+
+RABBIT_LIB = Path("/usr/lib/rabbitmq/bin")  # the scripts themselves: /usr/sbin's wrappers su to 'rabbitmq'
+
+
+@dataclass
+class RunningRabbitCluster(RunningCluster):
+    amqp_ports: list[int] = field(default_factory=list)
+    ctl_env: dict[str, str] = field(default_factory=dict)
+    node_names: list[str] = field(default_factory=list)
+
+    def ctl(self, *args: str, node: int = 0, timeout_s: float = 60.0) -> str:
+        out = subprocess.run(
+            [str(RABBIT_LIB / "rabbitmqctl"), "-n", self.node_names[node], *args],
+            env={**os.environ, **self.ctl_env}, capture_output=True, timeout=timeout_s,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(f"rabbitmqctl {' '.join(args)}: {(out.stdout + out.stderr).decode()[-400:]}")
+        return out.stdout.decode()
+
+    def queue_leaders(self) -> dict[str, str]:
+        rows = json.loads(self.ctl("list_queues", "name", "leader", "--formatter", "json", "--quiet"))
+        return {row["name"]: row.get("leader", "") for row in rows}
+
+    def topic_for(self, base: str) -> str:
+        """A quorum queue declared through the last node (client-local leader locator: it leads it)."""
+        queue = base.replace("/", ".")
+        amqp_clients.declare_quorum_queue(self.amqp_ports[-1], queue, str(PIKA_DIR))
+        leader = self.queue_leaders().get(queue)
+        self.notes.update({"queue": queue, "queue_leader_at_start": leader})
+        if leader != self.node_names[-1]:
+            raise RuntimeError(f"quorum queue {queue} is led by {leader}, not {self.node_names[-1]}")
+        return queue
+
+    def before_stop(self) -> None:
+        queue = self.notes.get("queue")
+        if queue:
+            self.notes["queue_leader_at_end"] = self.queue_leaders().get(queue)
+
+
+class RabbitCluster(Broker):
+    """Debian's rabbitmq-server, three nodes on this host (own node names, ports, mnesia dirs, an epmd of our own
+    on its own port), clustered by classic config; quorum queues; pika clients (installed into the cache dir)."""
+
+    name = "rabbitmq"
+
+    def __init__(self, nodes: int = 3) -> None:
+        self.nodes = nodes
+
+    @staticmethod
+    def _find() -> str | None:
+        script = RABBIT_LIB / "rabbitmq-server"
+        return str(script) if script.exists() else None
+
+    def prepare(self, log: Log) -> str:
+        if self._find() is None:
+            _apt_install("rabbitmq-server", self._find, log)
+        epmd = shutil.which("epmd")
+        if epmd is None:
+            raise BrokerUnavailable("rabbitmq-server is installed but epmd is not on PATH")
+        if not (PIKA_DIR / "pika").exists():
+            log(f"installing pika=={PIKA_VERSION} into {PIKA_DIR}")
+            result = subprocess.run(
+                [sys.executable, "-m", "pip", "install", "-q", "--target", str(PIKA_DIR), f"pika=={PIKA_VERSION}"],
+                capture_output=True, timeout=600,
+            )
+            if result.returncode != 0:
+                raise BrokerUnavailable(f"could not install pika: {result.stderr.decode()[-300:]}")
+        version = "unknown"
+        for path in Path("/usr/lib/rabbitmq/lib").glob("rabbitmq_server-*"):
+            version = path.name.removeprefix("rabbitmq_server-")
+        return f"{version}, {self.nodes} nodes, quorum queue"
+
+    def start(self, workdir: Path, env: Mapping[str, str] | None = None) -> RunningBroker:
+        names = [f"bench{i + 1}@localhost" for i in range(self.nodes)]
+        epmd_port = free_port()
+        cookie = os.urandom(16).hex()
+        members: list[RunningBroker] = []
+        try:
+            epmd_dir = workdir / "epmd"
+            epmd_dir.mkdir()
+            epmd = _spawn([shutil.which("epmd") or "epmd", "-port", str(epmd_port)], epmd_dir, env, stdout_pipe=False)
+            members.append(RunningBroker("epmd", epmd, epmd_port, protocol=0, workdir=epmd_dir))
+            amqp_ports: list[int] = []
+            common_env = {"ERL_EPMD_PORT": str(epmd_port), "RABBITMQ_USE_LONGNAME": "false"}
+            for index, node in enumerate(names):
+                node_dir = workdir / f"n{index + 1}"
+                (node_dir / "mnesia").mkdir(parents=True)
+                (node_dir / "log").mkdir()
+                cookie_file = node_dir / ".erlang.cookie"
+                cookie_file.write_text(cookie)
+                cookie_file.chmod(0o400)
+                (node_dir / "enabled_plugins").write_text("[].\n")
+                (node_dir / "rabbitmq.conf").write_text(
+                    "loopback_users = none\n"
+                    "cluster_formation.peer_discovery_backend = classic_config\n"
+                    + "".join(f"cluster_formation.classic_config.nodes.{i + 1} = {n}\n" for i, n in enumerate(names))
+                )
+                amqp_port = free_port()
+                node_env = {
+                    **(env or {}),
+                    **common_env,
+                    "HOME": str(node_dir),  # the Erlang cookie
+                    "RABBITMQ_NODENAME": node,
+                    "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+                    "RABBITMQ_NODE_PORT": str(amqp_port),
+                    "RABBITMQ_DIST_PORT": str(_free_dist_port()),
+                    "RABBITMQ_MNESIA_BASE": str(node_dir / "mnesia"),
+                    "RABBITMQ_LOG_BASE": str(node_dir / "log"),
+                    "RABBITMQ_LOGS": str(node_dir / "rabbit.log"),
+                    "RABBITMQ_CONFIG_FILE": str(node_dir / "rabbitmq.conf"),
+                    "RABBITMQ_ADVANCED_CONFIG_FILE": str(node_dir / "advanced.config"),
+                    "RABBITMQ_CONF_ENV_FILE": str(node_dir / "rabbitmq-env.conf"),  # not /etc's
+                    "RABBITMQ_ENABLED_PLUGINS_FILE": str(node_dir / "enabled_plugins"),
+                    "RABBITMQ_PID_FILE": str(node_dir / "rabbit.pid"),
+                }
+                proc = _spawn([str(RABBIT_LIB / "rabbitmq-server")], node_dir, node_env, stdout_pipe=False)
+                members.append(RunningBroker(f"n{index + 1}", proc, amqp_port, protocol=0, workdir=node_dir))
+                amqp_ports.append(amqp_port)
+            nodes = members[1:]
+            cluster = RunningRabbitCluster(
+                self.name, nodes[0].proc, amqp_ports[0], protocol=0, workdir=workdir,
+                publish_port=amqp_ports[0], subscribe_port=amqp_ports[1], members=members,
+                log_pattern=_LogPattern(re.compile(r"\[(error|critical|alert|emergency)\]"),
+                                        re.compile(r"\[warning\]")),
+                log_name="rabbit.log", amqp_ports=amqp_ports,
+                ctl_env={**common_env, "HOME": str(nodes[0].workdir)}, node_names=names,
+            )
+            _wait_for_rabbit_cluster(cluster, CLUSTER_READY_TIMEOUT_S)
+            cluster.mark_ready()
+            return cluster
+        except BaseException:
+            _stop_all(members[::-1])  # the nodes, then their epmd
+            raise
+
+
+def _free_dist_port() -> int:
+    """A free port outside 35672-35682, which rabbitmqctl uses for itself."""
+    while True:
+        port = free_port()
+        if not 35672 <= port <= 35682:
+            return port
+
+
+def _wait_for_rabbit_cluster(cluster: RunningRabbitCluster, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        if not cluster.alive():
+            raise RuntimeError("a RabbitMQ node (or its epmd) exited while the cluster formed")
+        try:
+            status = json.loads(cluster.ctl("cluster_status", "--formatter", "json", timeout_s=30))
+            running = set(status.get("running_nodes", []))
+            if running >= set(cluster.node_names):
+                for port in cluster.amqp_ports:
+                    with socket.create_connection(("127.0.0.1", port), timeout=2):
+                        pass
+                return
+            last = f"running nodes {sorted(running)}"
+        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as exc:
+            last = str(exc)[-300:]
+        time.sleep(1.0)
+    raise RuntimeError(f"the RabbitMQ cluster did not form within {timeout_s} s: {last}")
+
+
+def run_amqp_once(kind: Broker, workload: runner.PahoWorkload, timeout_s: float) -> dict[str, Any]:
+    """W1/W2 through AMQP: a fresh cluster, the queue declared, warm-up, then the measured pass."""
+    ctx = multiprocessing.get_context("spawn")
+
+    def body(broker: RunningBroker) -> dict[str, Any]:
+        queue = broker.topic_for(f"bench/{workload.name}")
+        sub_conn, sub_child = ctx.Pipe()
+        pub_conn, pub_child = ctx.Pipe()
+        common = (queue, workload.warmup, workload.messages)
+        sub = ctx.Process(
+            target=amqp_clients.subscriber_main,
+            args=(sub_child, broker.subscribe_port, *common, workload.window, timeout_s, str(PIKA_DIR)),
+            name="amqp-consumer", daemon=True,
+        )
+        pub = ctx.Process(
+            target=amqp_clients.publisher_main,
+            args=(pub_child, broker.publish_port, *common, workload.payload_bytes, workload.window, timeout_s,
+                  str(PIKA_DIR)),
+            name="amqp-publisher", daemon=True,
+        )
+        try:
+            sub.start()
+            runner._expect(sub_conn, "ready", 60, sub)
+            pub.start()
+            runner._expect(pub_conn, "ready", 60, pub)
+            pub_conn.send("warmup")
+            _, warm_ok = runner._expect(pub_conn, "warm_acked", timeout_s, pub)
+            runner._expect(sub_conn, "warm_done", timeout_s, sub)
+            if not warm_ok:
+                raise RuntimeError("warm-up publishes were not all confirmed in time")
+            cpu_before = broker.cpu_seconds_by_member()
+            pub_conn.send("go")
+            _, pub_result = runner._expect(pub_conn, "done", timeout_s + 10, pub)
+            _, sub_result = runner._expect(sub_conn, "result", timeout_s + 10, sub)
+            cpu_after = broker.cpu_seconds_by_member()
+        finally:
+            runner._stop_clients([pub, sub])
+        cpu_by_member = {member: cpu_after[member] - cpu_before[member] for member in cpu_before}
+        cpu = sum(cpu_by_member.values())
+        elapsed_s = (sub_result["last_receive_ns"] - pub_result["first_publish_ns"]) / 1e9
+        received = sub_result["received"]
+        return {
+            "complete": bool(pub_result["complete"] and sub_result["complete"]),
+            "messages": workload.messages,
+            "received": received,
+            "duplicates": sub_result["duplicates"],
+            "elapsed_s": elapsed_s,
+            "msgs_per_s": received / elapsed_s if elapsed_s > 0 else 0.0,
+            "latency_p50_ms": sub_result["latency_p50_ns"] / 1e6,
+            "latency_p99_ms": sub_result["latency_p99_ns"] / 1e6,
+            "latency_max_ms": sub_result["latency_max_ns"] / 1e6,
+            "cpu_s": cpu,
+            "cpu_s_per_10k": cpu / received * 10_000 if received else None,
+            "topic": queue,
+            "cpu_s_by_member": cpu_by_member,
+        }
+
+    return runner._with_broker(kind, None, body)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Orchestration, comparison, report
+
+CLUSTER_BROKERS: dict[str, Callable[[int], Broker]] = {
+    "moorline": MoorlineCluster, "nats": NatsCluster, "rabbitmq": RabbitCluster,
+}
+DEFAULT_CLUSTER_BROKERS = "moorline,nats,rabbitmq"
+
+
+@dataclass(frozen=True)
+class ClusterBenchConfig:
+    brokers: tuple[str, ...]
+    nodes: int
+    reps: int
+    w1: runner.PahoWorkload
+    w2: runner.PahoWorkload
+    client_timeout_s: float = 180.0
+    targets: dict[str, float] = field(
+        default_factory=lambda: {"w1_cpu_s_per_10k": 0.5, "w1_p99_ms": 50.0}
+    )
+
+
+def full_config(brokers: tuple[str, ...], nodes: int, reps: int) -> ClusterBenchConfig:
+    return ClusterBenchConfig(
+        brokers=brokers, nodes=nodes, reps=reps,
+        w1=runner.PahoWorkload("w1", 100, 20_000, 1_000),
+        w2=runner.PahoWorkload("w2", 64 * 1024, 2_000, 1_000),
+    )
+
+
+def quick_config(brokers: tuple[str, ...], nodes: int) -> ClusterBenchConfig:
+    return ClusterBenchConfig(
+        brokers=brokers, nodes=nodes, reps=1,
+        w1=runner.PahoWorkload("w1", 100, 2_000, 200),
+        w2=runner.PahoWorkload("w2", 64 * 1024, 200, 50),
+        client_timeout_s=60.0,
+    )
+
+
+def _reps(kind: Broker, workload: runner.PahoWorkload, config: ClusterBenchConfig, log: Log) -> dict[str, Any]:
+    reps: list[dict[str, Any]] = []
+    for rep in range(config.reps):
+        label = f"{kind.name} cluster {workload.name} rep {rep + 1}"
+
+        def once() -> dict[str, Any]:
+            if isinstance(kind, RabbitCluster):
+                return run_amqp_once(kind, workload, config.client_timeout_s)
+            return runner.run_paho_once(kind, workload, config.client_timeout_s)
+
+        result = runner._guarded(log, label, once)
+        if "error" in result:
+            return {"error": result["error"], "reps": reps}
+        where = ", ".join(f"{k} {v}" for k, v in result.items()
+                          if k in ("topic_leader_at_start", "topic_leader_at_end", "queue_leader_at_end",
+                                   "mqtt_msgs_stream_leader"))
+        log(
+            f"{label}/{config.reps}: {result['msgs_per_s']:,.0f} msgs/s, p50 {result['latency_p50_ms']:.1f} ms, "
+            f"p99 {result['latency_p99_ms']:.1f} ms, {result['cpu_s_per_10k'] or 0:.3f} CPU-s/10k summed"
+            + (f" ({where})" if where else "")
+            + (f" [yellow]{result['log_errors']} errors, {result['log_warnings']} warnings in node logs "
+               f"(kept in {result.get('logs_kept')})[/yellow]"
+               if result.get("log_errors") or result.get("log_warnings") else "")
+        )
+        reps.append(result)
+    return {"median": runner.median_of(reps), "reps": reps}
+
+
+def run(config: ClusterBenchConfig, log: Log) -> dict[str, Any]:
+    brokers: dict[str, Any] = {}
+    results: dict[str, Any] = {}
+    for name in config.brokers:
+        if name not in CLUSTER_BROKERS:
+            brokers[name] = {"status": "skipped",
+                             "reason": f"unknown cluster broker (known: {', '.join(CLUSTER_BROKERS)})"}
+            log(f"[yellow]skipping {name}: unknown cluster broker[/yellow]")
+            continue
+        kind = CLUSTER_BROKERS[name](config.nodes)
+        try:
+            version = kind.prepare(log)
+        except (BrokerUnavailable, OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            brokers[name] = {"status": "skipped", "reason": str(exc)}
+            log(f"[yellow]skipping {name}: {exc}[/yellow]")
+            continue
+        brokers[name] = {"status": "ok", "version": version}
+        log(f"[bold]{name}[/bold] {version}")
+        results[name] = {"w1": _reps(kind, config.w1, config, log), "w2": _reps(kind, config.w2, config, log)}
+    return {"config": asdict(config), "brokers": brokers, "results": results,
+            "comparison": compare(results, config)}
+
+
+def compare(results: dict[str, Any], config: ClusterBenchConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {"targets": [], "ratios": {}}
+    if "moorline" not in results:
+        return out
+    targets = [
+        ("W1 CPU-s/10k, summed over nodes", runner._fig(results, "moorline", "w1", "cpu_s_per_10k"), "<=",
+         config.targets["w1_cpu_s_per_10k"]),
+        ("W1 p99 ms", runner._fig(results, "moorline", "w1", "latency_p99_ms"), "<=", config.targets["w1_p99_ms"]),
+    ]
+    for label, value, op, bound in targets:
+        fmt = ".1f" if "ms" in label else target_format(label)
+        out["targets"].append({"target": label, "moorline": value, "op": op, "bound": bound,
+                               "met": target_met(value, op, bound, fmt)})
+    for peer in results:
+        if peer == "moorline":
+            continue
+        ratios: dict[str, float | None] = {}
+        for workload in ("w1", "w2"):
+            for key in ("msgs_per_s", "cpu_s_per_10k", "latency_p99_ms", "peak_rss_mb"):
+                mine, theirs = runner._fig(results, "moorline", workload, key), runner._fig(results, peer, workload, key)
+                ratios[f"{workload}_{key}"] = mine / theirs if mine is not None and theirs else None
+        out["ratios"][peer] = ratios
+    return out
+
+
+def _num(value: Any, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, int | float) else "-"
+
+
+def print_report(console: Console, report: dict[str, Any]) -> None:
+    config = report["config"]
+    nodes = config["nodes"]
+    for workload in ("w1", "w2"):
+        spec = config[workload]
+        size = f"{spec['payload_bytes']} B" if spec["payload_bytes"] < 1024 else f"{spec['payload_bytes'] // 1024} KiB"
+        table = Table(
+            title=f"{workload.upper()} on {nodes}-node clusters: QoS 1 / confirms, {size} x {spec['messages']:,}, "
+                  f"pub -> node 1, sub -> node 2, median of {config['reps']}; CPU and RSS summed over all nodes",
+            title_justify="left",
+        )
+        for column in ("broker", "msgs/s", "p50 ms", "p99 ms", "max ms", "CPU-s/10k", "peak RSS MB", "notes"):
+            table.add_column(column, justify="left" if column in ("broker", "notes") else "right")
+        for broker, per in report["results"].items():
+            block = per.get(workload, {})
+            figures = block.get("median")
+            if figures is None:
+                error = str(block.get("error", "no result"))
+                table.add_row(broker, *["-"] * 6, f"[red]{error[:150]}[/red]")
+                continue
+            notes = []
+            if not figures.get("complete", True):
+                notes.append("[red]INCOMPLETE[/red]")
+            if figures.get("duplicates"):
+                notes.append(f"{figures['duplicates']:.0f} dup")
+            reps = block.get("reps", [])
+            errors = sum(r.get("log_errors", 0) for r in reps)
+            warnings = sum(r.get("log_warnings", 0) for r in reps)
+            if errors or warnings:
+                notes.append(f"[yellow]node logs: {errors} errors, {warnings} warnings[/yellow]")
+            moved = [r for r in reps if r.get("topic_leader_at_end") not in (None, r.get("topic_leader_at_start"))]
+            if moved:
+                notes.append(f"[yellow]leader moved in {len(moved)} rep(s)[/yellow]")
+            table.add_row(
+                broker,
+                _num(figures.get("msgs_per_s"), ",.0f"),
+                _num(figures.get("latency_p50_ms"), ".1f"),
+                _num(figures.get("latency_p99_ms"), ".1f"),
+                _num(figures.get("latency_max_ms"), ".1f"),
+                _num(figures.get("cpu_s_per_10k"), ".3f"),
+                _num(figures.get("peak_rss_mb"), ".0f"),
+                " ".join(notes),
+            )
+        console.print(table)
+    comparison = report["comparison"]
+    quick = bool(report.get("meta", {}).get("quick"))
+    if comparison["targets"]:
+        table = Table(title=f"moorline targets ({nodes} replicas)", title_justify="left")
+        for column in ("target", "moorline", "bound", "met"):
+            table.add_column(column)
+        for row in comparison["targets"]:
+            fmt = ".1f" if "ms" in row["target"] else target_format(row["target"])
+            met = (f"[yellow]{QUICK_LABEL}[/yellow]" if quick
+                   else {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[row["met"]])
+            table.add_row(row["target"], _num(row["moorline"], fmt), f"{row['op']} {_num(row['bound'], fmt)}", met)
+        console.print(table)
+    if comparison["ratios"]:
+        table = Table(title="moorline / peer, same run (msgs/s: higher is better; CPU, p99, RSS: lower is better)",
+                      title_justify="left")
+        table.add_column("peer")
+        keys = ("w1_msgs_per_s", "w1_cpu_s_per_10k", "w1_latency_p99_ms", "w1_peak_rss_mb",
+                "w2_msgs_per_s", "w2_cpu_s_per_10k", "w2_latency_p99_ms")
+        for key in keys:
+            table.add_column(key.replace("_per_", "/").replace("_s/10k", "-s/10k").replace("latency_", ""),
+                             justify="right")
+        for peer, ratios in comparison["ratios"].items():
+            table.add_row(peer, *[_num(ratios.get(k), ".2f") + ("x" if ratios.get(k) is not None else "")
+                                  for k in keys])
+        console.print(table)
+    for name, info in report["brokers"].items():
+        if info["status"] != "ok":
+            console.print(f"[yellow]{name} skipped:[/yellow] {info['reason']}")
+
+
+def mark_quick(comparison: dict[str, Any]) -> None:
+    for row in comparison["targets"]:
+        row["met"] = None
+        row["comparable"] = False

@@ -1,0 +1,96 @@
+"""Smoke test of the cluster benchmark: `python -m bench --cluster 3 --quick --brokers moorline`, then the JSON.
+
+No speed is asserted (the bench reports it); this checks that three nodes were measured as one broker (CPU of
+each node read and summed), that the topic's shard was led by node 3 while the clients used nodes 1 and 2,
+that every message arrived, and that every node process the bench started is gone afterwards, also when a
+run fails.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import cluster, runner
+from bench.brokers import RunningBroker
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _loopback_hosts_bindable() -> bool:
+    for host in ("127.0.0.11", "127.0.0.12", "127.0.0.13"):
+        try:
+            with socket.socket() as sock:
+                sock.bind((host, 0))
+        except OSError:
+            return False
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"  # a zombie has exited (only its parent's bookkeeping is left)
+
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the bench reads /proc"),
+    pytest.mark.skipif(not _loopback_hosts_bindable(), reason="127.0.0.11-13 cannot be bound here"),
+]
+
+
+def test_cluster_quick_mode_against_moorline_writes_sane_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--cluster", "3", "--quick", "--brokers", "moorline", "--json-out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["brokers"]["moorline"]["status"] == "ok"
+    assert report["meta"]["quick"] is True and report["config"]["nodes"] == 3
+    moorline = report["results"]["moorline"]
+    for workload in ("w1", "w2"):
+        assert "error" not in moorline[workload], moorline[workload]
+        [rep] = moorline[workload]["reps"]
+        assert rep["complete"] is True
+        assert rep["received"] == report["config"][workload]["messages"]
+        assert 0 < rep["latency_p50_ms"] <= rep["latency_p99_ms"] <= rep["latency_max_ms"] < 60_000
+        # Three nodes measured as one broker: each node's CPU read, the figure is their sum.
+        assert set(rep["cpu_s_by_member"]) == {"n1", "n2", "n3"}
+        assert rep["cpu_s"] == pytest.approx(sum(rep["cpu_s_by_member"].values()))
+        assert rep["cpu_s"] > 0 and rep["cpu_s_per_10k"] == pytest.approx(rep["cpu_s"] / rep["received"] * 10_000)
+        assert 3 < rep["peak_rss_mb"] < 3 * 4096
+        # Publisher on node 1, subscriber on node 2, the topic's shard led by node 3.
+        assert rep["topic_leader_at_start"] == "n3" and rep["topic"].startswith(f"bench/{workload}/")
+        assert rep["log_errors"] == 0, rep.get("log_samples")
+        assert not [pid for pid in rep["member_pids"].values() if _alive(pid)]  # all stopped
+    [target_w1_cpu, target_w1_p99] = report["comparison"]["targets"]
+    assert target_w1_cpu["bound"] == 0.5 and target_w1_p99["bound"] == 50.0
+    assert target_w1_cpu["met"] is None and target_w1_cpu["comparable"] is False  # --quick
+    assert "W1 on 3-node clusters" in proc.stdout and "not comparable" in proc.stdout
+
+
+def test_a_failing_cluster_run_stops_every_node(tmp_path: Path) -> None:
+    started: dict[str, Any] = {}
+
+    def body(broker: RunningBroker) -> dict[str, Any]:
+        assert isinstance(broker, cluster.RunningCluster)
+        started.update({member.name: member.pid for member in broker.members})
+        raise RuntimeError("a run that fails half-way")
+
+    with pytest.raises(RuntimeError, match="a run that fails half-way"):
+        runner._with_broker(cluster.MoorlineCluster(3), None, body)
+    assert set(started) == {"n1", "n2", "n3"}
+    assert not [pid for pid in started.values() if _alive(pid)]
