@@ -101,6 +101,12 @@ class SessionConfig:
     ack_commit_interval_ms: float = 2.0
     max_subscriptions: int = 1000
     delivery_batch_max: int = 256
+    # The node serving a session holds a lease on it in the session's shard, renewed every third
+    # of it. A node that cannot renew (cut off from the shard's majority) closes the client's
+    # connection before the lease ends; a new owner elsewhere serves only after it has run out.
+    # Clocks may drift owner_lease_drift apart (both sides keep that margin).
+    owner_lease_s: float = 10.0
+    owner_lease_drift: float = 0.02
 
 
 @dataclass

@@ -118,6 +118,28 @@ class SessionOpen(Cmd, tag="sopen"):
     # Refuse when the session exists and belongs to another principal (absent, so False, in
     # entries written before sessions had owners: they replay as they applied then).
     owner_only: bool = False
+    # The node that will serve the session, and the lease it takes (from ts_ms). 0: no lease
+    # (entries from before leases).
+    owner_node: int = 0
+    lease_ms: int = 0
+
+
+class LeaseRelease(Cmd, tag="srelease"):
+    """The previous owner node stopped serving epoch ``epoch`` of a session taken over elsewhere:
+    the new owner need not wait for that lease to run out."""
+
+    client_id: str
+    epoch: int
+    owner_node: int
+
+
+class SessionRenew(Cmd, tag="srenew"):
+    """The owner node renews its leases: each (client id, epoch) still its own gets ts_ms + lease_ms."""
+
+    ts_ms: int
+    owner_node: int
+    lease_ms: int
+    sessions: tuple[tuple[str, int], ...]
 
 
 class SessionSubscribe(Cmd, tag="ssub"):
@@ -224,6 +246,8 @@ Command = (
     | SessionClose
     | SessionHousekeeping
     | SessionsForget
+    | SessionRenew
+    | LeaseRelease
     | SetSinkMarker
 )
 

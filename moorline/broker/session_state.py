@@ -15,10 +15,12 @@ from moorline.broker.commands import (
     DeliveryItem,
     InboundQos2,
     InboundRelease,
+    LeaseRelease,
     SessionAcks,
     SessionClose,
     SessionHousekeeping,
     SessionOpen,
+    SessionRenew,
     SessionSubscribe,
     SessionUnsubscribe,
     WillSpec,
@@ -60,6 +62,10 @@ class Session:
     expiry_s: int
     principal: str = ""
     connected: bool = True
+    owner_node: int = 0  # the node serving it while connected (0: before leases)
+    lease_until_ms: int = 0  # entry time until which no other node may serve it
+    # The previous owner's lease a takeover waits for: (node, epoch, until ms), None once released.
+    prev_lease: tuple[int, int, int] | None = None
     disconnected_at_ms: int = 0
     will: WillSpec | None = None
     will_due_ms: int | None = None
@@ -82,6 +88,10 @@ class OpenResult:
     incarnation: int
     ended: Session | None  # the previous session that a clean start discarded
     refused: bool = False  # the session belongs to another principal: nothing changed
+    # Another node's lease on the previous connection of this client runs until this entry time:
+    # the new owner serves only after it (promise: never two owners at once). 0: nothing to wait for.
+    wait_until_ms: int = 0
+    ts_ms: int = 0  # the open's entry time (what wait_until_ms is measured from)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +121,13 @@ class SessionState:
             return OpenResult(False, 0, 0, None, refused=True)  # not a takeover: another user's session
         ended: Session | None = None
         expiry = min(cmd.expiry_s, self.max_expiry_s)
+        wait = 0
+        prev: tuple[int, int, int] | None = None
+        if (old is not None and old.connected and cmd.owner_node and old.owner_node not in (0, cmd.owner_node)
+                and old.lease_until_ms > cmd.ts_ms):
+            wait = old.lease_until_ms  # still another node's: it closes its client before this
+            prev = (old.owner_node, old.epoch, old.lease_until_ms)
+        lease_until = cmd.ts_ms + cmd.lease_ms if cmd.lease_ms else 0
         # A session with expiry 0 ends with its network connection: a new CONNECT that finds it
         # (its old connection's close not applied yet, or a takeover) starts a fresh one.
         if old is not None and (cmd.clean_start or old.expiry_s == 0 or self._expired(old, cmd.ts_ms)):
@@ -119,16 +136,36 @@ class SessionState:
         self.epochs += 1
         if old is None:
             self.incarnations += 1
-            sess = Session(cmd.client_id, self.incarnations, self.epochs, expiry, cmd.principal, will=cmd.will)
+            sess = Session(cmd.client_id, self.incarnations, self.epochs, expiry, cmd.principal, will=cmd.will,
+                           owner_node=cmd.owner_node, lease_until_ms=lease_until, prev_lease=prev)
             self.sessions[cmd.client_id] = sess
-            return OpenResult(False, sess.epoch, sess.incarnation, ended)
+            return OpenResult(False, sess.epoch, sess.incarnation, ended, wait_until_ms=wait, ts_ms=cmd.ts_ms)
         old.epoch = self.epochs
         old.connected = True
         old.expiry_s = expiry
         old.will = cmd.will
         old.will_due_ms = None  # a reconnect within the will delay cancels the will
         old.principal = cmd.principal
-        return OpenResult(True, old.epoch, old.incarnation, None)
+        old.owner_node, old.lease_until_ms, old.prev_lease = cmd.owner_node, lease_until, prev
+        return OpenResult(True, old.epoch, old.incarnation, None, wait_until_ms=wait, ts_ms=cmd.ts_ms)
+
+    def apply_release(self, cmd: LeaseRelease, fx: Effects) -> bool:
+        s = self.sessions.get(cmd.client_id)
+        if s is None or s.prev_lease is None or s.prev_lease[:2] != (cmd.owner_node, cmd.epoch):
+            return False
+        s.prev_lease = None
+        return True
+
+    def apply_renew(self, cmd: SessionRenew, fx: Effects) -> int:
+        """Extends the leases still held by ``cmd.owner_node`` (same epoch); returns how many."""
+        self.last_ts_ms = max(self.last_ts_ms, cmd.ts_ms)
+        renewed = 0
+        for client_id, epoch in cmd.sessions:
+            s = self.sessions.get(client_id)
+            if s is not None and s.epoch == epoch and s.connected and s.owner_node == cmd.owner_node:
+                s.lease_until_ms = max(s.lease_until_ms, cmd.ts_ms + cmd.lease_ms)
+                renewed += 1
+        return renewed
 
     def _alive(self, s: Session, now_ms: int) -> bool:
         """Whether a CONNECT would find the session (or its live connection) rather than none."""
@@ -226,6 +263,7 @@ class SessionState:
             return None
         s.connected = False
         s.disconnected_at_ms = cmd.ts_ms
+        s.lease_until_ms = 0  # released: a new owner need not wait
         if cmd.expiry_s is not None:
             s.expiry_s = min(cmd.expiry_s, self.max_expiry_s)
         if cmd.send_will and s.will is not None:

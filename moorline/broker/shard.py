@@ -96,6 +96,10 @@ class ShardState:
                 return s.apply_housekeeping(cmd, fx)
             case c.SessionsForget():
                 return None
+            case c.SessionRenew():
+                return s.apply_renew(cmd, fx)
+            case c.LeaseRelease():
+                return s.apply_release(cmd, fx)
             case c.SetSinkMarker():
                 prev = self.sink_markers.get(cmd.query_id, -1)
                 self.sink_markers[cmd.query_id] = max(prev, cmd.batch_id)

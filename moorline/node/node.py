@@ -55,6 +55,8 @@ SHARE_PREFIX = c.SHARE_PREFIX
 SINGLE_NODE_ID = 1  # a node started without cluster flags is member 1 of every group
 REBALANCE_EVERY_TICKS = 50  # cluster: leaders move back to their preferred nodes this often (5 s)
 REBALANCE_MAX_TRANSFERS = 2  # per round
+LEASE_POLL_S = 0.05  # a takeover looks for the previous owner's release this often
+LEASE_CHECK_MARGIN_S = 1.0  # a client is closed this long before its lease would end unrenewed
 
 
 def reg_key_for(client_id: str, topic_filter: str) -> tuple[str, str, str | None]:
@@ -114,6 +116,9 @@ class Node:
         self.publish_denied = {"mqtt": 0, "http": 0, "spark": 0}
         self.link: ClusterLink | None = None  # cluster mode: peers, forwarding
         self._handing_over = False  # shutting down: leaderships go away, none come back
+        # (client id, epoch) -> monotonic time before which this node must stop serving it, unless
+        # a renewal commits (session.owner_lease_s, shortened by the drift bound).
+        self._lease_deadline: dict[tuple[str, int], float] = {}
 
     # --- startup / recovery ----------------------------------------------------------------------
     def open(self) -> None:
@@ -339,6 +344,9 @@ class Node:
                 live = getattr(conn, "live", None)
                 if conn is not None and live is not None and live.epoch != res.epoch:
                     conn.disconnect(0x8E, "session taken over on another node")
+                    # Stopped serving it: the new owner need not wait for our lease to run out.
+                    self._lease_deadline.pop((cmd.client_id, live.epoch), None)
+                    self.propose(host.shard, c.LeaseRelease(cmd.client_id, live.epoch, self.member[0]), want=False)
 
     def node_name(self, node_id: int) -> str:
         """A Raft node id as operators know it: its --initial-cluster name ("n1" on a single node)."""
@@ -471,6 +479,7 @@ class Node:
             self._tasks.append(asyncio.create_task(self._tick_loop(), name="raft-ticks"))
         await self._reconcile_after_restart()
         self._tasks.append(asyncio.create_task(self._housekeeping_loop(), name="housekeeping"))
+        self._tasks.append(asyncio.create_task(self._lease_loop(), name="session-leases"))
 
     async def _reconcile_after_restart(self) -> None:
         """Sessions that were connected when the node stopped are now disconnected (wills may
@@ -806,19 +815,84 @@ class Node:
     ) -> tuple[bool, int, int]:
         """Raises SessionOwnedByOther when the session belongs to another principal."""
         shard = self.session_shard(client_id)
+        lease_s = self.cfg.session.owner_lease_s
+        proposed_at = time.monotonic()
         fut = self.propose(shard, c.SessionOpen(self.now_ms(), client_id, clean_start, expiry_s, will, principal,
-                                                not self.takeover_across_users()))
+                                                not self.takeover_across_users(), self.member[0],
+                                                int(lease_s * 1000)))
         assert fut is not None
         res = await self.bounded(fut, shard)
         if res.refused:
             raise SessionOwnedByOther(client_id)
+        # Our lease counts from when we proposed it, shortened by the clock-drift bound.
+        self._lease_deadline[(client_id, res.epoch)] = proposed_at + lease_s * (1 - self.cfg.session.owner_lease_drift)
+        if res.wait_until_ms:
+            await self._wait_for_previous_owner(client_id, res)
         if res.ended is not None:
             await self._end_session(res.ended, "session_expired" if not clean_start else "clean_start")
         return res.session_present, res.epoch, res.incarnation
 
+    async def _wait_for_previous_owner(self, client_id: str, res: Any) -> None:
+        """A takeover from another node serves only once that node released the session (it ended
+        its client's connection when it applied our open) or its lease has run out (a node cut off
+        from the majority closes its clients before then): never two owners at once."""
+        remaining_s = (res.wait_until_ms - res.ts_ms) / 1000 * (1 + self.cfg.session.owner_lease_drift)
+        deadline = time.monotonic() + remaining_s
+        host = self.hosts[self.session_shard(client_id)]
+        while time.monotonic() < deadline:
+            sess = host.state.sessions.sessions.get(client_id)
+            if sess is None or sess.epoch != res.epoch:
+                raise NodeFailure("session taken over again while waiting for the previous owner")
+            if sess.prev_lease is None:
+                return  # released
+            await asyncio.sleep(LEASE_POLL_S)
+
+    async def _lease_loop(self) -> None:
+        """Renews the leases of the sessions this node serves (every third of a lease, one
+        committed SessionRenew per session shard) and closes any client whose lease this node
+        could not renew in time: cut off from the session shard's majority, it must stop serving
+        before another node may start."""
+        lease_s = self.cfg.session.owner_lease_s
+        margin = lease_s * (1 - self.cfg.session.owner_lease_drift)
+        next_renew = 0.0
+        while not self.stopping.is_set():
+            await asyncio.sleep(LEASE_POLL_S * 10)
+            now = time.monotonic()
+            if now >= next_renew:
+                next_renew = now + lease_s / 3
+                by_shard: dict[int, list[tuple[str, int]]] = {}
+                for cid, live in self.live.items():
+                    by_shard.setdefault(live.shard, []).append((cid, live.epoch))
+                for shard, held in by_shard.items():
+                    if self.hosts[shard].failed is not None:
+                        continue
+                    cmd = c.SessionRenew(self.now_ms(), self.member[0], int(lease_s * 1000), tuple(held))
+                    self.propose_cb(shard, cmd, self._renewed(tuple(held), now + margin))
+            for key, until in list(self._lease_deadline.items()):
+                live_now = self.live.get(key[0])
+                if (live_now is None or live_now.epoch != key[1]) and now > until:
+                    del self._lease_deadline[key]  # a CONNECT that never became a live session
+            for cid, live in list(self.live.items()):
+                deadline = self._lease_deadline.get((cid, live.epoch))
+                if deadline is not None and now >= deadline - LEASE_CHECK_MARGIN_S:
+                    conn = self.connections.get(cid)
+                    if conn is not None and getattr(conn, "live", None) is live:
+                        log.warning("%s: session lease not renewed in time (session shard unreachable?): "
+                                    "closing the connection", cid)
+                        conn.disconnect(0x80, "session ownership lease lost")
+
+    def _renewed(self, held: tuple[tuple[str, int], ...], deadline: float) -> Any:
+        def done(result: Any, exc: BaseException | None) -> None:
+            if exc is None:
+                for key in held:
+                    if key in self._lease_deadline:
+                        self._lease_deadline[key] = max(self._lease_deadline[key], deadline)
+        return done
+
     def close_session(self, live: LiveSession, send_will: bool, expiry_s: int | None) -> asyncio.Task[None]:
         """Proposes the close at once (before any later CONNECT of the same client can be proposed,
         so the session shard sees them in the order they happened), then finishes asynchronously."""
+        self._lease_deadline.pop((live.client_id, live.epoch), None)
         live.stop()  # pending acks are proposed first, in the same entry
         if self.live.get(live.client_id) is live:
             del self.live[live.client_id]
