@@ -28,6 +28,7 @@ import msgspec
 from moorline.cluster import ClusterTransport, Heartbeats, Payload, RaftMessages, read_secret_file
 from moorline.cluster.auth import require_secret_or_loopback
 from moorline.config import ClusterConfig, ConfigError
+from moorline.node.aio import cancel_all
 from moorline.raft import Message, Stream, coalesce, expand
 
 log = logging.getLogger("moorline.cluster.link")
@@ -134,13 +135,7 @@ class ClusterLink:
         return dict(self.members)
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_all(self._tasks)
         await self.transport.close()
 
     def _check_complete(self) -> None:

@@ -33,6 +33,7 @@ from moorline.config import NodeConfig
 from moorline.hashing import guid128, shard_of
 from moorline.invariant import invariant
 from moorline.mqtt.topics import is_wildcard, parse_shared
+from moorline.node.aio import cancel_all
 from moorline.node.cluster_link import ClusterLink, parse_cluster
 from moorline.node.delivery import LiveSession
 from moorline.node.group_commit import GroupCommit
@@ -1130,13 +1131,7 @@ class Node:
         await self.hand_over_leadership(timeout_s=min(self.cfg.shutdown_drain_s, 3.0))
         if not await self.commit.flush(timeout_s=1.0):  # acks and reports proposed lazily, too
             log.warning("stopping: the last proposals were not synced within 1 s")
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+        await cancel_all(self._tasks)
         if self.link is not None:
             await self.link.close()
         self.commit.stop()

@@ -4,7 +4,7 @@ retain-as-published."""
 from __future__ import annotations
 
 import pytest
-from e2e_broker import BrokerProc
+from e2e_broker import BrokerFactory, BrokerProc
 from e2e_support import Paho, mosquitto_pub, mosquitto_sub, sub_lines
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
