@@ -182,6 +182,8 @@ class Mosquitto(Broker):
 
     def start(self, workdir: Path, env: Mapping[str, str] | None = None) -> RunningBroker:
         assert self.binary is not None, "prepare() first"
+        env = dict(env or {})
+        extra_config = env.pop("__extra_config__", "")  # more config lines (a TLS listener: bench/tls_bench.py)
         port = free_port()
         data = workdir / "data"
         data.mkdir()
@@ -200,7 +202,7 @@ class Mosquitto(Broker):
         if os.geteuid() == 0:
             lines.append("user root")  # otherwise it drops to user 'mosquitto', who cannot write our data dir
         conf = workdir / "mosquitto.conf"
-        conf.write_text("\n".join(lines) + "\n")
+        conf.write_text("\n".join(lines) + "\n" + extra_config)
         proc = _spawn([self.binary, "-c", str(conf)], workdir, env, stdout_pipe=False)
         _wait_for_port(port, proc, READY_TIMEOUT_S)
         return RunningBroker(self.name, proc, port, protocol=5, workdir=workdir)

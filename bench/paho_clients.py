@@ -7,6 +7,7 @@ machine, so publish -> deliver latency can be taken across processes.
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 import time
@@ -33,7 +34,11 @@ def _new_client(client_id: str, protocol: int, persistent: bool = False) -> Any:
 
 def _connect(client: Any, port: int, protocol: int, receive_maximum: int | None, persistent: bool = False) -> None:
     """``persistent``: the session outlives the connection (3.1.1 clean session 0, 5.0 session expiry),
-    so a broker must keep its delivery state durable; otherwise it ends with the connection."""
+    so a broker must keep its delivery state durable; otherwise it ends with the connection. Over TLS when
+    ``MOORLINE_BENCH_TLS_CA`` names the CA to trust (bench/tls_bench.py)."""
+    ca = os.environ.get("MOORLINE_BENCH_TLS_CA")
+    if ca:
+        client.tls_set(ca_certs=ca)
     if protocol == 5:
         from paho.mqtt.packettypes import PacketTypes
         from paho.mqtt.properties import Properties

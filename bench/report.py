@@ -151,6 +151,12 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
             f"= [bold]{strict['cost_cpu_s_per_10k']:+.3f}[/bold] CPU-s/10k "
             f"({_num(strict['w1_msgs_per_s_strict'], ',.0f')} vs {_num(strict['w1_msgs_per_s_loose'], ',.0f')} msgs/s)"
         )
+    for name, tls in comparison.get("tls", {}).items():
+        console.print(
+            f"W1 over TLS, {name}: {_num(tls['w1_cpu_s_per_10k_tls'], '.3f')} CPU-s/10k vs "
+            f"{_num(tls['w1_cpu_s_per_10k_plain'], '.3f')} plain = [bold]{_num(tls['tls_to_plain_cpu'], '.2f')}x[/bold] "
+            f"CPU per message ({_num(tls['w1_msgs_per_s_tls'], ',.0f')} vs {_num(tls['w1_msgs_per_s_plain'], ',.0f')} msgs/s)"
+        )
     for name, info in report["brokers"].items():
         if info["status"] != "ok":
             console.print(f"[yellow]{name} skipped:[/yellow] {info['reason']}")

@@ -13,7 +13,7 @@ from multiprocessing.context import SpawnProcess
 from pathlib import Path
 from typing import Any
 
-from bench import loadgen, paho_clients
+from bench import loadgen, paho_clients, tls_bench
 from bench.brokers import ALL_BROKERS, Broker, BrokerUnavailable, RunningBroker
 from bench.report import target_format, target_met
 
@@ -401,7 +401,12 @@ def run(config: BenchConfig, log: Log) -> dict[str, Any]:
             persistent = replace(config.w1, name="w1", persistent_subscriber=True)
             w1_variants["w1_persistent"] = (persistent, None)
             w1_variants["w1_persistent_loose_packet_ids"] = (persistent, LOOSE_PACKET_IDS_FAULTS)
-        w1 = _paho_reps(kind, config, log, w1_variants)
+        w1_kind: Broker = kind
+        if name in tls_bench.TLS_BROKERS:  # W1 again through a TLS listener, interleaved with plain W1
+            w1_kind = tls_bench.with_tls(kind)
+            w1_variants["w1_tls"] = (config.w1, tls_bench.TLS_VARIANT_ENV)
+        w1 = _paho_reps(w1_kind, config, log, w1_variants)
+        tls_bench.plain_clients()  # what follows connects in plain
         per: dict[str, Any] = {
             "w1": w1["w1"],
             "w2": _paho_reps(kind, config, log, {"w2": (config.w2, None)})["w2"],
@@ -411,7 +416,10 @@ def run(config: BenchConfig, log: Log) -> dict[str, Any]:
         for extra in ("w1_persistent", "w1_persistent_loose_packet_ids"):
             if extra in w1:
                 per[extra] = w1[extra]
+        if "w1_tls" in w1:
+            per["w1_tls"] = w1["w1_tls"]
         results[name] = per
+    tls_bench.cleanup()
     return {
         "config": asdict(config),
         "brokers": brokers,
@@ -429,7 +437,7 @@ def _fig(results: dict[str, Any], broker: str, workload: str, key: str) -> float
 
 def compare(results: dict[str, Any], config: BenchConfig) -> dict[str, Any]:
     """moorline's targets and its ratios to each peer measured in this same run."""
-    out: dict[str, Any] = {"targets": [], "ratios": {}, "strict_packet_ids": None}
+    out: dict[str, Any] = {"targets": [], "ratios": {}, "strict_packet_ids": None, "tls": tls_bench.compare(results)}
     if "moorline" not in results:
         return out
     w1_cpu = _fig(results, "moorline", "w1", "cpu_s_per_10k")

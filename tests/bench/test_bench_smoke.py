@@ -63,6 +63,13 @@ def test_bench_quick_mode_against_mosquitto_writes_sane_json(tmp_path: Path) -> 
     assert shallow["pairs"] == 1 and report["config"]["shallow"]["window"] == 16
     assert shallow["delivered"] > 0 and shallow["cpu_s"] > 0
     assert "Shallow pipeline" in proc.stdout
+    # W1 again over TLS (bench/tls_bench.py), the clients verifying the dev CA; its ratio to plain W1
+    [tls_rep] = mosquitto["w1_tls"]["reps"]
+    assert tls_rep["complete"] is True and tls_rep["received"] == report["config"]["w1"]["messages"]
+    tls = report["comparison"]["tls"]["mosquitto"]
+    assert tls["w1_msgs_per_s_tls"] == tls_rep["msgs_per_s"] and tls["w1_cpu_s_per_10k_tls"] == tls_rep["cpu_s_per_10k"]
+    assert "W1 over TLS, mosquitto" in proc.stdout
     # moorline was not requested: no targets, ratios or packet-id line.
-    assert report["comparison"] == {"targets": [], "ratios": {}, "strict_packet_ids": None}
+    assert {k: v for k, v in report["comparison"].items() if k != "tls"} == {
+        "targets": [], "ratios": {}, "strict_packet_ids": None}
     assert "W1:" in proc.stdout and "mosquitto" in proc.stdout
