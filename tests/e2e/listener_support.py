@@ -14,12 +14,14 @@ import re
 import socket
 import ssl
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from e2e_broker import BrokerProc
+from e2e_broker import REPO_ROOT, BrokerProc
 from rawclient import RawClient
 
 from moorline.certs import DevCertificates, write_dev_certificates
@@ -208,3 +210,10 @@ def paho_client(port: int, version: int = 5, *, transport: str = "tcp", tls: ssl
         client.tls_set_context(tls)
     wrapper.client = client
     return wrapper
+
+
+def run_moorline(tmp_path: Path, args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``moorline run`` on ``tmp_path / "data"`` that is expected to stop by itself (a start-up error)."""
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([sys.executable, "-m", "moorline.cli", "run", "--data-dir", str(tmp_path / "data"), *args],
+                          capture_output=True, text=True, timeout=60, env=full_env, cwd=str(REPO_ROOT))

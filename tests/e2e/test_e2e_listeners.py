@@ -3,16 +3,13 @@ message naming the listener, and leaves no data directory behind (issue 20 item 
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_broker import REPO_ROOT
-from listener_support import dev_certs
+from listener_support import dev_certs, run_moorline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.moorline_only, pytest.mark.timeout(120)]
 
@@ -26,9 +23,7 @@ def busy_port() -> Iterator[int]:
 
 
 def _run(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([sys.executable, "-m", "moorline.cli", "run", "--data-dir", str(tmp_path / "data"), *args],
-                          capture_output=True, text=True, timeout=60, env=full_env, cwd=str(REPO_ROOT))
+    return run_moorline(tmp_path, list(args), env)
 
 
 @pytest.mark.parametrize("flag", ["--http", "--mqtt"])

@@ -226,3 +226,37 @@ def test_handshakes_are_bounded_and_count_as_pending(broker_factory: BrokerFacto
     # The slots are free again.
     assert wait_until(lambda: _served_certificate(port, certs.ca_cert) != b"", timeout=10)
     assert broker_errors(broker) == []
+
+
+def test_https_serves_the_http_api(broker_factory: BrokerFactory, tmp_path: Path) -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    certs = dev_certs(tmp_path)
+    broker = broker_factory(config_text=tls_config(certs, listeners=("https",)))
+    port = listener_ports(broker)["https"]
+    ctx = client_tls_context(certs.ca_cert)
+    with urllib.request.urlopen(f"https://localhost:{port}/v1/health", context=ctx, timeout=10) as resp:
+        assert json.load(resp)["ok"] is True
+    with urllib.request.urlopen(f"https://127.0.0.1:{port}/v1/shards", context=ctx, timeout=10) as resp:
+        assert json.load(resp)["shard_count"] == 16  # the whole API, as on the plain listener
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/health", timeout=10)  # no plain HTTP there
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        urllib.request.urlopen(f"https://localhost:{port}/v1/health",
+                               context=client_tls_context(dev_certs(tmp_path, "other").ca_cert), timeout=10)
+    with urllib.request.urlopen(f"{broker.http_url}/v1/health", timeout=10) as resp:  # plain HTTP stays
+        assert resp.status == 200
+    assert broker_errors(broker) == []
+
+
+def test_https_off_loopback_needs_authentication(tmp_path: Path) -> None:
+    from listener_support import run_moorline
+
+    certs = dev_certs(tmp_path)
+    done = run_moorline(tmp_path, ["--mqtt", "127.0.0.1:0", "--http", "127.0.0.1:0"],
+                        {"MOORLINE_LISTENERS__HTTPS": "0.0.0.0:0", "MOORLINE_TLS__CERT_FILE": str(certs.server_cert),
+                         "MOORLINE_TLS__KEY_FILE": str(certs.server_key)})
+    assert done.returncode == 2 and "without authentication" in done.stderr, done.stderr
+    assert not (tmp_path / "data").exists()
