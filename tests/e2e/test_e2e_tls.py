@@ -23,6 +23,7 @@ from listener_support import (
     paho_client,
     tls_config,
     wait_log,
+    ws_raw_client,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.moorline_only, pytest.mark.timeout(120)]
@@ -108,8 +109,8 @@ pattern = "%u/#"
 def test_client_certificate_is_the_login_and_its_acl_applies(broker_factory: BrokerFactory, tmp_path: Path,
                                                               uniq: str, version: int) -> None:
     certs = dev_certs(tmp_path, client="sensor-7")
-    broker = broker_factory(config_text=tls_config(certs, require_client_cert=True, identity=True,
-                                                   auth=ACL_FOR_CERT_USERS))
+    broker = broker_factory(config_text=tls_config(certs, listeners=("mqtts", "wss"), require_client_cert=True,
+                                                   identity=True, auth=ACL_FOR_CERT_USERS))
     port = listener_ports(broker)["mqtts"]
     ctx = client_tls_context(certs.ca_cert, certs.client_cert, certs.client_key)
     sub = paho_client(port, version, tls=ctx)
@@ -133,6 +134,11 @@ def test_client_certificate_is_the_login_and_its_acl_applies(broker_factory: Bro
     spoof.connect()
     assert _code(spoof.subscribe(f"{uniq}/#", qos=1)[0]) in (0x80, 0x87)
     spoof.disconnect()
+    # The same certificate over secure WebSocket: the same login, the same ACL.
+    ws_client, _ = ws_raw_client(listener_ports(broker)["wss"], version, tls=ctx)
+    assert ws_client.connect(f"{uniq}-ws").reason == 0
+    assert ws_client.subscribe([("sensor-7/#", 1), (f"{uniq}/#", 1)]).reasons == [1, 0x87 if version == 5 else 0x80]
+    ws_client.disconnect()
     # Without a client certificate the handshake is refused (tls.require_client_cert).
     bare = client_tls_context(certs.ca_cert)
     with pytest.raises((ssl.SSLError, ConnectionResetError, BrokenPipeError)):
@@ -260,3 +266,24 @@ def test_https_off_loopback_needs_authentication(tmp_path: Path) -> None:
                          "MOORLINE_TLS__KEY_FILE": str(certs.server_key)})
     assert done.returncode == 2 and "without authentication" in done.stderr, done.stderr
     assert not (tmp_path / "data").exists()
+
+
+def test_a_tls_listener_off_loopback_still_needs_a_login(broker_factory: BrokerFactory, tmp_path: Path,
+                                                         uniq: str) -> None:
+    from moorline.node.auth import hash_password
+
+    certs = dev_certs(tmp_path)
+    passwd = tmp_path / "passwd"
+    passwd.write_text(f"alice:{hash_password('secret')}\n")
+    config = tls_config(certs, auth=f'[auth]\npassword_file = "{passwd}"\n').replace(
+        'mqtts = "127.0.0.1:0"', 'mqtts = "0.0.0.0:0"')
+    broker = broker_factory(config_text=config)
+    port = listener_ports(broker)["mqtts"]
+    ctx = client_tls_context(certs.ca_cert)
+    anonymous = paho_client(port, 5, tls=ctx)
+    assert _code(anonymous.connect(expect_success=False)) == 0x87  # TLS is no login
+    anonymous.client.loop_stop()
+    alice = paho_client(port, 5, tls=ctx, username="alice", password="secret")
+    alice.connect()
+    assert _code(alice.publish(f"{uniq}/t", b"x", qos=1)) == 0
+    alice.disconnect()
