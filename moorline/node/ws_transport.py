@@ -8,8 +8,9 @@ what it writes leaves in frames of up to ``FRAME_BYTES``, joined as they queue. 
 TCP listener's: writes queue here while the socket drains; past the high-water mark the protocol's
 ``pause_writing`` stops deliveries, below a quarter of it ``resume_writing`` starts them again, and
 ``get_write_buffer_size`` (the queue plus the socket's own buffer) is what ``mqtt.max_write_buffer_bytes``
-bounds. ``pause_reading`` stops taking frames from aiohttp, whose bounded queue then stops reading the
-socket. Text frames are refused (MQTT-6.0.0-1).
+bounds (the queue counts while the socket's buffer is full, as a TCP transport counts what the kernel
+did not take). ``pause_reading`` stops taking frames from aiohttp, whose bounded queue then stops
+reading the socket. Text frames are refused (MQTT-6.0.0-1).
 
 Each socket of these listeners is admitted (rate, pending cap) before its HTTP request is read and
 must complete the upgrade within ``mqtt.connect_timeout_s`` (``moorline.node.tls.AdmittingListener``).
@@ -45,7 +46,8 @@ class WebSocketTransport(asyncio.Transport):
         self._raw = raw  # the TCP or TLS transport under the HTTP request
         self._protocol: asyncio.Protocol | None = None
         self._queue: deque[bytes] = deque()
-        self._queued = 0  # bytes in _queue plus the frame being sent
+        self._queued = 0  # bytes in _queue
+        self._sending = False  # the pump waits for the socket to drain (frames handed over are in its buffer)
         self._high = 64 << 10
         self._low = 16 << 10
         self._writing_paused = False
@@ -83,7 +85,9 @@ class WebSocketTransport(asyncio.Transport):
             self.write(data)
 
     def get_write_buffer_size(self) -> int:
-        return self._queued + self._raw_buffer()
+        # As a TCP transport counts only what the kernel did not take: the queue counts while the
+        # socket's buffer is full (the pump waits for it to drain); otherwise it leaves this pass.
+        return (self._queued if self._sending else 0) + self._raw_buffer()
 
     def get_write_buffer_limits(self) -> tuple[int, int]:
         return self._low, self._high
@@ -152,10 +156,15 @@ class WebSocketTransport(asyncio.Transport):
                         part = self._queue.popleft()
                         parts.append(part)
                         size += len(part)
-                    await self._ws.send_bytes(parts[0] if len(parts) == 1 else b"".join(parts))  # waits for drain
+                    self._queued -= size  # written to the socket's buffer before any wait
+                    self._sending = True
+                    self._check_high()  # the queue counts now, should the socket not take the frame
+                    try:
+                        await self._ws.send_bytes(parts[0] if len(parts) == 1 else b"".join(parts))  # drains
+                    finally:
+                        self._sending = False
                     if self._aborted:
-                        return  # abort() already dropped the queue and its count
-                    self._queued -= size
+                        return
                     self._check_low()
                 if self._aborted:
                     return

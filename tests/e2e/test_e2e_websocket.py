@@ -154,3 +154,51 @@ def test_a_websocket_that_never_upgrades_is_closed_and_counts_as_pending(broker_
     assert client.connect("after-idle").reason == 0
     client.disconnect()
     assert broker_errors(broker) == []
+
+
+def test_a_websocket_subscriber_that_stops_reading_is_cut_at_max_write_buffer_bytes(
+        broker_factory: BrokerFactory) -> None:
+    """The same bound as on TCP: what the WebSocket queues plus the socket's own buffer counts, and
+    past mqtt.max_write_buffer_bytes the connection is reset (its session keeps what it is owed)."""
+    import os
+
+    from rawclient import P_RECEIVE_MAXIMUM, P_SESSION_EXPIRY
+
+    broker = broker_factory(config_text='[listeners]\nws = "127.0.0.1:0"\n'
+                                        "[mqtt]\nmax_write_buffer_bytes = 262144\nwrite_buffer_high_bytes = 4194304\n")
+    port = listener_ports(broker)["ws"]
+    slow, slow_ws = ws_raw_client(port, 5)
+    slow_ws.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    props = [(P_SESSION_EXPIRY, 600), (P_RECEIVE_MAXIMUM, 65535)]
+    assert slow.connect("ws-slow-cut", keepalive=0, props=props).reason == 0
+    assert slow.subscribe([("wscut/#", 1)]).reasons == [1]
+    # slow stops reading now
+    pub, _ = ws_raw_client(port, 5)
+    assert pub.connect("ws-cut-pub").reason == 0
+    payload = os.urandom(16 * 1024)
+    for start in range(0, 400, 50):
+        for i in range(start, start + 50):
+            pub.publish(f"wscut/{i % 4}", payload, 1)
+        assert all(pub.expect(PUBACK, 30).reason == 0 for _ in range(50))
+    pub.disconnect()
+    slow_ws.sock.settimeout(0.5)
+    deadline = time.monotonic() + 15
+    reset = False
+    while time.monotonic() < deadline and not reset:
+        try:
+            if not slow_ws.sock.recv(1 << 20):
+                break
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            reset = True
+    slow_ws.close()
+    assert reset, "the WebSocket of a client that stopped reading was not reset"
+    assert "not reading" in broker.log_path.read_text(errors="replace")
+    again, _ = ws_raw_client(port, 5)
+    assert again.connect("ws-slow-cut", clean=False, props=[(P_SESSION_EXPIRY, 600), (P_RECEIVE_MAXIMUM, 4)]
+                         ).session_present
+    first = again.next_message(10)
+    assert first.topic.startswith("wscut/") and first.payload == payload
+    again.disconnect()
+    assert broker_errors(broker) == []
