@@ -229,7 +229,9 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
     accepting: list[AdmittingListener] = []  # listeners that admit a socket before its handshake or upgrade
     if "mqtts" in by_key:
         accepting.append(AdmittingListener(server, sock("mqtts"), tls, lambda conn: conn))
-    http_runner = web.AppRunner(make_app(node, authorizer, http_auth), access_log=None)
+    # shutdown_timeout: open requests (a long fetch, a WebSocket) get shutdown_drain_s to finish, not aiohttp's 60 s
+    http_runner = web.AppRunner(make_app(node, authorizer, http_auth), access_log=None,
+                                shutdown_timeout=cfg.shutdown_drain_s)
     await http_runner.setup()
     await web.SockSite(http_runner, sock("http"), backlog=BACKLOG).start()
     if "https" in by_key:
@@ -239,7 +241,7 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
     ws_runner: web.AppRunner | None = None
     if "ws" in by_key or "wss" in by_key:
         ws = WebSocketListeners(server)
-        ws_runner = web.AppRunner(ws.app, access_log=None, handle_signals=False)
+        ws_runner = web.AppRunner(ws.app, access_log=None, handle_signals=False, shutdown_timeout=cfg.shutdown_drain_s)
         await ws_runner.setup()
         ws.handlers = ws_runner.server
         for key, ctx in (("ws", None), ("wss", tls)):
