@@ -51,6 +51,8 @@ class ListenerConfig:
     https: str | None = None
     ws: str | None = None
     wss: str | None = None
+    # After the broker's WebSocket close frame, the client's is awaited this long before the socket is dropped.
+    ws_close_timeout_s: float = 2.0
 
 
 @dataclass
@@ -321,6 +323,8 @@ class NodeConfig:
         if t.use_identity_as_username and not t.require_client_cert:
             raise ConfigError("tls.use_identity_as_username needs tls.require_client_cert = true: the certificate "
                               "is then the login")
+        if not 0 < li.ws_close_timeout_s <= 60:
+            raise ConfigError("listeners.ws_close_timeout_s must be positive, at most 60")
         if not 0 <= self.sys.interval_s <= 86400:
             raise ConfigError("sys.interval_s must be 0 (off) .. 86400")
         if self.auth.session_takeover_across_users and self.auth.password_file:

@@ -34,7 +34,6 @@ log = logging.getLogger("moorline.ws")
 WS_PATH = "/mqtt"
 SUBPROTOCOL = "mqtt"
 FRAME_BYTES = 256 << 10  # queued writes are joined into binary frames of at most about this size
-CLOSE_TIMEOUT_S = 2.0  # after our close frame, wait this long for the client's before dropping the socket
 
 
 class WebSocketTransport(asyncio.Transport):
@@ -110,7 +109,7 @@ class WebSocketTransport(asyncio.Transport):
         return self.reading.is_set()
 
     def close(self) -> None:
-        """Send what is queued, then a close frame (bounded by CLOSE_TIMEOUT_S)."""
+        """Send what is queued, then a close frame (the client's answer awaited listeners.ws_close_timeout_s)."""
         if self._closing:
             return
         self._closing = True
@@ -188,6 +187,7 @@ class WebSocketListeners:
         cfg = server.node.cfg.mqtt
         # A frame may join packets: allow two of the largest packet, then close (1009) past that.
         self.max_frame_bytes = 2 * cfg.max_packet_size + 16
+        self.close_timeout_s = server.node.cfg.listeners.ws_close_timeout_s
         # The MQTT connection admitted with each socket, by the socket's aiohttp request handler, until
         # the upgrade claims it (or the socket expires: AdmittingListener).
         self.admitted: dict[asyncio.BaseProtocol, Connection] = {}
@@ -212,7 +212,7 @@ class WebSocketListeners:
             # A second request on a socket whose connection was used or expired.
             return web.Response(status=400, text="one MQTT connection per socket\n")
         ws = web.WebSocketResponse(protocols=(SUBPROTOCOL,), compress=False, max_msg_size=self.max_frame_bytes,
-                                   timeout=CLOSE_TIMEOUT_S, autoping=True, heartbeat=None)
+                                   timeout=self.close_timeout_s, autoping=True, heartbeat=None)
         ready = ws.can_prepare(request)
         if not ready.ok or ready.protocol != SUBPROTOCOL:
             conn._closing = True
@@ -238,7 +238,7 @@ class WebSocketListeners:
             transport._closing = True
             transport._wake.set()
             try:
-                await asyncio.wait_for(transport.pump_done.wait(), CLOSE_TIMEOUT_S + 1.0)
+                await asyncio.wait_for(transport.pump_done.wait(), self.close_timeout_s + 1.0)
             except TimeoutError:
                 transport.abort()
             conn.connection_lost(None)
