@@ -80,6 +80,8 @@ class SysTopics:
 
     def send_current(self, conn: Connection, topic_filter: str) -> None:
         """The last round's values matching ``topic_filter``, flagged retained (after the SUBACK)."""
+        if not self.values and self.interval_s > 0:
+            self.values = self.collect()  # no round ran while nobody was subscribed
         self._send(conn, [(t, v) for t, v in sorted(self.values.items()) if matches(topic_filter, t)], True)
 
     def unsubscribe(self, conn: Connection, topic_filter: str) -> bool:
@@ -106,6 +108,9 @@ class SysTopics:
             await asyncio.sleep(self.interval_s)
 
     def publish_round(self) -> None:
+        if not self.subscribers:
+            self.values = {}  # nobody to tell: the statistics are not even read (a busy node has many sessions)
+            return
         values = self.collect()
         changed = [(t, v) for t, v in sorted(values.items()) if self.values.get(t) != v]
         self.values = values
