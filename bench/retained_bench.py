@@ -38,8 +38,8 @@ def build(n: int) -> ShardState:
     return s
 
 
-def best_ms(fn: Callable[[], object], repeats: int = 3) -> tuple[float, object]:
-    best, out = float("inf"), None
+def best_ms(fn: Callable[[], list[StoredMessage]], repeats: int = 3) -> tuple[float, list[StoredMessage]]:
+    best, out = float("inf"), []
     for _ in range(repeats):
         t0 = time.perf_counter()
         out = fn()
