@@ -8,6 +8,8 @@ need_apt=()
 command -v mosquitto_pub >/dev/null 2>&1 || need_apt+=(mosquitto-clients)
 { command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ]; } || need_apt+=(mosquitto)
 command -v java >/dev/null 2>&1 || need_apt+=(openjdk-17-jre-headless)
+# cluster tests cut links between nodes with iptables (skipped where it cannot be used, e.g. not root)
+{ command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ]; } || need_apt+=(iptables)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "installing with apt-get: ${need_apt[*]}"
   SUDO=""
