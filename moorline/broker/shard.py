@@ -40,16 +40,22 @@ class ShardState:
         self.sessions = SessionState(max_session_expiry_s)
         self.sink_markers: dict[str, int] = {}
         self.applied_index = 0
-        # Proposer node -> (boot, highest seq applied): the same proposal in the log twice (resent
-        # to a new leader) is applied once; a boot older than one seen is a dead process's leftover.
+        # Proposer node -> (boot, last seq applied). A node's proposals to a shard apply strictly in
+        # their order: the next seq of its boot (1 for a new boot) or nothing. A copy already applied
+        # (resent to a new leader), a dead boot's leftover and anything after a gap (a proposal lost
+        # with a leader or a dropped frame) are skipped; the origin resends everything it has not
+        # seen applied, in order, so the gap fills and what follows applies then.
         self.proposals: dict[int, tuple[int, int]] = {}
 
     def admit(self, origin: int, boot: int, seq: int) -> bool:
-        """Whether the entry proposed as (origin, boot, seq) is applied (first time) or skipped."""
+        """Whether the entry proposed as (origin, boot, seq) is applied now, or skipped."""
         if origin == 0:
-            return True
+            return True  # entries from before proposal ids
         last = self.proposals.get(origin)
-        if last is not None and (boot, seq) <= last:
+        if last is None or boot > last[0]:
+            if seq != 1:
+                return False  # a new boot starts at 1: an earlier proposal of it is missing
+        elif boot < last[0] or seq != last[1] + 1:
             return False
         self.proposals[origin] = (boot, seq)
         return True

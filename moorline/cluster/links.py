@@ -166,6 +166,12 @@ class OutgoingLink:
                 await self._pump(stream, self._reader)
             except (LinkBroken, OSError, ProtocolError, TimeoutError) as exc:
                 self._fail(_describe(exc, f"connection to {self.name}"))
+            except RuntimeError as exc:
+                # uvloop raises this for a write to a transport the peer's reset already closed:
+                # a broken connection like any other, not a bug of ours.
+                if "closed" not in str(exc):
+                    raise
+                self._fail(f"connection to {self.name} closed: {exc}")
             finally:
                 self.connected = False
                 self._stream = self._reader = None

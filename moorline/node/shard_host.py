@@ -171,7 +171,7 @@ class ShardHost:
         self._own: dict[int, _Own] = {}  # seq -> proposal not applied here yet, in seq order
         self._lead_seen: Any = None  # the leader our proposals were last handed to
         self._ticks = 0
-        self.resend_after_ticks = 30  # a proposal not applied after this many ticks is handed over again
+        self.resend_after_ticks = 20  # a proposal not applied after this many ticks is handed over again
         self._fx = Effects()
         self._entries_since_snapshot = 0
 
@@ -241,17 +241,22 @@ class ShardHost:
     def _propose_entry(self, cmds: list[c.Command], futs: list[Waiter]) -> None:
         self._seq += 1
         own = _Own(self._seq, c.encode_entry(cmds, self.node_id, self.boot, self._seq), cmds, futs, self._ticks)
+        self._own[own.seq] = own
+        if self.raft.lead != self._lead_seen:
+            # A new leader: everything not applied yet goes to it first, in order, then this one
+            # (the shard applies a node's proposals only in their order).
+            self.check_leader(force=True)
+            return
         if self.raft.is_leader:
             try:
                 self.raft.propose(own.data)
-            except ProposalDropped as exc:  # too much uncommitted: nothing entered a log
+            except ProposalDropped as exc:  # too much uncommitted: it entered no log
+                del self._own[own.seq]
+                self._seq -= 1  # nothing follows it yet: the next proposal takes its place
                 failure = ShardUnavailable(f"shard {self.shard}: proposal refused: {exc}")
                 for fut in futs:
                     _resolve(fut, None, failure)
-                return
-            self._own[own.seq] = own
             return
-        self._own[own.seq] = own
         lead = self.raft.lead
         if lead is not None:
             self.hooks.forward(self, lead[0], [own.data])
@@ -274,15 +279,16 @@ class ShardHost:
         self.raft.tick()
         self.check_leader()
 
-    def check_leader(self) -> None:
+    def check_leader(self, force: bool = False) -> None:
         """Hands every proposal not applied yet, in original order, to a new leader; or again to
-        the same one when the oldest waited ``resend_after_ticks`` (it may have been dropped)."""
+        the same one when the oldest waited ``resend_after_ticks`` (it, or a frame carrying it, may
+        have been dropped, and then nothing after it applies either)."""
         if not self._own:
             self._lead_seen = self.raft.lead
             return
         lead = self.raft.lead
         oldest = next(iter(self._own.values()))
-        if lead == self._lead_seen and self._ticks - oldest.sent_tick < self.resend_after_ticks:
+        if not force and lead == self._lead_seen and self._ticks - oldest.sent_tick < self.resend_after_ticks:
             return
         self._lead_seen = lead
         if lead is None:

@@ -45,23 +45,8 @@ ENTRY_START_RE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ", re.MULTILIN
 BAD_ENTRY_RE = re.compile(r"^\S+ \S+ (ERROR|CRITICAL) |Traceback \(most recent call last\)", re.MULTILINE)
 # Bugs of the node found by these tests and not fixed yet: (signature of the log entry, what it is).
 # A test whose only bad log entries are known ones is reported as xfail with the reason, not passed.
-KNOWN_LOG_BUGS: list[tuple[re.Pattern[str], str]] = [
-    (re.compile(r"ERROR moorline\.cluster: cluster: link \S+ failed; restarting it\n.*"
-                r"RuntimeError: unable to perform operation on <TCPTransport closed=True", re.DOTALL),
-     "known bug: moorline/cluster/links.py _write_loop writes to a peer connection that uvloop already "
-     "closed (the peer was killed); uvloop raises RuntimeError, which _run logs as ERROR with a traceback "
-     "('link nX/append failed; restarting it') and then waits backoff_cap_s before dialling again"),
-]
+KNOWN_LOG_BUGS: list[tuple[re.Pattern[str], str]] = []  # (log pattern, reason) of bugs not fixed yet
 
-# A publisher on a node that stays up is disconnected (0x89, publish_timeout_s) after the leader of
-# the shard it publishes to dies or pauses, although a new leader is elected within 1-2 s.
-FORWARD_ORDER_BUG = (
-    "known bug: after a leader change ShardHost._propose_entry hands NEW proposals to the new leader "
-    "(or proposes them, if this node became the leader) before check_leader, at the next tick, resends "
-    "the older ones not applied yet; ShardState.admit then skips every older (node, boot, seq) once a "
-    "newer one of the same node applied, so those proposals never apply, stay in ShardHost._own (resent "
-    "every resend_after_ticks, skipped again) and their publishers get no PUBACK until publish_timeout_s "
-    "closes the connection (0x89)")
 
 T = TypeVar("T")
 

@@ -8,9 +8,10 @@ the new leader.
 
 Durability is asserted first and always: every PUBACKed message is in the surviving replicas'
 stores, once, in publish order per topic; the subscriber saw nothing invented, no duplicate without
-DUP=1, and each topic in order. A stall of the known forwarding-order bug
-(cluster_harness.FORWARD_ORDER_BUG: the publisher disconnected with 0x89 although its node is up,
-or stored messages never delivered) then makes the test xfail with that reason, until the fix."""
+DUP=1, and each topic in order. Then liveness: the publisher on the surviving node is never cut off
+(a proposal lost with the old leader once stalled everything after it: the shard now applies a
+node's proposals only in order, and the node resends all it has not seen applied, in order), and
+the subscriber gets every stored message."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from collections import Counter
 
 import pytest
 from cluster_clients import Collector, StreamPublisher, connect, wait_acks
-from cluster_harness import FORWARD_ORDER_BUG, ClusterFactory
+from cluster_harness import ClusterFactory
 
 pytestmark = [pytest.mark.cluster_e2e, pytest.mark.timeout(180)]
 
@@ -110,8 +111,7 @@ def test_qos1_stream_through_follower_survives_leader_loss(cluster_factory: Clus
                        f"n3 within 5 s of quiet (first {missing[:5]})")
     if pub.ended_by == "disconnect" and pub.disconnect_reason == 0x89:
         stalled.append("the publisher on n1 was disconnected (0x89) although n1 stayed up")
-    if stalled:
-        pytest.xfail(FORWARD_ORDER_BUG + ". Here: " + "; ".join(stalled))
+    assert not stalled, "; ".join(stalled)
     assert len(acked) > fault_at, f"no PUBACK after the {fault} of the leader ({pub.ended_by})"
     assert pub.ended_by == "done", f"the publisher on n1 was cut off ({pub.ended_by}, reason " \
         f"{pub.disconnect_reason}) although its node stayed up"

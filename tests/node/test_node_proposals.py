@@ -14,13 +14,16 @@ from moorline.storage.identity import next_boot_number
 from tests.node.test_node_command_groups import Recorder, commit_all, make_host, publish
 
 
-def test_admit_once_per_origin_boot_seq() -> None:
+def test_admit_once_per_origin_boot_seq_and_only_in_order() -> None:
     s = ShardState(0, "inc", TopicLimits(), 3600)
+    assert not s.admit(2, 1, 2)  # a boot's first applied proposal is its first
     assert s.admit(2, 1, 1) and s.admit(2, 1, 2)
     assert not s.admit(2, 1, 2) and not s.admit(2, 1, 1)  # resent copies
+    assert not s.admit(2, 1, 4)  # 3 is missing (lost with a leader): 4 waits for the resend of both
+    assert s.admit(2, 1, 3) and s.admit(2, 1, 4)
     assert s.admit(3, 1, 1)  # another node's own sequence
     assert s.admit(2, 2, 1)  # a new boot of node 2 starts again at 1
-    assert not s.admit(2, 1, 9)  # a dead boot's leftover
+    assert not s.admit(2, 1, 5)  # a dead boot's leftover
     assert s.admit(0, 0, 0) and s.admit(0, 0, 0)  # entries from before proposal ids: unchecked
     restored = ShardState.restore(s.snapshot(), TopicLimits(), 3600)
     assert restored.proposals == s.proposals and not restored.admit(2, 2, 1)
