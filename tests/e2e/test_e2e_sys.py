@@ -8,7 +8,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import BrokerFactory
+from e2e_broker import BrokerFactory
 from e2e_support import Paho, wait_until
 from listener_support import broker_errors
 from rawclient import PUBLISH, RawClient

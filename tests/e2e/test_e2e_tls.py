@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BrokerFactory
+from e2e_broker import BrokerFactory
 from e2e_support import wait_until
 from listener_support import (
     broker_errors,

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BrokerFactory
+from e2e_broker import BrokerFactory
 from listener_support import (
     WsSocket,
     broker_errors,
