@@ -833,6 +833,7 @@ class Connection(asyncio.Protocol):
         v5 = self.version == MQTT_5
         sub_id = pk.properties.subscription_identifiers[0] if pk.properties.subscription_identifiers else None
         codes: list[int] = []
+        failure = ""  # MQTT 5: why a filter failed (the SUBACK's reason string)
         sys_granted: list[str] = []  # $SYS filters granted: their current values follow the SUBACK
         retained_all: list[Any] = []
         for flt, opts in pk.subscriptions:
@@ -861,14 +862,16 @@ class Connection(asyncio.Protocol):
                     live, flt, qos, opts.no_local if v5 else False, opts.retain_as_published if v5 else False,
                     opts.retain_handling if v5 else 0, sub_id,
                 )
-            except ShardUnavailable:
+            except ShardUnavailable as exc:  # a shard it needs has no quorum (or failed): never a silent gap
                 codes.append(RC.UNSPECIFIED_ERROR if v5 else 0x80)
+                failure = f"{flt}: {exc}"[:200]
                 continue
             retained_all.extend(retained)
             codes.append(qos)
         if self._closing or self.live is not live:
             return
-        self.send_packet(p.Suback(pk.packet_id, tuple(codes if v5 else [suback_v5_to_v3(x) for x in codes])))
+        props = p.Properties(reason_string=failure) if v5 and failure else p.NO_PROPERTIES
+        self.send_packet(p.Suback(pk.packet_id, tuple(codes if v5 else [suback_v5_to_v3(x) for x in codes]), props))
         for flt in sys_granted:
             self.server.sys_topics.send_current(self, flt)  # type: ignore[union-attr]
         if retained_all and live.read_filter is not None:

@@ -701,8 +701,8 @@ class Node:
             # Failed part-way: undone everywhere it reached, so nothing registered goes on collecting
             # or delivering messages for a subscription the client was told failed (SUBACK 0x80).
             await self._undo_subscribe(live, flt, sub.version)
-            raise ShardUnavailable(f"subscribe {flt!r}: shard(s) {refused or ''} unavailable"
-                                   + (f": {errors[0]}" if errors else ""))
+            which = ", ".join(f"shard {s}" for s in refused)
+            raise ShardUnavailable(f"{which or 'a shard'} unavailable" + (f": {errors[0]}" if errors else ""))
         retained: list[tuple[StoredMessage, int, int | None]] = []
         for r in results:
             if r is not None and hasattr(r, "retained"):

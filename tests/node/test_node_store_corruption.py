@@ -259,3 +259,25 @@ def test_a_corrupt_store_record_read_at_runtime_stops_that_shard_only(tmp_path: 
     finally:
         if node.proc and node.proc.poll() is None:
             node.kill()
+
+
+def test_a_wildcard_subscribe_over_a_failed_shard_fails_with_a_reason(tmp_path: Path) -> None:
+    """A filter a failed shard would have to serve is refused (0x80, with the reason on 5.0), never a
+    subscription that silently misses that shard's messages; a filter of a healthy shard is granted."""
+    import sys  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+    from rawclient import P_REASON_STRING, RawClient  # noqa: PLC0415
+
+    node, _seg, _at = node_with_a_corrupt_store(tmp_path)
+    try:
+        c = RawClient("127.0.0.1", node.mqtt_port, 5)
+        assert c.connect("wild").reason == 0
+        ack = c.subscribe([("corrupt/#", 1), (GOOD_TOPIC, 1)])
+        assert ack.reasons == [0x80, 1], ack
+        reason = ack.prop(P_REASON_STRING, "")
+        assert "corrupt/#" in reason and f"shard {BAD}" in reason, reason
+        c.close()
+    finally:
+        if node.proc and node.proc.poll() is None:
+            node.stop()
