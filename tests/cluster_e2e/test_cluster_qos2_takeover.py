@@ -10,8 +10,9 @@ import time
 from collections import Counter
 
 import pytest
-from cluster_clients import MethodBSubscriber, connect, subscribe
+from cluster_clients import connect, subscribe
 from cluster_harness import ClusterFactory
+from qos2_receiver import MethodBSubscriber
 
 pytestmark = [pytest.mark.cluster_e2e, pytest.mark.timeout(150)]
 

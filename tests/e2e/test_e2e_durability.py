@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from e2e_broker import BROKER_KIND, BrokerFactory, BrokerProc, running_broker
 from e2e_support import mosquitto_presubscribe, mosquitto_pub, mosquitto_sub, sub_lines
+from qos2_receiver import MethodBSubscriber
 from rawclient import (
     DISCONNECT,
     P_RECEIVE_MAXIMUM,
@@ -274,65 +275,6 @@ def test_qos1_stream_power_loss_in_each_sync_mode(broker_factory: BrokerFactory,
 
 
 # --------------------------------------------------------------------------- QoS 2 Method B subscriber, crash
-
-
-@dataclass
-class MethodBSubscriber:
-    """QoS 2 receiver, MQTT 5 spec 4.3.3 "Method B": keeps the packet ids it has not yet released and
-    treats a PUBLISH with such an id as a resend (not delivered again). State survives reconnects."""
-
-    cid: str
-    delivered: list[bytes] = field(default_factory=list)
-    unreleased: dict[int, bytes] = field(default_factory=dict)  # pid -> payload
-    first_pid: dict[bytes, int] = field(default_factory=dict)
-    resends: int = 0
-    violations: list[str] = field(default_factory=list)
-    # Every n-th new message gets no PUBREC (0: off), so a crash finds messages the broker must resend.
-    withhold_every: int = 0
-    withheld: set[int] = field(default_factory=set)  # pids never PUBREC'd so far
-    withheld_total: int = 0
-
-    def on_packet(self, c: RawClient, p: Packet) -> None:
-        if p.type == PUBLISH:
-            assert p.qos == 2 and p.pid is not None, p
-            orig = self.first_pid.get(p.payload)
-            if orig is not None and orig != p.pid:
-                self.violations.append(f"{p.payload!r} resent with pid {p.pid}, first sent with {orig}")
-            if p.pid in self.unreleased:
-                self.resends += 1
-                self.withheld.discard(p.pid)
-                if not p.dup:
-                    self.violations.append(f"resend of pid {p.pid} without DUP")
-                if self.unreleased[p.pid] != p.payload:
-                    self.violations.append(f"pid {p.pid} reused for {p.payload!r} before release")
-            else:
-                self.unreleased[p.pid] = p.payload
-                self.first_pid.setdefault(p.payload, p.pid)
-                self.delivered.append(p.payload)
-                if self.withhold_every and len(self.delivered) % self.withhold_every == 0:
-                    self.withheld.add(p.pid)
-                    self.withheld_total += 1
-                    return
-            c.send(encode_ack(PUBREC, p.pid, c.version))
-        elif p.type == PUBREL:
-            self.unreleased.pop(p.pid, None)  # type: ignore[arg-type]
-            c.send(encode_ack(PUBCOMP, p.pid, c.version))  # type: ignore[arg-type]
-        else:
-            self.violations.append(f"unexpected {p!r}")
-
-    def consume(self, c: RawClient, quiet: float = 2.0, delay: float = 0.0) -> None:
-        """Handle packets until the connection closes or `quiet` seconds pass idle; `delay` slows it down
-        (so that a crash finds messages in every state of the QoS 2 exchange)."""
-        try:
-            while True:
-                p = c.recv_or_none(quiet)
-                if p is None or p.type == DISCONNECT:
-                    return
-                if delay:
-                    time.sleep(delay)
-                self.on_packet(c, p)
-        except (ConnectionClosed, ConnectionResetError, BrokenPipeError, OSError):
-            return
 
 
 @pytest.mark.parametrize("mode", RESTARTS)
