@@ -22,13 +22,26 @@ from collections.abc import Callable
 
 from moorline.node.raft_group import encode_vote
 from moorline.node.shard_host import ShardHost
-from moorline.raft import HardState
+from moorline.raft import HardState, Ready
 from moorline.storage.wal import WriteAheadLog
 
 log = logging.getLogger("moorline.commit")
 
 UNSAFE_SYNC_DELAY_S = 0.25
 
+
+
+def stage_hard_state(wal: WriteAheadLog, shard: int, hs: HardState) -> None:
+    """Written with the next batch; synced with it (a new commit index alone never forces a sync)."""
+    wal.set_hard_state(shard, hs.term, encode_vote(hs.vote), hs.commit)
+
+
+def stage_ready(wal: WriteAheadLog, shard: int, rd: Ready) -> None:
+    """A group's Ready into the WAL's next batch: its entries, then its hard state."""
+    if rd.entries:
+        wal.append_entries(shard, [(e.term, e.index, int(e.type), e.data) for e in rd.entries])
+    if rd.hard_state is not None:
+        stage_hard_state(wal, shard, rd.hard_state)
 
 class SyncTimer:
     """Decides where the next sync runs: on the event loop while recent ones were fast.
@@ -229,10 +242,7 @@ class GroupCommit:
                     self._wake.set()
                 continue
             if rd is not None:
-                if rd.entries:
-                    self.wal.append_entries(shard, [(e.term, e.index, int(e.type), e.data) for e in rd.entries])
-                if rd.hard_state is not None:
-                    self.stage_hard_state(shard, rd.hard_state)
+                stage_ready(self.wal, shard, rd)
                 staged.append(host)
         if not staged and self.wal.pending_bytes() == 0:
             return True
@@ -276,8 +286,7 @@ class GroupCommit:
                 self._wake.set()
 
     def stage_hard_state(self, shard: int, hs: HardState) -> None:
-        """Written with the next batch; synced with it (a new commit index alone never forces a sync)."""
-        self.wal.set_hard_state(shard, hs.term, encode_vote(hs.vote), hs.commit)
+        stage_hard_state(self.wal, shard, hs)
 
     def stop(self) -> None:
         self._stopped = True

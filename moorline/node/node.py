@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from itertools import groupby
 from operator import itemgetter
 from pathlib import Path
@@ -36,8 +37,8 @@ from moorline.mqtt.topics import is_wildcard, parse_shared
 from moorline.node.aio import cancel_all
 from moorline.node.cluster_link import ClusterLink, parse_cluster
 from moorline.node.delivery import LiveSession
-from moorline.node.group_commit import GroupCommit
-from moorline.node.raft_group import build_replica, encode_vote
+from moorline.node.group_commit import GroupCommit, stage_hard_state, stage_ready
+from moorline.node.raft_group import build_replica
 from moorline.node.recent import RecentMessages
 from moorline.node.shard_host import ApplyHooks, ShardHost, ShardUnavailable, default_limits
 from moorline.raft import MemberId, Message
@@ -415,13 +416,9 @@ class Node:
             rd = host.seal()
             if rd is None:
                 return
-            if rd.entries:
-                self.wal.append_entries(host.shard, [(e.term, e.index, int(e.type), e.data) for e in rd.entries])
-            if rd.hard_state is not None:
-                self.wal.set_hard_state(host.shard, rd.hard_state.term, encode_vote(rd.hard_state.vote),
-                                        rd.hard_state.commit)
+            stage_ready(self.wal, host.shard, rd)
             self.wal.sync()
-            host.after_sync(lambda shard, hs: self.wal.set_hard_state(shard, hs.term, encode_vote(hs.vote), hs.commit))
+            host.after_sync(partial(stage_hard_state, self.wal))
 
     def _cluster_meta(self, cluster_key: str | None = None) -> dict[str, Any]:
         path = self.data_dir / "cluster.json"
