@@ -120,6 +120,9 @@ class RetentionConfig:
 @dataclass
 class ShardConfig:
     count: int = 16
+    # Voters per shard in a cluster (1, 3 or 5; every node when there are fewer). Fixed when the
+    # cluster is created; the other nodes keep the shard as learners.
+    replicas: int = 3
     max_bytes: int = 1 << 30
     reserved_headroom_bytes: int = 16 << 20  # publishes refused (0x97) before max_bytes - headroom
     snapshot_every_entries: int = 20_000
@@ -286,6 +289,8 @@ class NodeConfig:
             raise ConfigError("mqtt.max_packet_size must not exceed raft.max_entry_bytes")
         if not 1 <= self.shard.count <= 4096:
             raise ConfigError("shard.count must be within 1..4096")
+        if self.shard.replicas not in (1, 3, 5):
+            raise ConfigError("shard.replicas must be 1, 3 or 5 (an even number of voters tolerates no more failures)")
         if self.share.dispatch not in ("round_robin", "sticky_topic"):
             raise ConfigError("share.dispatch must be 'round_robin' or 'sticky_topic'")
         if not 1 <= self.mqtt.receive_maximum <= 65535:

@@ -55,7 +55,8 @@ def status(
                       str(n.get("groups_led", 0)))
     console.print(nodes)
     table = Table(title=f"shards ({shards['shard_count']})")
-    for col in ("shard", "leader", "voters", "term", "commit", "replicas (match / applied)", "offsets", "state"):
+    for col in ("shard", "leader", "voters", "learners", "term", "commit", "replicas (match / applied)", "offsets",
+                "state"):
         table.add_column(col)
     for s in shards["shards"]:
         replicas = ", ".join(
@@ -63,7 +64,7 @@ def status(
             + (f"/{r['applied']}" if "applied" in r else "")
             for name, r in sorted(s.get("replicas", {}).items()))
         table.add_row(str(s["shard"]), s.get("leader") or "[red]none[/red]", ",".join(s.get("voters", [])),
-                      str(s.get("term", "-")), str(s.get("commit", "-")), replicas,
+                      ",".join(s.get("learners", [])) or "-", str(s.get("term", "-")), str(s.get("commit", "-")), replicas,
                       f"{s['low_water']}..{s['next_offset']}",
                       "ok" if s.get("available", True) else f"[red]{s.get('error', 'failed')}[/red]")
     console.print(table)

@@ -43,6 +43,10 @@ class StorageMismatch(Exception):
     """A peer knows this node by another storage id: this node's data was wiped or replaced."""
 
 
+class LayoutMismatch(ConfigError):
+    """A peer was started with another shard count or replica count."""
+
+
 def parse_hostport(value: str, what: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit():
@@ -95,14 +99,17 @@ def parse_cluster(cfg: ClusterConfig) -> ClusterSpec | None:
 
 class ClusterLink:
     def __init__(self, spec: ClusterSpec, cfg: ClusterConfig, storage_id: str, known: dict[str, str] | None,
-                 rng: random.Random) -> None:
+                 rng: random.Random, layout: str = "") -> None:
         self.spec = spec
+        # Shard count, voters per shard, placement scheme: members that disagree would count
+        # different majorities for one shard, so a peer with another layout is refused at bootstrap.
+        self.layout = layout
         self.cfg = cfg
         self.storage_id = storage_id
         self.members: dict[str, str] = dict(known or {})  # name -> storage id
         self.members[spec.me] = storage_id
         self._members_complete = asyncio.Event()
-        self._mismatch: StorageMismatch | None = None
+        self._mismatch: StorageMismatch | LayoutMismatch | None = None
         secret = read_secret_file(cfg.secret_file) if cfg.secret_file else None
         require_secret_or_loopback(spec.listen[0], secret)
         peers = {n: a for n, a in spec.addresses.items() if n != spec.me}
@@ -144,7 +151,8 @@ class ClusterLink:
 
     async def _announce_loop(self) -> None:
         while True:
-            body = _fwd_enc.encode({"name": self.spec.me, "storage_id": self.storage_id, "members": self.members})
+            body = _fwd_enc.encode({"name": self.spec.me, "storage_id": self.storage_id, "members": self.members,
+                                    "layout": self.layout})
             for peer in self.spec.names:
                 if peer != self.spec.me:
                     self.transport.send(peer, Stream.CONTROL, Payload("member", body))
@@ -200,6 +208,14 @@ class ClusterLink:
     def _on_member(self, peer: str, body: dict[str, Any]) -> None:
         sid = body.get("storage_id")
         if body.get("name") != peer or not isinstance(sid, str):
+            return
+        theirs_layout = body.get("layout")
+        if isinstance(theirs_layout, str) and theirs_layout != self.layout:
+            if self._mismatch is None:
+                self._mismatch = LayoutMismatch(
+                    f"{peer} places shards as {theirs_layout!r}, this node as {self.layout!r}: every node of a "
+                    f"cluster must be started with the same shard.count and shard.replicas")
+                self._members_complete.set()
             return
         known = self.members.get(peer)
         if known is None:

@@ -38,6 +38,7 @@ from moorline.node.aio import cancel_all
 from moorline.node.cluster_link import ClusterLink, parse_cluster
 from moorline.node.delivery import LiveSession
 from moorline.node.group_commit import GroupCommit, stage_hard_state, stage_ready
+from moorline.node.placement import ShardPlacement, layout_fingerprint, place_shards
 from moorline.node.raft_group import build_replica
 from moorline.node.recent import RecentMessages
 from moorline.node.shard_host import ApplyHooks, ShardHost, ShardUnavailable, default_limits
@@ -117,6 +118,8 @@ class Node:
         self.published = {"mqtt": 0, "http": 0, "spark": 0}
         self.publish_denied = {"mqtt": 0, "http": 0, "spark": 0}
         self.link: ClusterLink | None = None  # cluster mode: peers, forwarding
+        self.placement: list[ShardPlacement] = []  # per shard: voters (preferred leader first), learners
+        self.preferred_leader: list[MemberId] = []
         self._handing_over = False  # shutting down: leaderships go away, none come back
         # (client id, epoch) -> monotonic time before which this node must stop serving it, unless
         # a renewal commits (session.owner_lease_s, shortened by the drift bound).
@@ -126,7 +129,8 @@ class Node:
     def open(self) -> None:
         """One node: every shard a group of one voter, this node."""
         self.prepare()
-        self.open_groups([self.member])
+        me = self.node_name(self.member[0])
+        self.open_groups({me: self.member}, [ShardPlacement((me,), ())] * self.shard_count)
 
     def prepare(self, node_id: int = SINGLE_NODE_ID, cluster_key: str | None = None) -> None:
         """Lock the data directory, learn this node's identity, open the WAL (no groups yet).
@@ -150,18 +154,22 @@ class Node:
             log.warning("WAL %s", torn.describe())
         self.snapshots = SnapshotStore(self.data_dir / "snapshots", ledger=self.ledger)
 
-    def open_groups(self, voters: list[MemberId]) -> None:
-        """Every shard's replica, with ``voters`` (this node among them), recovered and applied up
-        to what its log commits. With one voter the node campaigns at once; in a cluster the
-        shard's preferred node (voters[shard % n], spreading leaders) campaigns at its first start
-        and elections do the rest."""
+    def open_groups(self, members: dict[str, MemberId], placement: list[ShardPlacement]) -> None:
+        """Every shard's replica, recovered and applied up to what its log commits. ``placement``
+        names each shard's voters (this node among them or not: the others are learners) and its
+        preferred leader. With one voter the node campaigns at once; in a cluster the preferred
+        leader (spreading leaders) campaigns at its first start and elections do the rest."""
         rec, meta = self._recovery, self._meta
         limits = default_limits(self.cfg)
         hooks = ApplyHooks(on_effects=self._on_effects, on_results=self._on_results,
                            send=self._send_raft, forward=self._forward)
-        voters = sorted(voters)
+        invariant(len(placement) == self.shard_count, "one placement per shard")
+        self.placement = placement
+        self.preferred_leader = [members[p.preferred_leader] for p in placement]
         corrupted = {r.group: r for r in rec.corrupted if r.group is not None}
         for shard in range(self.shard_count):
+            voters = [members[name] for name in placement[shard].voters]
+            learners = [members[name] for name in placement[shard].learners]
             loaded = self.snapshots.load_latest(shard)
             snap_index = snap_term = 0
             if loaded is not None:
@@ -182,7 +190,7 @@ class Node:
             grec = rec.groups.get(shard)
             hs = grec.hard_state if grec is not None else None
             raft, raft_log = build_replica(
-                self.member, voters, snap_index, snap_term,
+                self.member, voters, learners, snap_index, snap_term,
                 [(e.term, e.index, e.type, e.data) for e in grec.entries] if grec is not None else [],
                 (hs.term, hs.vote, hs.commit) if hs is not None else None, state.applied_index,
                 random.Random(f"{self.storage_id}/{shard}"), election_tick=self.cfg.raft.election_ticks,
@@ -196,7 +204,7 @@ class Node:
                 raft.mark_corrupted()  # never leads, never votes with a log it cannot vouch for
             else:
                 fresh = raft_log.last_index() == 0 and hs is None
-                if len(voters) == 1 or (fresh and voters[shard % len(voters)] == self.member):
+                if voters == [self.member] or (fresh and self.preferred_leader[shard] == self.member):
                     raft.campaign()  # one voter: leader at once, with a no-op of a new term
                 self._recover_group(host)
             present = set(state.topics.meta)
@@ -220,13 +228,20 @@ class Node:
         if spec is None:
             self.open()
             return
-        self.prepare(spec.my_id, f"{self.cfg.cluster.cluster_id}/{','.join(spec.names)}")
-        link = ClusterLink(spec, self.cfg.cluster, self.storage_id, self.known_members(), random.Random())
+        cluster_key = f"{self.cfg.cluster.cluster_id}/{','.join(spec.names)}"
+        self.prepare(spec.my_id, cluster_key)
+        replicas = self._meta.get("replicas", len(spec.names))  # clusters from before placement: all voters
+        if replicas != self.cfg.shard.replicas:
+            log.warning("this cluster was created with shard.replicas = %d; using that (it is fixed at creation)",
+                        replicas)
+        layout = layout_fingerprint(self.shard_count, replicas, len(spec.names))
+        link = ClusterLink(spec, self.cfg.cluster, self.storage_id, self.known_members(), random.Random(), layout)
         self.attach_cluster(link)
         await link.start()
         members = await link.wait_for_members(self.cfg.cluster.bootstrap_timeout_s)
         self.save_members(members)
-        self.open_groups([(spec.node_id(name), sid) for name, sid in members.items()])
+        ids = {name: (spec.node_id(name), sid) for name, sid in members.items()}
+        self.open_groups(ids, place_shards(cluster_key, spec.names, self.shard_count, replicas))
 
     # --- cluster (none of this runs on a single node) ---------------------------------------------
     def attach_cluster(self, link: ClusterLink) -> None:
@@ -289,16 +304,15 @@ class Node:
                 self._rebalance_leaders()
 
     def _rebalance_leaders(self) -> None:
-        """Leaders go back to each shard's preferred node (voters[shard % n], the spread a fresh
-        cluster starts with) once that node is caught up: after failures and restarts leadership
+        """Leaders go back to each shard's preferred node (its first voter in the placement, the
+        spread a fresh cluster starts with) once that node is caught up: after failures and restarts leadership
         piles up on the survivors. A few transfers per round, so a flapping node causes no storm."""
         moved = 0
         for host in self.hosts:
             raft = host.raft
             if host.failed is not None or not raft.is_leader or raft.lead_transferee is not None:
                 continue
-            voters = sorted(raft.active_conf_state.voters)
-            preferred = voters[host.shard % len(voters)]
+            preferred = self.preferred_leader[host.shard]
             pr = raft.progress.get(preferred)
             if preferred == self.member or pr is None or not pr.recent_active or pr.match < raft.log.last_index():
                 continue
@@ -368,6 +382,7 @@ class Node:
         replicas[self.node_name(self.member[0])]["applied"] = host.state.applied_index
         return {
             "leader": self.node_name(lead[0]) if lead is not None else None,
+            "preferred_leader": self.node_name(self.preferred_leader[shard][0]),
             "voters": [self.node_name(m[0]) for m in conf.voters],
             "learners": [self.node_name(m[0]) for m in conf.learners],
             "term": raft.term,
@@ -438,6 +453,7 @@ class Node:
             "incarnations": [os.urandom(8).hex() if cluster_key is None else
                              guid128(cluster_key, shard)[:8].hex() for shard in range(self.shard_count)],
             "created_ms": int(time.time() * 1000),
+            **({} if cluster_key is None else {"replicas": self.cfg.shard.replicas}),
         }
         tmp = path.with_suffix(".tmp")
         with open(tmp, "w") as f:

@@ -35,6 +35,7 @@ def decode_vote(raw: bytes) -> MemberId | None:
 def build_replica(
     member: MemberId,
     voters: list[MemberId],
+    learners: list[MemberId],
     snapshot_index: int,
     snapshot_term: int,
     entries: list[tuple[int, int, int, bytes]],
@@ -45,10 +46,10 @@ def build_replica(
     heartbeat_tick: int = 1,
     max_entry_bytes: int = 1 << 20,
 ) -> tuple[RaftNode, MemoryStorage]:
-    """The core and its storage view for one group, from the snapshot's (index, term), the WAL's
-    entries after it and its hard state (term, vote, commit); ``applied`` is how far the state
-    machine restored from the snapshot already is."""
-    conf = ConfState.of(voters)
+    """The core and its storage view for one group of ``voters`` and ``learners`` (this node is
+    one of them), from the snapshot's (index, term), the WAL's entries after it and its hard state
+    (term, vote, commit); ``applied`` is how far the state machine restored from the snapshot is."""
+    conf = ConfState.of(voters, learners)
     log = MemoryStorage(conf)
     if snapshot_index > 0:
         log.apply_snapshot(Snapshot(meta=SnapshotMeta(index=snapshot_index, term=snapshot_term, conf_state=conf)))

@@ -1,6 +1,7 @@
-"""Five nodes (issue 21): with two killed the cluster keeps serving and acknowledging on every
-shard; with three killed no publish is acknowledged (the publisher is disconnected, 0x89, within
-mqtt.publish_timeout_s instead)."""
+"""Five nodes with five voters per shard (shard.replicas = 5): with two killed the cluster keeps
+serving and acknowledging on every shard; with three killed no publish is acknowledged (the
+publisher is disconnected, 0x89, within mqtt.publish_timeout_s instead). The default of three
+voters per shard on five nodes is tested in test_cluster_placement.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from rawclient import DISCONNECT, PUBACK, ConnectionClosed, MalformedFromBroker,
 pytestmark = [pytest.mark.cluster_e2e, pytest.mark.timeout(180)]
 
 PUBLISH_TIMEOUT_S = 3.0
-CONFIG = f"[mqtt]\npublish_timeout_s = {PUBLISH_TIMEOUT_S}\n"
+CONFIG = f"[mqtt]\npublish_timeout_s = {PUBLISH_TIMEOUT_S}\n[shard]\nreplicas = 5\n"
 
 
 def one_topic_per_shard(prefix: str) -> list[str]:
@@ -31,6 +32,7 @@ def one_topic_per_shard(prefix: str) -> list[str]:
 
 def test_five_nodes_two_down_serve_three_down_acknowledge_nothing(cluster_factory: ClusterFactory) -> None:
     cluster = cluster_factory(5, CONFIG)
+    assert all(len(s["voters"]) == 5 and s["learners"] == [] for s in cluster.shards("n1"))
     topics = one_topic_per_shard("quorum/t")
     sub = connect(cluster["n2"], "quorum-sub", expect_present=False)
     subscribe(sub, [("quorum/t/#", 1)])

@@ -32,7 +32,7 @@ def make_host(tmp_path: Path, max_entry_bytes: int = 4 << 20, shard_max_bytes: i
     store = MessageStore(tmp_path / "store", segment_bytes=1 << 20, cache_bytes=0)
     store.open()
     member = (1, "storage")
-    raft, raft_log = build_replica(member, [member], 0, 0, [], None, 0, random.Random(0))
+    raft, raft_log = build_replica(member, [member], [], 0, 0, [], None, 0, random.Random(0))
     host = ShardHost(
         0, ShardState(0, "inc", limits, 3600), raft, raft_log, store, SnapshotStore(tmp_path / "snap"),
         ApplyHooks(on_effects=lambda host, fx: None), snapshot_every_entries=1_000_000,
