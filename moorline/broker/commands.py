@@ -2,7 +2,8 @@
 
 Every command is a tagged msgspec struct; the entry is ``EntryBatch(version, commands)`` so the
 format can evolve behind a feature level (docs/design.md, "Determinism"). Times inside commands are
-stamped by the proposing host; apply never reads a clock.
+stamped by the leader's host (a forwarded entry is restamped, ``restamp_entry``); apply never
+reads a clock.
 """
 
 from __future__ import annotations
@@ -270,6 +271,20 @@ _dec = msgspec.msgpack.Decoder(EntryBatch)
 
 def encode_entry(commands: list[Command], origin: int = 0, boot: int = 0, seq: int = 0) -> bytes:
     return _enc.encode(EntryBatch(ENTRY_VERSION, commands, origin, boot, seq))
+
+
+def restamp_entry(data: bytes, now_ms: int) -> bytes:
+    """A forwarded entry with every time in it replaced by ``now_ms``, the leader's: replicated
+    time (lease ends, expiry, de-duplication windows, message times) moves only with the leaders'
+    clocks, never with a forwarding node's, which may be skewed."""
+    batch = decode_batch(data)
+    for cmd in batch.commands:
+        if type(cmd) is Publish:
+            if cmd.msg.ts_ms != now_ms:
+                cmd.msg = msgspec.structs.replace(cmd.msg, ts_ms=now_ms)
+        elif hasattr(cmd, "ts_ms"):
+            cmd.ts_ms = now_ms  # type: ignore[union-attr]
+    return encode_entry(batch.commands, batch.origin, batch.boot, batch.seq)
 
 
 def decode_batch(data: bytes) -> EntryBatch:

@@ -162,7 +162,7 @@ class Node:
         rec, meta = self._recovery, self._meta
         limits = default_limits(self.cfg)
         hooks = ApplyHooks(on_effects=self._on_effects, on_results=self._on_results,
-                           send=self._send_raft, forward=self._forward)
+                           send=self._send_raft, forward=self._forward, now_ms=self.now_ms)
         invariant(len(placement) == self.shard_count, "one placement per shard")
         self.placement = placement
         self.preferred_leader = [members[p.preferred_leader] for p in placement]

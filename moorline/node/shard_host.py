@@ -130,6 +130,8 @@ class ApplyHooks:
     send: Callable[[ShardHost, list[Message]], None] = field(default=lambda host, msgs: None)
     # Proposals (encoded entries) for the leader, on node ``int``, when this replica does not lead.
     forward: Callable[[ShardHost, int, list[bytes]], None] = field(default=lambda host, node, entries: None)
+    # The node's wall clock (ms): a leader stamps the entries other members forward with it.
+    now_ms: Callable[[], int] = field(default=lambda: 0)
 
 
 class ShardHost:
@@ -174,6 +176,7 @@ class ShardHost:
         self.resend_after_ticks = 20  # a proposal not applied after this many ticks is handed over again
         self._fx = Effects()
         self._entries_since_snapshot = 0
+        self._stamp_ms = 0  # the latest time this replica stamped forwarded entries with, as leader
 
     # --- proposing ---------------------------------------------------------------------------
     def propose(self, cmd: c.Command, want_result: bool = True) -> asyncio.Future[Any] | None:
@@ -267,9 +270,11 @@ class ShardHost:
         them to the leader it learns of; an entry applies once whoever proposes it)."""
         if not self.raft.is_leader or self.failed is not None:
             return
+        # The leader's time, never decreasing, replaces the proposer's in every command.
+        self._stamp_ms = stamp = max(self._stamp_ms, self.hooks.now_ms())
         for data in entries:
             try:
-                self.raft.propose(data)
+                self.raft.propose(c.restamp_entry(data, stamp))
             except ProposalDropped:
                 return  # the origin resends after resend_after_ticks
 
@@ -365,7 +370,10 @@ class ShardHost:
             return
         own = self._own.pop(head.seq, None) if head.origin == self.node_id and head.boot == self.boot else None
         if own is not None:
-            self._apply_commands(e.index, own.commands, own.futures)
+            # Our commands as proposed, unless a leader restamped them (forwarded): then what the
+            # log holds, as every other replica applies it.
+            cmds = own.commands if e.data is own.data or e.data == own.data else c.decode_entry(e.data)
+            self._apply_commands(e.index, cmds, own.futures)
             return
         cmds = c.decode_entry(e.data)  # recovery, or an entry another member proposed
         none: list[Waiter] = [None] * len(cmds)
