@@ -219,12 +219,32 @@ class SessionsForget(Cmd, tag="sforget"):
     epoch: int
 
 
-# --- metadata (single node: a group of its own) ----------------------------------------------
+# --- metadata group (a Raft group of its own, on one node too) ------------------------------
 
 
 class SetSinkMarker(Cmd, tag="sink"):
     query_id: str
     batch_id: int
+
+
+class ClusterRecord(msgspec.Struct, array_like=True, frozen=True):
+    """What the metadata group knows of the cluster: its members as (name, node id, storage id),
+    the shard layout and each shard's voters and learners (node names). Membership changes will
+    rewrite it through this group; today it is written once, at bootstrap."""
+
+    cluster_id: str
+    members: tuple[tuple[str, int, str], ...]
+    shard_count: int
+    replicas: int
+    placement: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]  # per shard: (voters, learners)
+    feature_level: int = 1
+
+
+class ClusterBootstrap(Cmd, tag="cboot"):
+    """Proposed by the metadata group's first leader: the first one applied is the cluster's
+    record; a later one (another node's, racing) changes nothing, and its proposer compares."""
+
+    record: ClusterRecord
 
 
 Command = (
@@ -250,6 +270,7 @@ Command = (
     | SessionRenew
     | LeaseRelease
     | SetSinkMarker
+    | ClusterBootstrap
 )
 
 

@@ -39,6 +39,7 @@ class ShardState:
         self.topics = TopicState(shard, incarnation, limits)
         self.sessions = SessionState(max_session_expiry_s)
         self.sink_markers: dict[str, int] = {}
+        self.cluster: c.ClusterRecord | None = None  # the metadata group's record of the cluster
         self.applied_index = 0
         # Proposer node -> (boot, last seq applied). A node's proposals to a shard apply strictly in
         # their order: the next seq of its boot (1 for a new boot) or nothing. A copy already applied
@@ -110,6 +111,10 @@ class ShardState:
                 prev = self.sink_markers.get(cmd.query_id, -1)
                 self.sink_markers[cmd.query_id] = max(prev, cmd.batch_id)
                 return self.sink_markers[cmd.query_id]
+            case c.ClusterBootstrap():
+                if self.cluster is None:
+                    self.cluster = cmd.record
+                return self.cluster
         raise ValueError(f"unknown command {type(cmd).__name__}")
 
     def apply_publishes(self, cmds: list[c.Publish], fx: Effects) -> list[Any]:
@@ -143,6 +148,7 @@ class ShardState:
             session_ts_ms=s.last_ts_ms,
             sink_markers=dict(sorted(self.sink_markers.items())),
             proposals=sorted((o, b, s) for o, (b, s) in self.proposals.items()),
+            cluster=self.cluster,
         )
         return msgspec.msgpack.encode(snap)
 
@@ -179,6 +185,7 @@ class ShardState:
         st.sessions.last_ts_ms = snap.session_ts_ms
         st.sink_markers = dict(snap.sink_markers)
         st.proposals = {o: (b, s) for o, b, s in snap.proposals}
+        st.cluster = snap.cluster
         return st
 
 
@@ -207,6 +214,7 @@ class _Snapshot:
     sink_markers: dict[str, int]
     # (origin, boot, seq); absent in snapshots from before proposal ids
     proposals: list[tuple[int, int, int]] = field(default_factory=list)
+    cluster: c.ClusterRecord | None = None  # the metadata group's; absent in shards' and older snapshots
 
 
 __all__ = ["ShardState", "InflightDelivery", "SubscriptionState"]

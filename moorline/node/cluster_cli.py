@@ -54,6 +54,12 @@ def status(
                       (n.get("storage_id") or "?")[:12], "yes" if n.get("reachable") else "[red]no[/red]",
                       str(n.get("groups_led", 0)))
     console.print(nodes)
+    meta = cluster.get("metadata")
+    if meta is not None:
+        record = meta.get("record") or {}
+        console.print(f"metadata group: leader {meta.get('leader') or '[red]none[/red]'}, voters "
+                      f"{','.join(meta.get('voters', []))}, term {meta.get('term')}, commit {meta.get('commit')}; "
+                      f"{record.get('shard_count', '?')} shards x {record.get('replicas', '?')} voters")
     table = Table(title=f"shards ({shards['shard_count']})")
     for col in ("shard", "leader", "voters", "learners", "term", "commit", "replicas (match / applied)", "offsets",
                 "state"):

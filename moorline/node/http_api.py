@@ -339,8 +339,7 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
         if (refused := admin_only()) is not None:
             return refused
         qid = req.match_info["query_id"]
-        host = node.hosts[node.session_shard("$sink/" + qid)]
-        return web.json_response({"batch_id": host.state.sink_markers.get(qid)})
+        return web.json_response({"batch_id": node.sink_marker(qid)})
 
     @routes.put("/v1/sink-markers/{query_id}")
     async def put_marker(req: web.Request) -> web.Response:
@@ -354,14 +353,13 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
             batch = int((await req.json())["batch_id"])
         except Exception as exc:
             return _err(400, f"bad marker: {exc}")
-        shard = node.session_shard("$sink/" + qid)
-        new = qid not in node.hosts[shard].state.sink_markers
+        new = node.sink_marker(qid) is None
         limit = cfg.pins.max_sink_markers_per_principal
         if new and markers_created.get(key, 0) >= limit:
             return _err(429, f"too many sink markers for this principal (pins.max_sink_markers_per_principal = "
                              f"{limit})")
         try:
-            fut = node.propose(shard, c.SetSinkMarker(qid, batch))
+            fut = node.propose(node.meta_group, c.SetSinkMarker(qid, batch))
         except ShardUnavailable as exc:
             return _err(503, str(exc))
         if new:

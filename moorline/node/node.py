@@ -94,7 +94,10 @@ class Node:
         self.faults = faults
         self.data_dir = Path(cfg.data_dir)
         self.shard_count = cfg.shard.count
-        self.hosts: list[ShardHost] = []
+        self.hosts: list[ShardHost] = []  # the topic/session shards, by shard number
+        self.groups: list[ShardHost] = []  # every Raft group by group id: the shards, then the metadata group
+        self.meta_host: ShardHost | None = None
+        self._members: dict[str, MemberId] = {}
         self.recent = RecentMessages(cfg.storage.store_cache_bytes)
         self.live: dict[str, LiveSession] = {}
         self.connections: dict[str, Any] = {}  # client id -> Connection (for takeover)
@@ -165,20 +168,25 @@ class Node:
                            send=self._send_raft, forward=self._forward, now_ms=self.now_ms)
         invariant(len(placement) == self.shard_count, "one placement per shard")
         self.placement = placement
-        self.preferred_leader = [members[p.preferred_leader] for p in placement]
+        self._members = members
+        # The metadata group (group id shard.count): every initial node votes in it (1, 3 or 5).
+        meta_voters = [members[name] for name in sorted(members)]
+        self.preferred_leader = [members[p.preferred_leader] for p in placement] + [meta_voters[0]]
         corrupted = {r.group: r for r in rec.corrupted if r.group is not None}
-        for shard in range(self.shard_count):
-            voters = [members[name] for name in placement[shard].voters]
-            learners = [members[name] for name in placement[shard].learners]
+        for shard in range(self.shard_count + 1):
+            is_meta = shard == self.shard_count
+            voters = meta_voters if is_meta else [members[name] for name in placement[shard].voters]
+            learners = [] if is_meta else [members[name] for name in placement[shard].learners]
             loaded = self.snapshots.load_latest(shard)
             snap_index = snap_term = 0
             if loaded is not None:
                 snap_index, snap_term, data = loaded
                 state = ShardState.restore(data, limits, self.cfg.session.max_expiry_s)
             else:
-                state = ShardState(shard, meta["incarnations"][shard], limits, self.cfg.session.max_expiry_s)
-            store = MessageStore(
-                self.data_dir / "store" / f"shard-{shard}", segment_bytes=self.cfg.storage.store_segment_bytes,
+                state = ShardState(shard, "meta" if is_meta else meta["incarnations"][shard], limits,
+                                   self.cfg.session.max_expiry_s)
+            store = MessageStore(  # the metadata group's stays empty: it takes no publishes
+                self.data_dir / "store" / ("meta" if is_meta else f"shard-{shard}"), segment_bytes=self.cfg.storage.store_segment_bytes,
                 ledger=self.ledger, cache_bytes=0,  # recent messages are kept decoded, node-wide (self.recent)
             )
             store_damage: StoreCorruption | None = None
@@ -199,7 +207,11 @@ class Node:
             host = ShardHost(shard, state, raft, raft_log, store, self.snapshots, hooks,
                              self.cfg.shard.snapshot_every_entries, self.cfg.raft.max_entry_bytes, self.recent)
             host.node_id, host.boot = self.member[0], self.boot
-            self.hosts.append(host)
+            self.groups.append(host)
+            if is_meta:
+                self.meta_host = host
+            else:
+                self.hosts.append(host)
             if shard in corrupted or store_damage is not None:
                 raft.mark_corrupted()  # never leads, never votes with a log it cannot vouch for
             else:
@@ -243,6 +255,56 @@ class Node:
         ids = {name: (spec.node_id(name), sid) for name, sid in members.items()}
         self.open_groups(ids, place_shards(cluster_key, spec.names, self.shard_count, replicas))
 
+    # --- the metadata group -----------------------------------------------------------------------
+    @property
+    def meta_group(self) -> int:
+        """The metadata group's Raft group id: the one after the last shard."""
+        return self.shard_count
+
+    def cluster_record(self) -> c.ClusterRecord:
+        """What this node computed of the cluster at bootstrap, as the metadata group records it."""
+        names = self.link.spec.names if self.link is not None else (self.node_name(self.member[0]),)
+        cluster_id = self.cfg.cluster.cluster_id if self.link is not None else ""
+        return c.ClusterRecord(
+            cluster_id=cluster_id,
+            members=tuple((name, *self._members[name]) for name in names),
+            shard_count=self.shard_count,
+            replicas=max(len(p.voters) for p in self.placement),
+            placement=tuple((p.voters, p.learners) for p in self.placement),
+        )
+
+    def sink_marker(self, query_id: str) -> int | None:
+        """A Spark sink query's last committed batch: in the metadata group, or (data written
+        before it existed) in the session shard of ``$sink/<query id>``, whichever is later."""
+        assert self.meta_host is not None
+        now = self.meta_host.state.sink_markers.get(query_id)
+        before = self.hosts[self.session_shard("$sink/" + query_id)].state.sink_markers.get(query_id)
+        known = [b for b in (now, before) if b is not None]
+        return max(known) if known else None
+
+    async def _meta_bootstrap_loop(self) -> None:
+        """The metadata group's first leader writes the cluster's record (members, layout,
+        placement) once; every node then checks its own computation against it. It is what
+        membership changes will rewrite (a later feature)."""
+        host = self.meta_host
+        assert host is not None
+        mine = self.cluster_record()
+        while host.state.cluster is None and not self.stopping.is_set():
+            if host.raft.is_leader and host.failed is None:
+                fut = self.propose(self.meta_group, c.ClusterBootstrap(mine))
+                if fut is not None:
+                    try:
+                        await asyncio.wait_for(asyncio.shield(fut), timeout=5.0)
+                    except (TimeoutError, ShardUnavailable):
+                        pass
+            if host.state.cluster is None:
+                await asyncio.sleep(0.5)
+        record = host.state.cluster
+        if record is not None and record != mine:
+            log.error("the metadata group records another cluster layout than this node computed: this node "
+                      "places shards as %s, the cluster as %s; was it started with other flags or config?",
+                      mine, record)
+
     # --- cluster (none of this runs on a single node) ---------------------------------------------
     def attach_cluster(self, link: ClusterLink) -> None:
         """Raft traffic of this node's groups goes through ``link`` from now on."""
@@ -271,9 +333,9 @@ class Node:
             self.link.forward(host.shard, node_id, entries)
 
     def _on_raft_message(self, shard: int, m: Message) -> None:
-        if not 0 <= shard < len(self.hosts):
-            return  # groups not open yet (bootstrap), or a shard this node does not have
-        host = self.hosts[shard]
+        if not 0 <= shard < len(self.groups):
+            return  # groups not open yet (bootstrap), or a group this node does not have
+        host = self.groups[shard]
         if host.failed is not None or getattr(self, "commit", None) is None:
             return  # not serving yet: the sender retransmits
         try:
@@ -285,8 +347,8 @@ class Node:
             self.commit.kick(shard)
 
     def _on_forwarded(self, shard: int, entries: list[bytes]) -> None:
-        if 0 <= shard < len(self.hosts) and getattr(self, "commit", None) is not None:
-            self.hosts[shard].propose_forwarded(entries)
+        if 0 <= shard < len(self.groups) and getattr(self, "commit", None) is not None:
+            self.groups[shard].propose_forwarded(entries)
             self.commit.kick(shard)
 
     async def _tick_loop(self) -> None:
@@ -295,7 +357,7 @@ class Node:
         while not self.stopping.is_set():
             await asyncio.sleep(interval)
             ticks += 1
-            for host in self.hosts:
+            for host in self.groups:
                 if host.failed is None:
                     host.tick()
                     if host.has_work():
@@ -308,7 +370,7 @@ class Node:
         spread a fresh cluster starts with) once that node is caught up: after failures and restarts leadership
         piles up on the survivors. A few transfers per round, so a flapping node causes no storm."""
         moved = 0
-        for host in self.hosts:
+        for host in self.groups:
             raft = host.raft
             if host.failed is not None or not raft.is_leader or raft.lead_transferee is not None:
                 continue
@@ -330,7 +392,7 @@ class Node:
         self._handing_over = True
         deadline = asyncio.get_running_loop().time() + timeout_s
         while asyncio.get_running_loop().time() < deadline:
-            leading = [h for h in self.hosts if h.failed is None and h.raft.is_leader]
+            leading = [h for h in self.groups if h.failed is None and h.raft.is_leader]
             if not leading:
                 return
             for host in leading:
@@ -345,7 +407,7 @@ class Node:
                     continue
                 self.commit.kick(host.shard)
             await asyncio.sleep(0.05)
-        left = sum(1 for h in self.hosts if h.failed is None and h.raft.is_leader)
+        left = sum(1 for h in self.groups if h.failed is None and h.raft.is_leader)
         if left:
             log.warning("stopping while still leading %d shard(s): they elect a new leader after a timeout", left)
 
@@ -372,8 +434,9 @@ class Node:
 
     def raft_status(self, shard: int) -> dict[str, Any]:
         """The shard's Raft view from this replica, for GET /v1/shards: leader (None while there is
-        none), voters, learners, term, commit/applied, and per replica its match (known on the leader)."""
-        host = self.hosts[shard]
+        none), voters, learners, term, commit/applied, and per replica its match (known on the leader).
+        ``shard`` may be ``meta_group``, the metadata group."""
+        host = self.groups[shard]
         raft = host.raft
         conf = raft.active_conf_state
         lead = raft.lead
@@ -393,17 +456,19 @@ class Node:
 
     def cluster_status(self) -> dict[str, Any]:
         """Nodes of the cluster (GET /v1/cluster): names, addresses, storage ids, reachability, and
-        how many groups each leads as this node sees it."""
+        how many groups each leads as this node sees it; and the metadata group (its Raft view and
+        the record it holds of the cluster)."""
         led: dict[str, int] = {}
-        for h in self.hosts:
+        for h in self.groups:
             if h.raft.lead is not None:
                 name = self.node_name(h.raft.lead[0])
                 led[name] = led.get(name, 0) + 1
+        metadata = self.metadata_status()
         if self.link is None:
             me = self.node_name(self.member[0])
             return {"nodes": [{"id": me, "storage_id": self.storage_id, "self": True, "reachable": True,
                                "groups_led": led.get(me, 0), "mqtt": self.cfg.listeners.mqtt,
-                               "http": self.cfg.listeners.http}]}
+                               "http": self.cfg.listeners.http}], "metadata": metadata}
         stats = self.link.stats().get("peers", {})
         nodes = []
         for name in self.link.spec.names:
@@ -417,7 +482,19 @@ class Node:
                 "groups_led": led.get(name, 0),
                 **({} if is_me else {"transport": peer}),
             })
-        return {"nodes": nodes}
+        return {"nodes": nodes, "metadata": metadata}
+
+    def metadata_status(self) -> dict[str, Any]:
+        status = self.raft_status(self.meta_group)
+        status.pop("preferred_leader", None)
+        record = self.meta_host.state.cluster if self.meta_host is not None else None
+        status["record"] = None if record is None else {
+            "cluster_id": record.cluster_id, "members": [{"id": n, "node_id": i, "storage_id": sid}
+                                                         for n, i, sid in record.members],
+            "shard_count": record.shard_count, "replicas": record.replicas,
+            "feature_level": record.feature_level,
+        }
+        return status
 
     def leads(self, shard: int) -> bool:
         """Whether this node proposes the shard's leader-only commands (housekeeping, wills,
@@ -484,7 +561,7 @@ class Node:
             log.warning("TEST: dropped message %d/%d at restart", host.shard, offset)
 
     async def start(self) -> None:
-        self.commit = GroupCommit(self.wal, self.hosts, self._on_fatal, self._after_commit,
+        self.commit = GroupCommit(self.wal, self.groups, self._on_fatal, self._after_commit,
                                   self.cfg.storage.inline_sync_max_us, self.cfg.storage.lazy_sync_delay_ms,
                                   unsafe_ack_before_sync=self.faults.unsafe_ack_before_sync,
                                   slow_sync_s=self.faults.slow_sync_s)
@@ -494,6 +571,7 @@ class Node:
         await self._reconcile_after_restart()
         self._tasks.append(asyncio.create_task(self._housekeeping_loop(), name="housekeeping"))
         self._tasks.append(asyncio.create_task(self._lease_loop(), name="session-leases"))
+        self._tasks.append(asyncio.create_task(self._meta_bootstrap_loop(), name="metadata-bootstrap"))
 
     async def _reconcile_after_restart(self) -> None:
         """Sessions that were connected when the node stopped are now disconnected (wills may
@@ -563,7 +641,8 @@ class Node:
 
     # --- proposing -------------------------------------------------------------------------------
     def propose(self, shard: int, cmd: c.Command, want: bool = True) -> asyncio.Future[Any] | None:
-        host = self.hosts[shard]
+        """``cmd`` into group ``shard`` (a shard, or ``meta_group`` for the metadata group)."""
+        host = self.groups[shard]
         fut = host.propose(cmd, want)
         self.commit.kick(shard)
         return fut
@@ -572,17 +651,17 @@ class Node:
         """A command nobody waits for and whose delay costs nothing but a later release (ack
         reports, QoS 1 session acks, housekeeping): it never forces a sync of its own, it rides on
         the next one somebody waits for, or goes after ``storage.lazy_sync_delay_ms``."""
-        fut = self.hosts[shard].propose(cmd, want)
+        fut = self.groups[shard].propose(cmd, want)
         self.commit.kick_lazy(shard)
         return fut
 
     def propose_cb(self, shard: int, cmd: c.Command, callback: Any) -> None:
-        self.hosts[shard].propose_cb(cmd, callback)
+        self.groups[shard].propose_cb(cmd, callback)
         self.commit.kick(shard)
 
     def propose_group(self, shard: int, cmds: list[c.Command], callback: Any) -> None:
         """Propose ``cmds`` together; ``callback(results, error)`` runs once, after the last applies."""
-        self.hosts[shard].propose_group(cmds, callback)
+        self.groups[shard].propose_group(cmds, callback)
         self.commit.kick(shard)
 
     def propose_cross(self, shard: int, cmd: c.Command) -> asyncio.Future[Any]:
@@ -1126,13 +1205,13 @@ class Node:
             if len(self.wal.segment_paths()) > 2:
                 # Idle groups pin old segments: snapshot them so the segments can go.
                 for shard in self.wal.groups_pinning_oldest_segment():
-                    host = self.hosts[shard] if shard < len(self.hosts) else None
+                    host = self.groups[shard] if shard < len(self.groups) else None
                     if host is not None and host.failed is None:
                         index, term = host.take_snapshot()
                         self.wal.mark_snapshot(shard, index, term)
                         self.commit.kick(shard)
             self.wal.reclaim()
-            for host in self.hosts:
+            for host in self.groups:
                 host.store.reclaim()
         except OSError as exc:
             log.error("reclaim failed: %s", exc)
@@ -1148,7 +1227,7 @@ class Node:
         if self.link is not None:
             await self.link.close()
         self.commit.stop()
-        for host in self.hosts:
+        for host in self.groups:
             try:
                 if host.failed is None:
                     index, term = host.take_snapshot()

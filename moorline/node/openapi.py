@@ -146,8 +146,15 @@ ROUTES: tuple[Route, ...] = (
     Route("get", "/v1/cluster", "Nodes of the cluster as this node sees them", ADMIN, {
         200: ("the nodes: one on a single node", obj({"nodes": array(obj({
             "id": string("the node's name"), "storage_id": nullable(string()), "self": boolean(),
-            "reachable": boolean(), "groups_led": integer("shards this node leads, as seen from here"),
-        }, ("id", "self", "reachable", "groups_led"), more=True))}, ("nodes",))),
+            "reachable": boolean(), "groups_led": integer("Raft groups (shards and the metadata group) this node "
+                                                          "leads, as seen from here"),
+        }, ("id", "self", "reachable", "groups_led"), more=True)),
+            "metadata": obj({
+                "leader": nullable(string()), "voters": array(string()), "learners": array(string()),
+                "term": integer(), "commit": integer(), "applied_index": integer(),
+                "record": nullable(obj({"cluster_id": string(), "shard_count": integer(), "replicas": integer(),
+                                        "feature_level": integer()}, ("shard_count", "replicas"), more=True)),
+            }, ("leader", "voters", "record"), more=True)}, ("nodes", "metadata"))),
     }, tags=("admin",)),
     Route("get", "/v1/shards/{shard}/messages", "Committed messages of a shard by offset (reading never consumes)",
           CALLER, {

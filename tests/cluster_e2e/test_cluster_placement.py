@@ -7,12 +7,15 @@ node serves sessions and delivers as any other."""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 
 import pytest
 from cluster_clients import connect, drain, subscribe
-from cluster_harness import SHARD_COUNT, ClusterFactory, wait_for
+from cluster_harness import SHARD_COUNT, ClusterFactory, ClusterNode, wait_for
 from rawclient import DISCONNECT, PUBACK, ConnectionClosed, MalformedFromBroker, encode_publish
 from test_cluster_quorum import one_topic_per_shard
 
@@ -21,6 +24,22 @@ pytestmark = [pytest.mark.cluster_e2e, pytest.mark.timeout(240)]
 PUBLISH_TIMEOUT_S = 3.0
 CONFIG = f"[mqtt]\npublish_timeout_s = {PUBLISH_TIMEOUT_S}\n"
 KILLED = ("n4", "n5")
+
+
+def put_marker(node: ClusterNode, query: str, batch: int) -> int:
+    def attempt() -> int | None:
+        req = urllib.request.Request(f"{node.http_url}/v1/sink-markers/{query}", method="PUT",
+                                     data=json.dumps({"batch_id": batch}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return int(json.loads(r.read())["batch_id"])
+        except urllib.error.HTTPError as exc:
+            if exc.code == 503:  # no metadata leader yet: retried
+                return None
+            raise
+
+    return wait_for(f"a sink marker set through {node.name}", attempt, 30)
 
 
 def test_three_voters_per_shard_on_five_nodes(cluster_factory: ClusterFactory) -> None:
@@ -42,6 +61,14 @@ def test_three_voters_per_shard_on_five_nodes(cluster_factory: ClusterFactory) -
     wait_for("every shard led by its preferred leader",
              lambda: all(s["leader"] == s["preferred_leader"] for s in cluster.shards("n1")) or None, 30)
 
+    # The metadata group: every initial node votes; its record is the placement every node computed.
+    for name in cluster.names:
+        meta = cluster[name].get("/v1/cluster")["metadata"]
+        assert sorted(meta["voters"]) == sorted(cluster.names) and meta["learners"] == [], (name, meta)
+        record = meta["record"]
+        assert record is not None and record["replicas"] == 3 and record["shard_count"] == SHARD_COUNT, meta
+        assert sorted(m["id"] for m in record["members"]) == sorted(cluster.names)
+
     lost = {shard for shard, (voters, _, _) in placement.items() if set(KILLED) <= set(voters)}
     live = set(range(SHARD_COUNT)) - lost
     assert lost and live, placement  # any two of five nodes share a voter majority of some shard
@@ -62,6 +89,8 @@ def test_three_voters_per_shard_on_five_nodes(cluster_factory: ClusterFactory) -
         assert ack.reason == 0, f"shard {shard} (voters {placement[shard][0]}) with {KILLED} down: {ack}"
     got = drain(sub, quiet=2.0, until=len(live), timeout=30)
     assert sorted(m.payload for m in got) == sorted(f"live:{s}".encode() for s in live)
+    # The metadata group (five voters) keeps its quorum with two down: a sink marker commits.
+    assert put_marker(cluster["n1"], "placement-q", 5) == 5
 
     # A shard with two of its three voters gone acknowledges nothing: the publisher is closed.
     dead_shard = min(lost)
