@@ -59,7 +59,7 @@ def test_three_voters_per_shard_on_five_nodes(cluster_factory: ClusterFactory) -
     assert all(abs(preferred_counts[n] - SHARD_COUNT / 5) < 1 for n in cluster.names), preferred_counts
     # Leaders settle on the preferred voters (fresh start, then the rebalancer).
     wait_for("every shard led by its preferred leader",
-             lambda: all(s["leader"] == s["preferred_leader"] for s in cluster.shards("n1")) or None, 30)
+             lambda: all(s["leader"] == s["preferred_leader"] for s in cluster.shards("n1")) or None, 60)
 
     # The metadata group: every initial node votes; its record is the placement every node computed.
     for name in cluster.names:
