@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import socket
 import struct
-import time
 import uuid
 from collections import deque
 from itertools import repeat
@@ -127,10 +126,10 @@ class Connection(asyncio.Protocol):
         self._busy = False  # the handler task is in the middle of a packet: keep arrival order
         self._task: asyncio.Task[None] | None = None
         self._closing = False
-        self.last_rx = time.monotonic()
+        self.last_rx = self.node.clock.monotonic()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = 0.0  # monotonic time the timer was due: a late one means the loop stalled
-        self.connected_at = time.monotonic()
+        self.connected_at = self.node.clock.monotonic()
 
     # --- transport callbacks --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -156,7 +155,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
-        self.last_rx = time.monotonic()
+        self.last_rx = self.node.clock.monotonic()
         try:
             packets = self.state.receive(data, self.last_rx)
         except UnsupportedProtocol as exc:
@@ -294,14 +293,14 @@ class Connection(asyncio.Protocol):
     def _arm_timer(self, delay_s: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer_due = time.monotonic() + delay_s
+        self._timer_due = self.node.clock.monotonic() + delay_s
         self._timer = asyncio.get_running_loop().call_later(delay_s, self._check_timers)
 
     def _check_timers(self) -> None:
         self._timer = None
         if self._closing:
             return
-        now = time.monotonic()
+        now = self.node.clock.monotonic()
         if now - self._timer_due > LOOP_STALL_GRACE_S:
             # The event loop itself stalled (a slow inline sync, a paused process or VM): this timer
             # runs before the packets that arrived meanwhile are read, so last_rx is stale. Judge

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -280,7 +279,7 @@ class LiveSession:
         items: list[c.DeliveryItem] = []
         msgs: list[StoredMessage] = []
         more = False
-        now_ms = int(time.time() * 1000)
+        now_ms = self.node.clock.wall_ms()
         read_filter = self.read_filter
         recent = self.node.recent
         recent_get = recent.by_key.get

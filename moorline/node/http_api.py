@@ -21,7 +21,6 @@ import base64
 import binascii
 import math
 import os
-import time
 from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -317,7 +316,7 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
             if sum(1 for o in pin_owner.values() if o == key) >= cfg.pins.max_pins_per_principal:
                 return _err(429, f"too many pins for this principal (pins.max_pins_per_principal = "
                                  f"{cfg.pins.max_pins_per_principal})")
-        node.pins[reader] = (offsets, time.time() + ttl)
+        node.pins[reader] = (offsets, node.clock.wall_ms() / 1000 + ttl)
         pin_owner[reader] = key
         return web.json_response({"reader": reader, "offsets": {str(k): v for k, v in offsets.items()},
                                   "ttl_ms": round(ttl * 1000)})

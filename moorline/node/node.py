@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import random
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -35,6 +34,7 @@ from moorline.hashing import guid128, shard_of
 from moorline.invariant import invariant
 from moorline.mqtt.topics import is_wildcard, parse_shared
 from moorline.node.aio import cancel_all
+from moorline.node.clock import SYSTEM_CLOCK, Clock
 from moorline.node.cluster_link import ClusterLink, parse_cluster
 from moorline.node.delivery import LiveSession
 from moorline.node.group_commit import GroupCommit, stage_hard_state, stage_ready
@@ -89,8 +89,9 @@ class _SessionViews:
 
 
 class Node:
-    def __init__(self, cfg: NodeConfig, faults: Faults = NO_FAULTS) -> None:
+    def __init__(self, cfg: NodeConfig, faults: Faults = NO_FAULTS, clock: Clock = SYSTEM_CLOCK) -> None:
         self.cfg = cfg
+        self.clock = clock  # every time this node reads: a simulator passes virtual time
         self.faults = faults
         self.data_dir = Path(cfg.data_dir)
         self.shard_count = cfg.shard.count
@@ -529,7 +530,7 @@ class Node:
             # derived from the cluster's key (id and initial members) in a cluster.
             "incarnations": [os.urandom(8).hex() if cluster_key is None else
                              guid128(cluster_key, shard)[:8].hex() for shard in range(self.shard_count)],
-            "created_ms": int(time.time() * 1000),
+            "created_ms": self.clock.wall_ms(),
             **({} if cluster_key is None else {"replicas": self.cfg.shard.replicas}),
         }
         tmp = path.with_suffix(".tmp")
@@ -686,7 +687,7 @@ class Node:
         return outer
 
     def now_ms(self) -> int:
-        return int(time.time() * 1000)
+        return self.clock.wall_ms()
 
     def session_shard(self, client_id: str) -> int:
         return shard_of(client_id, self.shard_count)
@@ -909,7 +910,7 @@ class Node:
         """Raises SessionOwnedByOther when the session belongs to another principal."""
         shard = self.session_shard(client_id)
         lease_s = self.cfg.session.owner_lease_s
-        proposed_at = time.monotonic()
+        proposed_at = self.clock.monotonic()
         fut = self.propose(shard, c.SessionOpen(self.now_ms(), client_id, clean_start, expiry_s, will, principal,
                                                 not self.takeover_across_users(), self.member[0],
                                                 int(lease_s * 1000)))
@@ -930,9 +931,9 @@ class Node:
         its client's connection when it applied our open) or its lease has run out (a node cut off
         from the majority closes its clients before then): never two owners at once."""
         remaining_s = (res.wait_until_ms - res.ts_ms) / 1000 * (1 + self.cfg.session.owner_lease_drift)
-        deadline = time.monotonic() + remaining_s
+        deadline = self.clock.monotonic() + remaining_s
         host = self.hosts[self.session_shard(client_id)]
-        while time.monotonic() < deadline:
+        while self.clock.monotonic() < deadline:
             sess = host.state.sessions.sessions.get(client_id)
             if sess is None or sess.epoch != res.epoch:
                 raise NodeFailure("session taken over again while waiting for the previous owner")
@@ -950,7 +951,7 @@ class Node:
         next_renew = 0.0
         while not self.stopping.is_set():
             await asyncio.sleep(LEASE_POLL_S * 10)
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if now >= next_renew:
                 next_renew = now + lease_s / 3
                 by_shard: dict[int, list[tuple[str, int]]] = {}

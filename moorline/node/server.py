@@ -8,7 +8,6 @@ import logging
 import signal
 import socket
 import sys
-import time
 from collections import OrderedDict
 from typing import Any
 
@@ -135,7 +134,7 @@ class MqttServer:
         connections that have not completed CONNECT? Counts it as pending when it is."""
         if conn in self.pending:
             return True  # admitted at accept, before its TLS handshake or WebSocket upgrade (node/tls.py)
-        now = time.monotonic()
+        now = self.node.clock.monotonic()
         limiter = self.rate_limiter
         if (limiter is not None and (self.rate_limit_loopback or not is_loopback(host))
                 and not limiter.allow(rate_key(host), now)):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from typing import TYPE_CHECKING
 
 from moorline import __version__
@@ -53,7 +52,7 @@ class SysTopics:
         self.open_to_all = open_to_all
         self.max_filters = max_filters_per_connection
         self.subscribers: dict[Connection, set[str]] = {}
-        self.started = time.monotonic()
+        self.started = self.node.clock.monotonic()
         self.values: dict[str, bytes] = {}  # the last round, topic -> payload
         self.sent = 0  # $SYS messages written to clients
         self.dropped = 0  # ... and skipped for a subscriber that was not reading
@@ -145,7 +144,7 @@ class SysTopics:
     def collect(self) -> dict[str, bytes]:
         """Every value, as the payloads Mosquitto uses (decimal text)."""
         node = self.node
-        now = time.monotonic()
+        now = self.node.clock.monotonic()
         published = getattr(node, "published", None)  # by source (mqtt, http, spark)
         received = sum(published.values()) if isinstance(published, dict) else int(node.stats.get("published", 0))
         sent = int(node.stats["delivered"])
