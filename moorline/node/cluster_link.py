@@ -29,6 +29,7 @@ from moorline.cluster import ClusterTransport, Heartbeats, Payload, RaftMessages
 from moorline.cluster.auth import require_secret_or_loopback
 from moorline.config import ClusterConfig, ConfigError
 from moorline.node.aio import cancel_all
+from moorline.node.seams import PRODUCTION, Seams
 from moorline.raft import Message, Stream, coalesce, expand
 
 log = logging.getLogger("moorline.cluster.link")
@@ -99,7 +100,7 @@ def parse_cluster(cfg: ClusterConfig) -> ClusterSpec | None:
 
 class ClusterLink:
     def __init__(self, spec: ClusterSpec, cfg: ClusterConfig, storage_id: str, known: dict[str, str] | None,
-                 rng: random.Random, layout: str = "") -> None:
+                 rng: random.Random, layout: str = "", seams: Seams = PRODUCTION) -> None:
         self.spec = spec
         # Shard count, voters per shard, placement scheme: members that disagree would count
         # different majorities for one shard, so a peer with another layout is refused at bootstrap.
@@ -114,7 +115,8 @@ class ClusterLink:
         require_secret_or_loopback(spec.listen[0], secret)
         peers = {n: a for n, a in spec.addresses.items() if n != spec.me}
         self.transport = ClusterTransport(spec.me, spec.listen, peers, secret, self._on_frame, rng,
-                                          cluster_id=cfg.cluster_id)
+                                          cluster_id=cfg.cluster_id, net=seams.cluster_network,
+                                          clock=seams.clock.monotonic, nonce_source=seams.random_bytes)
         self._out: list[tuple[int, Message]] = []
         self._flush_scheduled = False
         self._tasks: list[asyncio.Task[Any]] = []

@@ -143,6 +143,7 @@ class GroupCommit:
         lazy_sync_delay_ms: int = 0,
         unsafe_ack_before_sync: bool = False,  # deliberately broken build (testing.Faults)
         slow_sync_s: float = 0.0,  # test instrument (testing.Faults): a slow disk
+        inline_only: bool = False,  # no sync thread: every sync on the loop (the simulator's threads seam)
     ) -> None:
         self.slow_sync_s = slow_sync_s
         self.wal = wal
@@ -160,7 +161,7 @@ class GroupCommit:
         self.lazy_syncs = 0  # syncs that carried only lazy commands (their timer ran out)
         self._flush_waiters: list[asyncio.Future[None]] = []  # woken when the next pass is done
         self.timer = SyncTimer(inline_sync_max_us / 1e6)
-        self._sync_thread = SyncThread(wal)
+        self._sync_thread = None if inline_only else SyncThread(wal)
         self._stopped = False
         self.syncs = 0
         self.shard_batches_synced = 0  # (shard, sync) pairs: how many shards one sync covers on average
@@ -255,7 +256,7 @@ class GroupCommit:
         if self.slow_sync_s:
             await asyncio.sleep(self.slow_sync_s)
         try:
-            if self.timer.use_inline():
+            if self._sync_thread is None or self.timer.use_inline():
                 started = time.perf_counter()
                 self.wal.sync()  # blocks the loop for about timer.mean_s: cheaper than a hand-off
                 self.timer.note(time.perf_counter() - started)
@@ -294,4 +295,5 @@ class GroupCommit:
             self._lazy_timer.cancel()
             self._lazy_timer = None
         self._wake.set()
-        self._sync_thread.stop()
+        if self._sync_thread is not None:
+            self._sync_thread.stop()

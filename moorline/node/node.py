@@ -34,13 +34,13 @@ from moorline.hashing import guid128, shard_of
 from moorline.invariant import invariant
 from moorline.mqtt.topics import is_wildcard, parse_shared
 from moorline.node.aio import cancel_all
-from moorline.node.clock import SYSTEM_CLOCK, Clock
 from moorline.node.cluster_link import ClusterLink, parse_cluster
 from moorline.node.delivery import LiveSession
 from moorline.node.group_commit import GroupCommit, stage_hard_state, stage_ready
 from moorline.node.placement import ShardPlacement, layout_fingerprint, place_shards
 from moorline.node.raft_group import build_replica
 from moorline.node.recent import RecentMessages
+from moorline.node.seams import PRODUCTION, Seams
 from moorline.node.shard_host import ApplyHooks, ShardHost, ShardUnavailable, default_limits
 from moorline.raft import MemberId, Message
 from moorline.storage.dirlock import DataDirLock
@@ -89,9 +89,10 @@ class _SessionViews:
 
 
 class Node:
-    def __init__(self, cfg: NodeConfig, faults: Faults = NO_FAULTS, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, cfg: NodeConfig, faults: Faults = NO_FAULTS, seams: Seams = PRODUCTION) -> None:
         self.cfg = cfg
-        self.clock = clock  # every time this node reads: a simulator passes virtual time
+        self.seams = seams
+        self.clock = seams.clock  # every time this node reads: a simulator passes virtual time
         self.faults = faults
         self.data_dir = Path(cfg.data_dir)
         self.shard_count = cfg.shard.count
@@ -107,7 +108,7 @@ class Node:
         self._share_rr: dict[str, int] = {}
         self._views: dict[str, _SessionViews] = {}  # client id -> derived views; dropped when it disconnects
         self._topic_shards: dict[str, int] = {}
-        self._guid_prefix = os.urandom(8)
+        self._guid_prefix = seams.random_bytes(8)
         self._guid_counter = 0
         self._tasks: list[asyncio.Task[Any]] = []
         self.fatal: BaseException | None = None
@@ -144,7 +145,8 @@ class Node:
         # Half of this node's Raft identity (node id, storage id): a wiped data directory is a new
         # member. Data written by a single node before ids existed adopts one (it never voted
         # anywhere else); a cluster member's never does. First, so a new directory gets it first.
-        self.storage_id = load_or_create_storage_id(self.data_dir, adopt_existing=cluster_key is None)
+        self.storage_id = load_or_create_storage_id(self.data_dir, self.seams.random_bytes,
+                                                    adopt_existing=cluster_key is None)
         self._meta = self._cluster_meta(cluster_key)
         self.member: MemberId = (node_id, self.storage_id)
         self.boot = next_boot_number(self.data_dir)
@@ -248,7 +250,8 @@ class Node:
             log.warning("this cluster was created with shard.replicas = %d; using that (it is fixed at creation)",
                         replicas)
         layout = layout_fingerprint(self.shard_count, replicas, len(spec.names))
-        link = ClusterLink(spec, self.cfg.cluster, self.storage_id, self.known_members(), random.Random(), layout)
+        link = ClusterLink(spec, self.cfg.cluster, self.storage_id, self.known_members(), self.seams.rng(), layout,
+                           seams=self.seams)
         self.attach_cluster(link)
         await link.start()
         members = await link.wait_for_members(self.cfg.cluster.bootstrap_timeout_s)
@@ -528,7 +531,7 @@ class Node:
             "hash": "crc32c",
             # A shard's incarnation is the same on every replica: drawn at random by a single node,
             # derived from the cluster's key (id and initial members) in a cluster.
-            "incarnations": [os.urandom(8).hex() if cluster_key is None else
+            "incarnations": [self.seams.random_bytes(8).hex() if cluster_key is None else
                              guid128(cluster_key, shard)[:8].hex() for shard in range(self.shard_count)],
             "created_ms": self.clock.wall_ms(),
             **({} if cluster_key is None else {"replicas": self.cfg.shard.replicas}),
@@ -565,7 +568,7 @@ class Node:
         self.commit = GroupCommit(self.wal, self.groups, self._on_fatal, self._after_commit,
                                   self.cfg.storage.inline_sync_max_us, self.cfg.storage.lazy_sync_delay_ms,
                                   unsafe_ack_before_sync=self.faults.unsafe_ack_before_sync,
-                                  slow_sync_s=self.faults.slow_sync_s)
+                                  slow_sync_s=self.faults.slow_sync_s, inline_only=self.seams.inline_io)
         self._tasks.append(asyncio.create_task(self.commit.run(), name="group-commit"))
         if self.link is not None:
             self._tasks.append(asyncio.create_task(self._tick_loop(), name="raft-ticks"))

@@ -10,6 +10,7 @@ from pathlib import Path
 from moorline.broker.messages import StoredMessage
 from moorline.config import NodeConfig
 from moorline.node.node import Node
+from moorline.node.seams import Seams
 
 VIRTUAL_WALL_MS = 4_000_000_000_000  # year 2096: nothing the machine's clock could say today
 
@@ -31,7 +32,7 @@ def test_entries_and_leases_carry_the_nodes_clock(tmp_path: Path) -> None:
         cfg.data_dir = str(tmp_path / "data")
         cfg.shard.count = 4
         clock = VirtualClock()
-        node = Node(cfg, clock=clock)
+        node = Node(cfg, seams=Seams(clock=clock))
         node.open()
         await node.start()
         try:
