@@ -97,8 +97,11 @@ class WorldConfig:
 
 
 class World:
-    def __init__(self, seed: int, base: Path, cfg: WorldConfig | None = None) -> None:
+    def __init__(self, seed: int, base: Path, cfg: WorldConfig | None = None,
+                 switches: frozenset[str] = frozenset()) -> None:
+        """``switches``: names of ``Faults`` fields (deliberately broken builds) every node runs with."""
         self.seed = seed
+        self.switches = switches
         self.cfg = cfg or WorldConfig()
         self.rng = random.Random(seed)
         self.scheduler = Scheduler(random.Random(self.rng.getrandbits(64)))
@@ -169,7 +172,8 @@ class World:
 
         async def boot() -> None:
             try:
-                node = Node(cfg, Faults(sync_ledger=str(sn.ledger)), seams)
+                faults = Faults(sync_ledger=str(sn.ledger), **dict.fromkeys(self.switches, True))
+                node = Node(cfg, faults, seams)
                 sn.node = node
                 await node.open_async()
                 await node.start()
