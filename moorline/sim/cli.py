@@ -6,6 +6,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any, TextIO
 
 import typer
@@ -113,9 +114,19 @@ def sim(
         float,
         typer.Option(help="seconds between progress lines when stderr is not a terminal (0: every seed)"),
     ] = 10.0,
+    cluster: Annotated[bool, typer.Option(help="whole clusters of real node code (not the Raft core alone)")] = False,
+    seed: Annotated[int | None, typer.Option(help="--cluster: run only this seed")] = None,
+    trace: Annotated[Path | None, typer.Option(help="--cluster --seed: write its schedule and history here")] = None,
+    switch: Annotated[list[str] | None, typer.Option(help="--cluster: a test-only broken build (Faults field)")] = None,
 ) -> None:
     """Deterministic simulation: seeded faults, online Raft checks, total-queue and
-    linearizability checkers. Exits 1 on the first seed with a violation."""
+    linearizability checkers. Exits 1 on the first seed with a violation. With --cluster: whole
+    clusters of moorline nodes, model MQTT clients and history checkers (moorline/sim/cluster)."""
+    if cluster:
+        from moorline.sim.cluster.cli import cluster_sim
+
+        cluster_sim(seeds, start, nodes, seed, trace, switch or [], progress_every)
+        return
     if bug is not None and bug not in ALL_BUGS:
         raise typer.BadParameter(f"unknown bug {bug!r}; known: {', '.join(ALL_BUGS)}")
     if nodes not in SIM_CLUSTER_SIZES:

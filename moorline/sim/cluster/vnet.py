@@ -75,6 +75,11 @@ class SimNetwork:
         for conn in list(self.connections):
             conn.release_held()
 
+    def release(self) -> None:
+        """Bytes held on links no longer cut go on their way (after ``blocked`` changed)."""
+        for conn in list(self.connections):
+            conn.release_held()
+
     def is_blocked(self, a: str, b: str) -> bool:
         return (a, b) in self.blocked
 

@@ -1,0 +1,101 @@
+"""``moorline sim --cluster``: seeds of whole clusters of real node code under the simulator.
+
+Seeds run one after another in this process (a progress bar on a terminal, plain lines otherwise),
+then a summary table: seeds, violations by kind, faults injected, virtual seconds and wall time per
+seed, seeds per minute per core. A failing seed prints its violations and a one-line replay
+command; ``--seed S --trace FILE`` writes that seed's whole schedule and message history.
+
+Runs are reproducible only if Python's string hashing is: the command re-executes itself with
+``PYTHONHASHSEED=0`` when it is not already set so (set iteration over strings then repeats).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import typer
+
+from moorline.sim.cluster.runner import SeedResult, run_seed
+
+CLUSTER_SIZES = (3, 5)
+
+
+def ensure_fixed_hash_seed() -> None:
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        os.execve(sys.executable, [sys.executable, "-m", "moorline", *sys.argv[1:]], env)
+
+
+def known_switches() -> list[str]:
+    from moorline.testing.faults import Faults
+
+    return sorted(n for n, v in vars(Faults()).items() if v is False)
+
+
+def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Path | None,
+                switches: list[str], progress_every: float) -> None:
+    if nodes not in CLUSTER_SIZES:
+        raise typer.BadParameter(f"--nodes must be 3 or 5 with --cluster, not {nodes}")
+    unknown = [s for s in switches if s not in known_switches()]
+    if unknown:
+        raise typer.BadParameter(f"unknown --switch {', '.join(unknown)}; known: {', '.join(known_switches())}")
+    if trace is not None and seed is None:
+        raise typer.BadParameter("--trace needs --seed (one seed's trace)")
+    ensure_fixed_hash_seed()
+    from moorline.sim.cli import SeedProgress
+
+    todo = [seed] if seed is not None else list(range(start, start + seeds))
+    progress = SeedProgress(len(todo), progress_every)
+    results: list[SeedResult] = []
+    failed: list[SeedResult] = []
+    t0 = time.monotonic()
+    try:
+        for s in todo:
+            r = run_seed(s, nodes, frozenset(switches), trace=trace)
+            results.append(r)
+            progress.seed_done(len(r.findings))
+            if not r.ok:
+                failed.append(r)
+    finally:
+        progress.close()
+    elapsed = time.monotonic() - t0
+    _summary(results, failed, elapsed)
+    if seed is not None:
+        typer.echo(f"seed {seed}: trace hash {results[0].trace_hash}" + (f", trace in {trace}" if trace else ""))
+    if failed:
+        raise typer.Exit(code=1)
+
+
+def _summary(results: list[SeedResult], failed: list[SeedResult], elapsed: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    kinds: Counter[str] = Counter()
+    faults: Counter[str] = Counter()
+    for r in results:
+        kinds.update(f.kind for f in r.findings)
+        faults.update({k: v for k, v in r.counts.items() if k != "records"})
+    n = max(1, len(results))
+    table = Table(title="moorline sim --cluster")
+    table.add_column("")
+    table.add_column("")
+    table.add_row("seeds", f"{len(results)} ({results[0].seed}..{results[-1].seed})" if results else "0")
+    table.add_row("nodes", str(results[0].nodes) if results else "-")
+    table.add_row("switches", ", ".join(results[0].switches) if results and results[0].switches else "none")
+    table.add_row("seeds with violations", str(len(failed)))
+    table.add_row("violations by kind", ", ".join(f"{k}={v}" for k, v in sorted(kinds.items())) or "none")
+    table.add_row("faults injected", ", ".join(f"{k}={v}" for k, v in sorted(faults.items())) or "none")
+    table.add_row("history records", str(sum(r.counts.get("records", 0) for r in results)))
+    table.add_row("simulated seconds per seed", f"{sum(r.sim_s for r in results) / n:.1f}")
+    table.add_row("wall seconds per seed", f"{sum(r.wall_s for r in results) / n:.2f}")
+    table.add_row("seeds per minute (one core)", f"{60 * len(results) / elapsed:.1f}" if elapsed > 0 else "-")
+    Console().print(table)
+    for r in failed[:10]:
+        typer.echo(f"VIOLATION seed={r.seed}")
+        for f in r.findings[:10]:
+            typer.echo(f"  {f.kind}: {f.detail}")
+        typer.echo(f"  replay: {r.replay_command()}")

@@ -1,0 +1,362 @@
+"""One seed of the cluster simulator: boot, workload under a seeded fault schedule, heal, drain, check.
+
+The default fault mix (one mix for every bug the simulator must catch) draws, every 1.5–5 virtual
+seconds while the fault phase lasts: a crash with loss of unsynced writes (restarted 1–8 s later),
+a pause longer than the election timeout and sometimes longer than the owner lease, a partition
+(a node cut off both ways, one direction of one link, or a shard leader cut from its followers),
+a reset of a random connection, or a heal. A minority of nodes at most is faulty at a time, so
+every shard keeps a majority of its voters and the promises apply. Clocks are skewed and their
+rates drift within the documented bound throughout (world.py).
+
+Checks at the end: the history checkers (checkers.py, the definitions ``moorline verify`` uses),
+Raft election safety (one leader per group and term, sampled every 100 ms of virtual time), every
+replica of every group equal (canonical snapshot bytes and the message store's offsets and GUIDs)
+once healed, and no exception inside any node (an exception from node code is a violation of the
+seed, with its replay command, never a traceback that ends the run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moorline.sim.cluster.world import SimNode, World, WorldConfig, quiet_logs
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str
+    detail: str
+
+
+@dataclass
+class RunConfig:
+    fault_s: float = 30.0  # virtual seconds of workload under faults
+    heal_s: float = 10.0  # after healing, before the workload stops
+    drain_s: float = 30.0  # the workload's subscribers catch up
+    converge_s: float = 30.0  # replicas reach the same applied index
+    fault_gap_s: tuple[float, float] = (1.5, 5.0)
+    crash_down_s: tuple[float, float] = (1.0, 8.0)
+    pause_s: tuple[float, float] = (1.5, 14.0)  # above the 1 s election timeout; past 10 s the lease
+    partition_s: tuple[float, float] = (2.0, 12.0)
+
+
+@dataclass
+class SeedResult:
+    seed: int
+    nodes: int
+    switches: tuple[str, ...]
+    findings: list[Finding]
+    sim_s: float
+    wall_s: float
+    steps: int
+    trace_hash: str
+    counts: dict[str, int] = field(default_factory=dict)
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def replay_command(self) -> str:
+        sw = "".join(f" --switch {s}" for s in self.switches)
+        return f"moorline sim --cluster --nodes {self.nodes} --seed {self.seed}{sw} --trace seed-{self.seed}.trace"
+
+
+class FaultPlan:
+    """The default fault mix, applied as the world's clock passes each drawn instant."""
+
+    def __init__(self, world: World, rng: random.Random, cfg: RunConfig) -> None:
+        self.world = world
+        self.rng = rng
+        self.cfg = cfg
+        self.down_until: dict[str, float] = {}  # crashed: restart at
+        self.cut_until: dict[tuple[str, str], float] = {}  # directional cuts between hosts
+        self.isolated: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    @property
+    def now(self) -> float:
+        return self.world.scheduler.now
+
+    def faulty(self) -> set[str]:
+        w = self.world
+        out = set(self.down_until) | set(self.isolated)
+        out |= {sn.name for sn in w.nodes if sn.loop is not None and sn.loop.paused_until is not None
+                and sn.loop.paused_until > self.now}
+        hosts = {sn.host: sn.name for sn in w.nodes}
+        for a, _ in self.cut_until:
+            out.add(hosts.get(a, a))
+        return out
+
+    def _count(self, kind: str) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+
+    def step(self) -> None:
+        """One fault from the default mix (or a heal), within the minority bound."""
+        w, rng = self.world, self.rng
+        self.expire()
+        minority = (len(w.nodes) - 1) // 2
+        healthy = [sn for sn in w.nodes if sn.name not in self.faulty() and sn.ready]
+        room = len(self.faulty()) < minority
+        kind = rng.choices(["crash", "pause", "isolate", "oneway", "leader_cut", "reset", "heal"],
+                           weights=[3, 2, 2, 1, 2, 2, 1])[0]
+        if kind in ("crash", "pause", "isolate", "oneway", "leader_cut") and (not room or not healthy):
+            kind = "reset"
+        if kind == "crash":
+            sn = rng.choice(healthy)
+            w.crash(sn)
+            self.down_until[sn.name] = self.now + rng.uniform(*self.cfg.crash_down_s)
+        elif kind == "pause":
+            sn = rng.choice(healthy)
+            w.pause(sn, rng.uniform(*self.cfg.pause_s))
+        elif kind == "isolate":
+            sn = rng.choice(healthy)
+            until = self.now + rng.uniform(*self.cfg.partition_s)
+            for other in w.nodes:
+                if other is not sn:
+                    w.net.cut(sn.host, other.host)
+            self.isolated[sn.name] = until
+            w.note(f"{sn.name} isolated until {until:.1f}")
+        elif kind == "oneway":
+            a = rng.choice(healthy)
+            b = rng.choice([sn for sn in w.nodes if sn is not a])
+            until = self.now + rng.uniform(*self.cfg.partition_s)
+            w.net.cut(a.host, b.host, both=False)
+            self.cut_until[(a.host, b.host)] = until
+            w.note(f"link {a.name} -> {b.name} cut until {until:.1f}")
+        elif kind == "leader_cut":
+            leader = self._some_leader(healthy)
+            if leader is None:
+                kind = "reset"
+            else:
+                until = self.now + rng.uniform(*self.cfg.partition_s)
+                for other in w.nodes:
+                    if other is not leader:
+                        w.net.cut(leader.host, other.host)
+                self.isolated[leader.name] = until
+                w.note(f"leader {leader.name} cut from its followers until {until:.1f}")
+        if kind == "reset":
+            w.net.reset_random(rng)
+            w.note("a connection reset")
+        elif kind == "heal":
+            self.heal_network()
+        self._count(kind)
+
+    def _some_leader(self, healthy: list[SimNode]) -> SimNode | None:
+        leaders = [sn for sn in healthy if sn.node is not None and any(h.raft.is_leader for h in sn.node.groups)]
+        return self.rng.choice(leaders) if leaders else None
+
+    def heal_network(self) -> None:
+        self.cut_until.clear()
+        self.isolated.clear()
+        self.world.net.heal()
+        self.world.note("network healed")
+
+    def expire(self) -> None:
+        """Restart what is due, heal cuts that ran out."""
+        w = self.world
+        for name, at in list(self.down_until.items()):
+            if at <= self.now:
+                del self.down_until[name]
+                w.start(next(sn for sn in w.nodes if sn.name == name))
+        changed = False
+        for name, at in list(self.isolated.items()):
+            if at <= self.now:
+                del self.isolated[name]
+                changed = True
+        for link, at in list(self.cut_until.items()):
+            if at <= self.now:
+                del self.cut_until[link]
+                changed = True
+        if changed:
+            # Re-derive the cuts from what is still in force.
+            w.net.blocked.clear()
+            hosts = {sn.name: sn.host for sn in w.nodes}
+            for name in self.isolated:
+                for other in w.nodes:
+                    if other.name != name:
+                        w.net.blocked.add((hosts[name], other.host))
+                        w.net.blocked.add((other.host, hosts[name]))
+            w.net.blocked.update(self.cut_until)
+            w.net.release()
+            w.note("partitions that ran out healed")
+
+    def heal_all(self) -> None:
+        w = self.world
+        for name in list(self.down_until):
+            del self.down_until[name]
+            w.start(next(sn for sn in w.nodes if sn.name == name))
+        for sn in w.nodes:
+            if sn.loop is not None:
+                sn.loop.paused_until = None
+        self.heal_network()
+
+
+class SafetyMonitor:
+    """Raft election safety across the whole run: one leader per (group, term)."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.leaders: dict[tuple[int, int], str] = {}
+        self.findings: list[Finding] = []
+
+    def sample(self) -> None:
+        for sn in self.world.nodes:
+            node = sn.node
+            if node is None or sn.crashed:
+                continue
+            for host in node.groups:
+                raft = host.raft
+                if raft.is_leader:
+                    key = (host.shard, raft.term)
+                    prev = self.leaders.setdefault(key, sn.name)
+                    if prev != sn.name:
+                        self.findings.append(Finding("raft_two_leaders",
+                                                     f"group {host.shard} term {raft.term}: {prev} and {sn.name}"))
+
+
+def _replicas_converged(world: World) -> bool:
+    live = [sn.node for sn in world.nodes if sn.node is not None and sn.ready]
+    if len(live) < len(world.nodes):
+        return False
+    for g in range(len(live[0].groups)):
+        applied = {n.groups[g].state.applied_index for n in live}
+        commit = {n.groups[g].raft.log.committed for n in live}
+        if len(applied) != 1 or len(commit) != 1:
+            return False
+    return True
+
+
+def compare_replicas(world: World) -> list[Finding]:
+    """Every group's replicas byte-for-byte equal (canonical snapshot) and with the same stored
+    messages (offset, GUID)."""
+    findings: list[Finding] = []
+    live = [(sn.name, sn.node) for sn in world.nodes if sn.node is not None and sn.ready]
+    if len(live) < 2:
+        return findings
+    first_name, first = live[0]
+    for g in range(len(first.groups)):
+        ref_host = first.groups[g]
+        if ref_host.failed is not None:
+            findings.append(Finding("replica_failed", f"{first_name} group {g}: {ref_host.failed}"))
+            continue
+        ref = ref_host.state.snapshot()
+        ref_msgs = _stored(ref_host)
+        for name, node in live[1:]:
+            host = node.groups[g]
+            if host.failed is not None:
+                findings.append(Finding("replica_failed", f"{name} group {g}: {host.failed}"))
+                continue
+            if host.state.applied_index != ref_host.state.applied_index:
+                findings.append(Finding("replicas_diverge", f"group {g}: applied {first_name}="
+                                        f"{ref_host.state.applied_index} {name}={host.state.applied_index}"))
+                continue
+            if host.state.snapshot() != ref:
+                findings.append(Finding("replicas_diverge", f"group {g}: state of {name} differs from "
+                                        f"{first_name} at index {host.state.applied_index}"))
+            msgs = _stored(host)
+            if msgs != ref_msgs:
+                missing = sorted(set(ref_msgs) ^ set(msgs))[:5]
+                findings.append(Finding("stores_diverge", f"group {g}: {name} vs {first_name}, e.g. {missing}"))
+    return findings
+
+
+def _stored(host: Any) -> list[tuple[int, str]]:
+    out = []
+    for offset in sorted(host.state.topics.meta):
+        msg = host.message(offset)
+        out.append((offset, msg.guid.hex() if msg is not None else "missing"))
+    return out
+
+
+def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), base: Path | None = None,
+             cfg: RunConfig | None = None, trace: Path | None = None) -> SeedResult:
+    from moorline.sim.cluster.checkers import check_history
+    from moorline.sim.cluster.workload import Workload
+
+    quiet_logs()
+    cfg = cfg or RunConfig()
+    started = time.perf_counter()
+    own_base = base is None
+    run_base = Path(tempfile.mkdtemp(prefix=f"moorline-sim-{seed}-", dir=_fast_tmp())) if base is None else base
+    world = World(seed, run_base, WorldConfig(nodes=nodes), switches=switches)
+    rng = random.Random(f"{seed}/plan")
+    findings: list[Finding] = []
+    records: list[dict[str, Any]] = []
+    plan = FaultPlan(world, rng, cfg)
+    monitor = SafetyMonitor(world)
+    try:
+        world.start_all()
+        if not world.wait_ready(60):
+            errors = [f"{sn.name}: {sn.boot_error!r}" for sn in world.nodes if sn.boot_error is not None]
+            findings.append(Finding("cluster_did_not_form", "; ".join(errors) or "no leader for every group in 60 s"))
+        else:
+            workload = Workload(world, random.Random(f"{seed}/workload"), records)
+            workload.start()
+            end = world.scheduler.now + cfg.fault_s
+            next_fault = world.scheduler.now + rng.uniform(*cfg.fault_gap_s)
+            while world.scheduler.now < end:
+                world.run_for(0.1)
+                monitor.sample()
+                if world.scheduler.now >= next_fault:
+                    plan.step()
+                    next_fault = world.scheduler.now + rng.uniform(*cfg.fault_gap_s)
+                else:
+                    plan.expire()
+            plan.heal_all()
+            heal_end = world.scheduler.now + cfg.heal_s
+            while world.scheduler.now < heal_end:
+                world.run_for(0.1)
+                monitor.sample()
+            workload.stop()
+            workload.drain(cfg.drain_s)
+            converge_end = world.scheduler.now + cfg.converge_s
+            while world.scheduler.now < converge_end and not _replicas_converged(world):
+                world.run_for(0.1)
+            findings += [Finding(v.kind, v.detail) for v in check_history(records)]
+            findings += compare_replicas(world)
+        findings += monitor.findings
+        for sn in world.nodes:
+            findings += [Finding("node_exception", f"{sn.name}: {e}") for e in sn.errors]
+    finally:
+        world.close()
+        if own_base:
+            shutil.rmtree(run_base, ignore_errors=True)
+    digest = hashlib.sha256()
+    for line in world.events:
+        digest.update(line.encode() + b"\n")
+    for rec in records:
+        digest.update(json.dumps(rec, sort_keys=True).encode() + b"\n")
+    result = SeedResult(seed, nodes, tuple(sorted(switches)), findings, world.scheduler.now,
+                        time.perf_counter() - started, world.scheduler.steps, digest.hexdigest()[:16],
+                        {**plan.counts, "records": len(records)}, list(world.events))
+    if trace is not None:
+        write_trace(trace, result, records)
+    return result
+
+
+def write_trace(path: Path, result: SeedResult, records: list[dict[str, Any]]) -> None:
+    """The schedule (every world event) and the message history of one seed, one JSON object a line."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"seed": result.seed, "nodes": result.nodes, "switches": list(result.switches),
+                            "trace_hash": result.trace_hash, "sim_s": round(result.sim_s, 3),
+                            "steps": result.steps}) + "\n")
+        for line in result.events:
+            f.write(json.dumps({"event": line}) + "\n")
+        for rec in records:
+            f.write(json.dumps({"history": rec}, sort_keys=True) + "\n")
+        for finding in result.findings:
+            f.write(json.dumps({"violation": finding.kind, "detail": finding.detail}) + "\n")
+
+
+def _fast_tmp() -> str | None:
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() else None
