@@ -107,6 +107,7 @@ class Scheduler:
         self.rng = rng
         self.now = 0.0
         self.loops: list[VirtualLoop] = []
+        self.all_loops: list[VirtualLoop] = []  # dropped ones too, disposed of at the end
         self.steps = 0
         self.on_error: Callable[[VirtualLoop, dict[str, Any]], None] | None = None
 
@@ -114,6 +115,7 @@ class Scheduler:
         loop = VirtualLoop(self, name, rate)
         loop.set_exception_handler(self._exception)
         self.loops.append(loop)
+        self.all_loops.append(loop)
         return loop
 
     def _exception(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
@@ -126,6 +128,26 @@ class Scheduler:
         loop.crashed = True
         if loop in self.loops:
             self.loops.remove(loop)
+
+    def dispose(self, loop: VirtualLoop) -> None:
+        """After the run: end the loop's coroutines (their cleanup may no longer matter to the
+        world) and release its resources (the self-pipe), quietly."""
+        self.drop(loop)
+        tasks = list(asyncio.all_tasks(loop))
+        events._set_running_loop(loop)
+        try:
+            for task in tasks:
+                task._log_destroy_pending = False  # type: ignore[attr-defined]
+                try:
+                    task.get_coro().close()  # type: ignore[union-attr]
+                except (RuntimeError, ValueError):
+                    pass  # a coroutine that refuses to close: garbage collection ends it
+        finally:
+            events._set_running_loop(None)
+        loop._ready.clear()  # type: ignore[attr-defined]
+        loop._scheduled.clear()  # type: ignore[attr-defined]
+        if not loop.is_closed():
+            loop.close()
 
     def _runnable(self, loop: VirtualLoop) -> bool:
         return loop.paused_until is None or loop.paused_until <= self.now

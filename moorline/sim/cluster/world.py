@@ -236,8 +236,8 @@ class World:
                 self.scheduler.drop(sn.loop)
                 sn.crashed = True
             _close_files_under(sn.data_dir)
-        for loop in list(self.scheduler.loops):
-            self.scheduler.drop(loop)
+        for loop in list(self.scheduler.all_loops):
+            self.scheduler.dispose(loop)
 
 
 def _close_files_under(directory: Path) -> None:
