@@ -159,6 +159,11 @@ class StorageConfig:
     # writes data blocks only, not the file's size too (storage/prealloc.py). Costs one extra
     # segment of disk while a node is busy.
     wal_preallocate: bool = True
+    # Shard snapshots are encoded off the event loop, in a forked child (a thread would hold the
+    # GIL while it encodes), except for shards whose last snapshot was at most this big: a fork
+    # costs more than encoding those on the loop. Writing and syncing always go to a thread.
+    snapshot_inline_max_bytes: int = 512 << 10
+    max_parallel_snapshots: int = 2  # snapshots being encoded / written at once, node-wide
 
 
 @dataclass
@@ -169,6 +174,9 @@ class RaftConfig:
     # election_ticks..2*election_ticks ticks without a leader (100 ms x 10: 1-2 s).
     tick_interval_ms: float = 100.0
     election_ticks: int = 10
+    # Entries a multi-voter group keeps in memory below its latest snapshot: a follower that lags
+    # by fewer catches up from entries, one further behind is sent the snapshot (cluster.*snapshot*).
+    follower_log_margin_entries: int = 50_000
 
 
 @dataclass
@@ -184,6 +192,14 @@ class ClusterConfig:
     # Waiting at first start for every initial member to announce its storage id (a member is
     # (node, storage id): a node whose storage is wiped is refused as a voter).
     bootstrap_timeout_s: float = 60.0
+    # Snapshots sent to a follower too far behind (shard state, then message-store records), on the
+    # snapshot stream: in chunks of this size, at most snapshot_window_chunks unacknowledged, at
+    # most max_snapshot_transfers out and as many in per node; a transfer with no progress for
+    # snapshot_stall_timeout_s is abandoned (and offered again later by the leader).
+    snapshot_chunk_bytes: int = 1 << 20
+    snapshot_window_chunks: int = 4
+    max_snapshot_transfers: int = 2
+    snapshot_stall_timeout_s: float = 10.0
 
 
 @dataclass
@@ -303,6 +319,19 @@ class NodeConfig:
             raise ConfigError("session.ack_commit_interval_ms must be 0..1000")
         if not 0 <= self.storage.lazy_sync_delay_ms <= 1000:
             raise ConfigError("storage.lazy_sync_delay_ms must be 0..1000")
+        if self.storage.snapshot_inline_max_bytes < 0 or self.storage.max_parallel_snapshots < 1:
+            raise ConfigError("storage.snapshot_inline_max_bytes must be 0 or more, "
+                              "storage.max_parallel_snapshots 1 or more")
+        if self.raft.follower_log_margin_entries < 0:
+            raise ConfigError("raft.follower_log_margin_entries must be 0 or more")
+        cl = self.cluster
+        if not 4096 <= cl.snapshot_chunk_bytes <= 16 << 20:
+            # (a stored message larger than a chunk travels alone in one)
+            raise ConfigError("cluster.snapshot_chunk_bytes must be within 4 KiB..16 MiB")
+        if not 1 <= cl.snapshot_window_chunks <= 64 or cl.max_snapshot_transfers < 1:
+            raise ConfigError("cluster.snapshot_window_chunks must be 1..64, cluster.max_snapshot_transfers 1 or more")
+        if not cl.snapshot_stall_timeout_s > 0:
+            raise ConfigError("cluster.snapshot_stall_timeout_s must be positive")
         m, li = self.mqtt, self.listeners
         if not 1 <= m.max_topic_levels <= 65536 or not 1 <= m.max_topic_length <= 65535:
             raise ConfigError("mqtt.max_topic_levels must be 1..65536 and mqtt.max_topic_length 1..65535")

@@ -12,6 +12,12 @@ Proposals made on a node that does not lead the group are forwarded to the leade
 entries (``Payload("fwd")``); the origin keeps them until its own replica applies them and hands
 them to a new leader if the leader changes (ShardHost.check_leader), and the shard applies each
 (node, boot, seq) once.
+
+A MsgSnapshot of a group's core never goes on the wire as such: it carries only the snapshot's
+metadata, and the link hands it to ``SnapshotTransfers`` (snapshot_transfer.py), which streams the
+shard state and message store in chunks on the snapshot stream (``Payload("snap")``) and, on the
+follower, steps a MsgSnapshot into the core once all of it is staged. One arriving from a peer is
+dropped: nothing but a whole, verified transfer may reach a core.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from moorline.cluster.auth import require_secret_or_loopback
 from moorline.config import ClusterConfig, ConfigError
 from moorline.node.aio import cancel_all
 from moorline.node.seams import PRODUCTION, Seams
-from moorline.raft import Message, Stream, coalesce, expand
+from moorline.node.snapshot_transfer import PAYLOAD_KIND as SNAP_PAYLOAD
+from moorline.node.snapshot_transfer import SnapshotTransfers, TransferLimits
+from moorline.raft import Message, MessageType, Stream, coalesce, expand
 
 log = logging.getLogger("moorline.cluster.link")
 
@@ -124,6 +132,11 @@ class ClusterLink:
         self.on_raft: Callable[[int, Message], None] | None = None
         self.on_forward: Callable[[int, list[bytes]], None] | None = None
         self.frames_in = 0
+        self.hosts: list[Any] = []  # the node's ShardHosts (set by the node): snapshots are read from them
+        self.snapshots = SnapshotTransfers(
+            TransferLimits.from_config(cfg),
+            lambda peer, data: self.transport.send(peer, Stream.SNAPSHOT, Payload(SNAP_PAYLOAD, data)),
+            lambda: self.hosts, self._step_snapshot, spec.node_id, spec.name_of, rng)
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -145,6 +158,7 @@ class ClusterLink:
 
     async def close(self) -> None:
         await cancel_all(self._tasks)
+        await self.snapshots.close()
         await self.transport.close()
 
     def _check_complete(self) -> None:
@@ -162,8 +176,13 @@ class ClusterLink:
 
     # --- outgoing --------------------------------------------------------------------------------
     def send(self, shard: int, msgs: list[Message]) -> None:
-        """Raft messages of one group; sent at the end of this loop pass, heartbeats coalesced."""
-        self._out.extend((shard, m) for m in msgs)
+        """Raft messages of one group; sent at the end of this loop pass, heartbeats coalesced.
+        A snapshot becomes a transfer (module doc)."""
+        for m in msgs:
+            if m.type == MessageType.SNAP:
+                self.snapshots.offer(shard, m)
+            else:
+                self._out.append((shard, m))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
@@ -192,7 +211,8 @@ class ClusterLink:
             if type(frame) is RaftMessages:
                 if self.on_raft is not None:
                     for group, m in frame.messages:
-                        self.on_raft(int(group), m)
+                        if m.type != MessageType.SNAP:  # only a whole transfer reaches a core (module doc)
+                            self.on_raft(int(group), m)
             elif type(frame) is Heartbeats:
                 if self.on_raft is not None:
                     for group, m in expand(frame.batch):
@@ -204,6 +224,8 @@ class ClusterLink:
                         self.on_forward(shard, entries)
                 elif frame.kind == "member":
                     self._on_member(peer, _member_dec.decode(frame.data))
+                elif frame.kind == SNAP_PAYLOAD:
+                    self.snapshots.on_payload(peer, frame.data)
         except (msgspec.DecodeError, ValueError, TypeError, KeyError) as exc:
             log.warning("dropping a malformed frame from %s: %s", peer, exc)
 
@@ -235,5 +257,12 @@ class ClusterLink:
             self._members_complete.set()
         self._check_complete()
 
+    def _step_snapshot(self, shard: int, m: Message) -> None:
+        """A transfer is staged: its MsgSnapshot goes to the core like any message from the peer."""
+        if self.on_raft is not None:
+            self.on_raft(shard, m)
+
     def stats(self) -> dict[str, Any]:
-        return msgspec.to_builtins(self.transport.stats())  # type: ignore[no-any-return]
+        out: dict[str, Any] = msgspec.to_builtins(self.transport.stats())
+        out["snapshot_transfers"] = self.snapshots.snapshot_stats()
+        return out

@@ -37,7 +37,14 @@ def stage_hard_state(wal: WriteAheadLog, shard: int, hs: HardState) -> None:
 
 
 def stage_ready(wal: WriteAheadLog, shard: int, rd: Ready) -> None:
-    """A group's Ready into the WAL's next batch: its entries, then its hard state."""
+    """A group's Ready into the WAL's next batch: a leader's snapshot it installed (the host did,
+    before this: its entries after the index are a deposed leader's, then the mark), its entries,
+    then its hard state."""
+    if rd.snapshot is not None:
+        index, term = rd.snapshot.meta.index, rd.snapshot.meta.term
+        if wal.last_index(shard) > index:
+            wal.truncate(shard, index + 1)
+        wal.mark_snapshot(shard, index, term)
     if rd.entries:
         wal.append_entries(shard, [(e.term, e.index, int(e.type), e.data) for e in rd.entries])
     if rd.hard_state is not None:

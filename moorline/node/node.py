@@ -41,7 +41,15 @@ from moorline.node.placement import ShardPlacement, layout_fingerprint, place_sh
 from moorline.node.raft_group import build_replica
 from moorline.node.recent import RecentMessages
 from moorline.node.seams import PRODUCTION, Seams
-from moorline.node.shard_host import ApplyHooks, ShardHost, ShardUnavailable, default_limits
+from moorline.node.shard_host import (
+    ApplyHooks,
+    ShardHost,
+    ShardUnavailable,
+    SnapshotSettings,
+    default_limits,
+    recorded_members,
+)
+from moorline.node.snapshot_install import recover_install
 from moorline.raft import MemberId, Message
 from moorline.storage.dirlock import DataDirLock
 from moorline.storage.fsutil import write_file_atomically
@@ -126,6 +134,8 @@ class Node:
         self.placement: list[ShardPlacement] = []  # per shard: voters (preferred leader first), learners
         self.preferred_leader: list[MemberId] = []
         self._handing_over = False  # shutting down: leaderships go away, none come back
+        self.snapshot_settings = SnapshotSettings.for_node(cfg, self.data_dir, self._snapshot_saved,
+                                                           self._snapshot_installed, inline=seams.inline_io)
         # (client id, epoch) -> monotonic time before which this node must stop serving it, unless
         # a renewal commits (session.owner_lease_s, shortened by the drift bound).
         self._lease_deadline: dict[tuple[str, int], float] = {}
@@ -180,6 +190,9 @@ class Node:
             is_meta = shard == self.shard_count
             voters = meta_voters if is_meta else [members[name] for name in placement[shard].voters]
             learners = [] if is_meta else [members[name] for name in placement[shard].learners]
+            finished = recover_install(self.data_dir, shard, self.snapshots, self.wal, rec.groups.get(shard))
+            if finished:
+                log.warning("shard %d: %s", shard, finished)
             loaded = self.snapshots.load_latest(shard)
             snap_index = snap_term = 0
             if loaded is not None:
@@ -200,6 +213,7 @@ class Node:
                 store_damage = exc  # the store is closed and touches its files no more
             grec = rec.groups.get(shard)
             hs = grec.hard_state if grec is not None else None
+            voters, learners = recorded_members(self.snapshots.loaded_meta(shard), voters, learners)
             raft, raft_log = build_replica(
                 self.member, voters, learners, snap_index, snap_term,
                 [(e.term, e.index, e.type, e.data) for e in grec.entries] if grec is not None else [],
@@ -210,6 +224,7 @@ class Node:
             host = ShardHost(shard, state, raft, raft_log, store, self.snapshots, hooks,
                              self.cfg.shard.snapshot_every_entries, self.cfg.raft.max_entry_bytes, self.recent)
             host.node_id, host.boot = self.member[0], self.boot
+            host.snapshot_settings = self.snapshot_settings
             self.groups.append(host)
             if is_meta:
                 self.meta_host = host
@@ -315,6 +330,7 @@ class Node:
         self.link = link
         link.on_raft = self._on_raft_message
         link.on_forward = self._on_forwarded
+        link.hosts = self.groups  # a snapshot transfer reads and installs through the hosts
 
     def known_members(self) -> dict[str, str] | None:
         members = self._meta.get("members")
@@ -484,7 +500,7 @@ class Node:
                 "storage_id": self.link.members.get(name), "self": is_me,
                 "reachable": True if is_me else bool(streams_up),
                 "groups_led": led.get(name, 0),
-                **({} if is_me else {"transport": peer}),
+                **({"snapshot_transfers": self.link.snapshots.snapshot_stats()} if is_me else {"transport": peer}),
             })
         return {"nodes": nodes, "metadata": metadata}
 
@@ -565,8 +581,10 @@ class Node:
             log.warning("TEST: dropped message %d/%d at restart", host.shard, offset)
 
     async def start(self) -> None:
+        # In a cluster no fdatasync runs on the event loop: heartbeats of every group would wait behind it.
+        inline_sync_max_us = self.cfg.storage.inline_sync_max_us if self.link is None else 0
         self.commit = GroupCommit(self.wal, self.groups, self._on_fatal, self._after_commit,
-                                  self.cfg.storage.inline_sync_max_us, self.cfg.storage.lazy_sync_delay_ms,
+                                  inline_sync_max_us, self.cfg.storage.lazy_sync_delay_ms,
                                   unsafe_ack_before_sync=self.faults.unsafe_ack_before_sync,
                                   slow_sync_s=self.faults.slow_sync_s, inline_only=self.seams.inline_io)
         self._tasks.append(asyncio.create_task(self.commit.run(), name="group-commit"))
@@ -1150,11 +1168,23 @@ class Node:
     def _after_commit(self) -> None:
         for host in self.hosts:
             if host.failed is None and host.wants_snapshot():
-                try:
-                    index, term = host.take_snapshot()
-                    self.wal.mark_snapshot(host.shard, index, term)
-                except OSError as exc:
-                    log.error("shard %d: snapshot failed: %s", host.shard, exc)
+                host.start_snapshot()  # off the loop; _snapshot_saved marks it in the WAL
+
+    def _snapshot_saved(self, host: ShardHost, index: int, term: int) -> None:
+        """A snapshot is durable (file and store records): the WAL may drop the group's entries up to it."""
+        self.wal.mark_snapshot(host.shard, index, term)
+        if getattr(self, "commit", None) is not None:
+            self.commit.kick(host.shard)
+
+    def _snapshot_installed(self, host: ShardHost) -> None:
+        """A replica installed its leader's snapshot: what sessions here were told to deliver from
+        the old state is reloaded from the new one."""
+        self._views.clear()
+        for live in list(self.live.values()):
+            sess = live.session()
+            if sess is not None and not live.closed:
+                live._load_pending(sess)
+                live.wake()
 
     def _on_fatal(self, exc: BaseException) -> None:
         self.fatal = exc
@@ -1211,9 +1241,7 @@ class Node:
                 for shard in self.wal.groups_pinning_oldest_segment():
                     host = self.groups[shard] if shard < len(self.groups) else None
                     if host is not None and host.failed is None:
-                        index, term = host.take_snapshot()
-                        self.wal.mark_snapshot(shard, index, term)
-                        self.commit.kick(shard)
+                        host.start_snapshot()  # _snapshot_saved marks it in the WAL
             self.wal.reclaim()
             for host in self.groups:
                 host.store.reclaim()
@@ -1239,6 +1267,8 @@ class Node:
                 host.store.close()
             except OSError as exc:
                 log.error("shard %d: final snapshot failed: %s", host.shard, exc)
+        if self.snapshot_settings.executor is not None:  # its file work ends before the lock is released
+            self.snapshot_settings.executor.shutdown(wait=True)
         try:
             self.wal.sync()
         finally:

@@ -34,7 +34,18 @@ a read, rewrites and deletes nothing from then on (``corruption`` says what): th
 as they are for the operator.
 
 Not thread-safe: one thread (the node's event loop) calls everything, ``sync`` included (or the
-node serialises calls itself).
+node serialises calls itself). The one exception is a sync split in three so its fdatasyncs run
+off that thread: ``begin_sync`` (owner's thread: writes the buffer, lists what to sync),
+``run_sync_job`` (any thread: only system calls on paths) and ``finish_sync`` / ``abort_sync``
+(owner's thread: the bookkeeping). A new segment's directory entry is made durable by the next
+sync, not at once: its records are not durable before that sync either.
+
+For a snapshot sent to another replica: ``hold_reclaim`` keeps every segment (released records
+included) until the transfer ends, and ``plan_read`` / ``read_plan`` read records as stored,
+released or not, the reading itself off the owner's thread.
+For one received: ``append_received`` stores a leader's records (sparse offsets allowed),
+``end_received`` says where the next offset is, and ``relocate`` follows the directory's rename
+when the staged store replaces the live one.
 """
 
 from __future__ import annotations
@@ -149,6 +160,27 @@ class _Segment:
         self.kept_bytes += HEADER_BYTES * count + sum(lengths)
 
 
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    """A run of framed records in one segment file (``MessageStore.plan_read``)."""
+
+    path: Path
+    position: int
+    length: int
+    records: int
+    next_offset: int  # the offset after the run's last record
+
+
+@dataclass(eq=False)
+class StoreSyncJob:
+    """What one ``begin_sync`` found to make durable; see ``MessageStore.run_sync_job``."""
+
+    directory: Path
+    segments: list[tuple[_Segment, Path, int]]  # (segment, its path, size written at begin)
+    dir_dirty: bool
+    meta: tuple[int, int] | None  # (low-water mark, sync point) to persist; None: unchanged
+
+
 class MessageStore:
     def __init__(
         self,
@@ -185,6 +217,8 @@ class MessageStore:
         self.corruption: StoreCorruption | None = None  # the damage found, at open or on a read
         # Told about damage a read finds (instead of raising into the reader); see the module doc.
         self.on_corruption: Callable[[StoreCorruption], None] | None = None
+        self._dir_dirty = False  # a segment was created since the directory was last fsynced
+        self._reclaim_holds = 0  # snapshot transfers reading this store: nothing is reclaimed
 
     # ------------------------------------------------------------------ recovery
 
@@ -393,7 +427,9 @@ class MessageStore:
         self._close_writer()
         path = self.directory / segment_name(first_offset)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-        fsync_dir(self.directory)
+        # Its directory entry becomes durable with the next sync, with its records: nothing in it
+        # is durable before that, and an fsync here would stall the apply that rolled the segment.
+        self._dir_dirty = True
         if self._ledger is not None:
             self._ledger.record(path, 0)
         seg = _Segment(first_offset, path)
@@ -447,8 +483,155 @@ class MessageStore:
             if fd != self._write_fd:
                 os.close(fd)
             self._mark_synced(seg)
+        if self._dir_dirty:
+            fsync_dir(self.directory)
+            self._dir_dirty = False
         if self.low_water != self._synced_low_water or self.next_offset != self._synced_next:
             self._write_meta(self.next_offset)
+
+    def flush(self) -> None:
+        """Write buffered records to their segment file (no fdatasync)."""
+        invariant(self._opened, "store not open")
+        self._flush()
+
+    def begin_sync(self) -> StoreSyncJob:
+        """``sync`` in three steps (module doc): write what is buffered and list what must become
+        durable for every offset below ``next_offset`` (now) to be; ``run_sync_job`` does the IO
+        on any thread, then ``finish_sync`` (or ``abort_sync`` if it failed) here."""
+        invariant(self._opened, "store not open")
+        self._flush()
+        segs = [s for s in self._unsynced if s in self._segments]
+        self._unsynced = []
+        if self._segments and self._segments[-1] not in segs:
+            segs.append(self._segments[-1])
+        dir_dirty = self._dir_dirty
+        self._dir_dirty = False
+        meta = None
+        if self.low_water != self._synced_low_water or self.next_offset != self._synced_next:
+            meta = (self.low_water, self.next_offset)
+        return StoreSyncJob(self.directory, [(s, s.path, s.size) for s in segs], dir_dirty, meta)
+
+    def run_sync_job(self, job: StoreSyncJob) -> None:
+        """The IO of a sync (any thread): fdatasync each listed segment (one reclaimed since holds
+        nothing anyone keeps), fsync the directory, write ``store.meta``. Touches no state."""
+        for _seg, path, _size in job.segments:
+            try:
+                fdatasync_path(path)
+            except FileNotFoundError:
+                pass
+        if job.dir_dirty:
+            fsync_dir(job.directory)
+        if job.meta is not None:
+            low, sync_point = job.meta
+            head = struct.pack("<qq", low, sync_point)
+            write_file_atomically(job.directory / META_FILE, head + struct.pack("<I", _crc(head)))
+
+    def finish_sync(self, job: StoreSyncJob) -> None:
+        """Record what ``run_sync_job`` made durable (owner's thread)."""
+        for seg, path, size in job.segments:
+            if seg in self._segments and seg.path == path and size > self._synced_size(seg):
+                self._synced_sizes[path] = size
+                if self._ledger is not None:
+                    self._ledger.record(path, size)
+        if job.meta is not None:
+            self._synced_low_water, self._synced_next = job.meta
+            if self._ledger is not None:
+                self._ledger.record(job.directory / META_FILE, _META.size)
+
+    def abort_sync(self, job: StoreSyncJob) -> None:
+        """``run_sync_job`` failed: what it listed is still to be synced."""
+        for seg, _path, _size in job.segments:
+            if seg in self._segments and seg not in self._unsynced and seg is not self._segments[-1]:
+                self._unsynced.append(seg)
+        if job.dir_dirty:
+            self._dir_dirty = True
+
+    # ------------------------------------------------------------------ snapshot transfers
+
+    def hold_reclaim(self) -> None:
+        """Keep every segment until ``release_reclaim``: a snapshot being sent reads from them."""
+        self._reclaim_holds += 1
+
+    def release_reclaim(self) -> None:
+        invariant(self._reclaim_holds > 0, "release_reclaim without hold_reclaim")
+        self._reclaim_holds -= 1
+
+    def plan_read(self, from_offset: int, to_offset: int, max_bytes: int) -> ReadPlan | None:
+        """Where the records present in [``from_offset``, ``to_offset``) start, released ones
+        included: one contiguous run of framed records in one segment file, at most ``max_bytes``
+        (at least one record), to be read with ``read_plan`` on any thread while the store is
+        held (``hold_reclaim``). None when no record is left in the range."""
+        to_offset = min(to_offset, self.next_offset)
+        k = max(0, bisect.bisect_right(self._firsts, from_offset) - 1)
+        for seg in self._segments[k:]:
+            if seg.first_offset >= to_offset:
+                return None
+            i = bisect.bisect_left(seg.offsets, from_offset)
+            n = len(seg.offsets)
+            if i >= n:
+                continue
+            if seg.offsets[i] >= to_offset:
+                return None
+            j = i
+            length = HEADER_BYTES + seg.lengths[i]
+            while j + 1 < n and seg.offsets[j + 1] < to_offset:
+                more = HEADER_BYTES + seg.lengths[j + 1]
+                if length + more > max_bytes:
+                    break
+                length += more
+                j += 1
+            start = seg.positions[i]
+            if seg is self._segments[-1] and start + length > self._flushed:
+                self._flush()  # the run must be in the file, not only in the write buffer
+            return ReadPlan(seg.path, start, length, j - i + 1, seg.offsets[j] + 1)
+        return None
+
+    @staticmethod
+    def read_plan(plan: ReadPlan) -> bytes:
+        """The bytes of a ``plan_read`` run (any thread): framed records exactly as stored. Not
+        checked here: whoever parses them checks each record's CRC."""
+        fd = os.open(plan.path, os.O_RDONLY)
+        try:
+            data = os.pread(fd, plan.length, plan.position)
+        finally:
+            os.close(fd)
+        if len(data) != plan.length:
+            raise StoreCorruption(plan.path, plan.position, f"{len(data)} of {plan.length} bytes could be read")
+        return data
+
+    def append_received(self, offset: int, record: bytes) -> None:
+        """Store a record received with a leader's snapshot: ``offset`` may skip offsets (released
+        at the leader), never go back. ``ValueError`` for an offset that goes back."""
+        if offset < self.next_offset:
+            raise ValueError(f"record offset {offset} is below the next offset {self.next_offset}")
+        self.next_offset = offset
+        self.append_many(((offset, record, None),))
+
+    def end_received(self, next_offset: int) -> None:
+        """The received store's next offset is ``next_offset`` (the snapshot's): the files must say
+        so even when the last records were released at the leader (an empty segment named after it)."""
+        if next_offset < self.next_offset:
+            raise ValueError(f"next offset {next_offset} is below the last record {self.next_offset - 1}")
+        if next_offset == self.next_offset:
+            return
+        last = self._segments[-1] if self._segments else None
+        self.next_offset = next_offset
+        if last is None or last.first_offset != next_offset:
+            self._new_segment(next_offset)
+
+    def relocate(self, directory: Path) -> None:
+        """The store's directory was renamed to ``directory`` (after ``sync``): its files are
+        found there from now on."""
+        self._close_writer()
+        self.directory = Path(directory)
+        for seg in self._segments:
+            if seg.read_fd is not None:
+                os.close(seg.read_fd)
+                seg.read_fd = None
+            new_path = self.directory / seg.path.name
+            if seg.path in self._synced_sizes:
+                self._synced_sizes[new_path] = self._synced_sizes.pop(seg.path)
+            seg.path = new_path
 
     def _mark_synced(self, seg: _Segment) -> None:
         """``seg`` was just fdatasynced at its current size."""
@@ -602,7 +785,10 @@ class MessageStore:
             self.low_water = offset
 
     def reclaim(self) -> int:
-        """Delete segments with nothing kept; copy forward survivors of mostly released ones."""
+        """Delete segments with nothing kept; copy forward survivors of mostly released ones.
+        Nothing while a snapshot transfer holds the store (``hold_reclaim``)."""
+        if self._reclaim_holds:
+            return 0
         reclaimed = 0
         survivors: list[_Segment] = []
         removed_any = False
@@ -722,6 +908,8 @@ class MessageStore:
             # (or its name, when empty). Copy-forward may have dropped released records just
             # below `offset`, so start an empty segment named after it.
             self._new_segment(offset)
+            fsync_dir(self.directory)
+            self._dir_dirty = False
 
     def reset(self, next_offset: int) -> None:
         """Drop everything and continue at ``next_offset`` (a replica that installed a snapshot)."""
