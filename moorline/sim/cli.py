@@ -118,6 +118,7 @@ def sim(
     seed: Annotated[int | None, typer.Option(help="--cluster: run only this seed")] = None,
     trace: Annotated[Path | None, typer.Option(help="--cluster --seed: write its schedule and history here")] = None,
     switch: Annotated[list[str] | None, typer.Option(help="--cluster: a test-only broken build (Faults field)")] = None,
+    bitflips: Annotated[bool, typer.Option(help="--cluster: crashes may also flip a bit of synced data")] = False,
 ) -> None:
     """Deterministic simulation: seeded faults, online Raft checks, total-queue and
     linearizability checkers. Exits 1 on the first seed with a violation. With --cluster: whole
@@ -125,7 +126,7 @@ def sim(
     if cluster:
         from moorline.sim.cluster.cli import cluster_sim
 
-        cluster_sim(seeds, start, nodes, seed, trace, switch or [], progress_every)
+        cluster_sim(seeds, start, nodes, seed, trace, switch or [], progress_every, bitflips)
         return
     if bug is not None and bug not in ALL_BUGS:
         raise typer.BadParameter(f"unknown bug {bug!r}; known: {', '.join(ALL_BUGS)}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import typer
 
-from moorline.sim.cluster.runner import SeedResult, run_seed
+from moorline.sim.cluster.runner import RunConfig, SeedResult, run_seed
 
 CLUSTER_SIZES = (3, 5)
 
@@ -37,7 +37,7 @@ def known_switches() -> list[str]:
 
 
 def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Path | None,
-                switches: list[str], progress_every: float) -> None:
+                switches: list[str], progress_every: float, bitflips: bool = False) -> None:
     if nodes not in CLUSTER_SIZES:
         raise typer.BadParameter(f"--nodes must be 3 or 5 with --cluster, not {nodes}")
     unknown = [s for s in switches if s not in known_switches()]
@@ -55,7 +55,7 @@ def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Pat
     t0 = time.monotonic()
     try:
         for s in todo:
-            r = run_seed(s, nodes, frozenset(switches), trace=trace)
+            r = run_seed(s, nodes, frozenset(switches), trace=trace, cfg=RunConfig(bitflips=bitflips))
             results.append(r)
             progress.seed_done(len(r.findings))
             if not r.ok:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moorline.chaos.node import flip_synced_byte
 from moorline.sim.cluster.world import SimNode, World, WorldConfig, quiet_logs
 
 
@@ -46,6 +47,9 @@ class RunConfig:
     crash_down_s: tuple[float, float] = (1.0, 8.0)
     pause_s: tuple[float, float] = (1.5, 14.0)  # above the 1 s election timeout; past 10 s the lease
     partition_s: tuple[float, float] = (2.0, 12.0)
+    # Optional (--bitflips): half the crashes also flip a bit of synced data. The node must report
+    # it (refuse to start, or stop the group whose data it is) and never silently truncate it.
+    bitflips: bool = False
 
 
 @dataclass
@@ -60,13 +64,14 @@ class SeedResult:
     trace_hash: str
     counts: dict[str, int] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
+    bitflips: bool = False
 
     @property
     def ok(self) -> bool:
         return not self.findings
 
     def replay_command(self) -> str:
-        sw = "".join(f" --switch {s}" for s in self.switches)
+        sw = "".join(f" --switch {s}" for s in self.switches) + (" --bitflips" if self.bitflips else "")
         return f"moorline sim --cluster --nodes {self.nodes} --seed {self.seed}{sw} --trace seed-{self.seed}.trace"
 
 
@@ -81,6 +86,7 @@ class FaultPlan:
         self.cut_until: dict[tuple[str, str], float] = {}  # directional cuts between hosts
         self.isolated: dict[str, float] = {}
         self.counts: dict[str, int] = {}
+        self.flips: list[tuple[str, str, int]] = []  # (node, file, offset) of each flipped synced bit
 
     @property
     def now(self) -> float:
@@ -89,6 +95,7 @@ class FaultPlan:
     def faulty(self) -> set[str]:
         w = self.world
         out = set(self.down_until) | set(self.isolated)
+        out |= {sn.name for sn in w.nodes if sn.boot_error is not None}  # e.g. refused damaged data
         out |= {sn.name for sn in w.nodes if sn.loop is not None and sn.loop.paused_until is not None
                 and sn.loop.paused_until > self.now}
         hosts = {sn.host: sn.name for sn in w.nodes}
@@ -113,6 +120,12 @@ class FaultPlan:
         if kind == "crash":
             sn = rng.choice(healthy)
             w.crash(sn)
+            if self.cfg.bitflips and rng.random() < 0.5:
+                flipped = flip_synced_byte(sn.ledger, rng)
+                if flipped is not None:
+                    self.flips.append((sn.name, *flipped))
+                    w.note(f"{sn.name}: flipped a bit of synced data in {Path(flipped[0]).name} at {flipped[1]}")
+                    self._count("bitflip")
             self.down_until[sn.name] = self.now + rng.uniform(*self.cfg.crash_down_s)
         elif kind == "pause":
             sn = rng.choice(healthy)
@@ -269,6 +282,21 @@ def compare_replicas(world: World) -> list[Finding]:
     return findings
 
 
+def check_flips(world: World, flips: list[tuple[str, str, int]]) -> list[Finding]:
+    """A flipped bit of synced data is reported (the node refused to start, or stopped a group),
+    or its file still holds the byte: it may never be cut away silently as a torn tail."""
+    findings = []
+    for name, file, offset in flips:
+        sn = next(x for x in world.nodes if x.name == name)
+        reported = sn.boot_error is not None or (
+            sn.node is not None and any(h.failed is not None for h in sn.node.groups))
+        path = Path(file)
+        if not reported and path.exists() and path.stat().st_size <= offset:
+            findings.append(Finding("corruption_truncated", f"{name}: {path.name} cut below the flipped synced "
+                                    f"byte at {offset} without reporting corruption"))
+    return findings
+
+
 def _stored(host: Any) -> list[tuple[int, str]]:
     out = []
     for offset in sorted(host.state.topics.meta):
@@ -322,8 +350,17 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
             while world.scheduler.now < converge_end and not _replicas_converged(world):
                 world.run_for(0.1)
             findings += [Finding(v.kind, v.detail) for v in check_history(records)]
-            findings += compare_replicas(world)
+            replicas = compare_replicas(world)
+            flipped = {name for name, _, _ in plan.flips}
+            # A replica that stopped its group on a flipped bit reported the damage: that is the
+            # behaviour asked for, not a violation.
+            reported = [f for f in replicas if f.kind == "replica_failed" and "checksum" in f.detail
+                        and f.detail.split(":", 1)[0].split()[0] in flipped]
+            if reported:
+                plan.counts["corruption_reported"] = len(reported)
+            findings += [f for f in replicas if f not in reported]
         findings += monitor.findings
+        findings += check_flips(world, plan.flips)
         for sn in world.nodes:
             findings += [Finding("node_exception", f"{sn.name}: {e}") for e in sn.errors]
     finally:
@@ -337,7 +374,7 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
         digest.update(json.dumps(rec, sort_keys=True).encode() + b"\n")
     result = SeedResult(seed, nodes, tuple(sorted(switches)), findings, world.scheduler.now,
                         time.perf_counter() - started, world.scheduler.steps, digest.hexdigest()[:16],
-                        {**plan.counts, "records": len(records)}, list(world.events))
+                        {**plan.counts, "records": len(records)}, list(world.events), cfg.bitflips)
     if trace is not None:
         write_trace(trace, result, records)
     return result
