@@ -165,6 +165,12 @@ class GroupCommit:
         self._urgent = False
         self.lazy_sync_delay_s = lazy_sync_delay_ms / 1000
         self._lazy_timer: asyncio.TimerHandle | None = None
+        # Groups of several members whose batch holds lazy proposals only (shard -> batch length
+        # then). An entry costs such a group a replication round on every member (append, a sync
+        # on each, the commit), so their lazy proposals do not ride on another shard's sync: they
+        # go with the next urgent proposal to the same shard, or when the lazy timer ends.
+        self._lazy_only: dict[int, int] = {}
+        self._release_lazy = False  # the lazy timer ended (or a flush): held proposals go now
         self.lazy_syncs = 0  # syncs that carried only lazy commands (their timer ran out)
         self._flush_waiters: list[asyncio.Future[None]] = []  # woken when the next pass is done
         self.timer = SyncTimer(inline_sync_max_us / 1e6)
@@ -175,23 +181,38 @@ class GroupCommit:
 
     def kick(self, shard: int) -> None:
         self._dirty.add(shard)
+        held = self._lazy_only.get(shard)
+        if held is not None and self.hosts[shard].batch_len() != held:
+            del self._lazy_only[shard]  # an urgent proposal joined the held ones: they go with it
         if not self._urgent:  # called once per proposal: the event is set by the first of a pass
             self._urgent = True
             self._wake.set()
 
     def kick_lazy(self, shard: int) -> None:
-        """A proposal nobody waits for: synced with the next urgent one, or when the lazy timer ends."""
+        """A proposal nobody waits for: synced with the next urgent one, or when the lazy timer ends
+        (in a group of several members: the next urgent one to the same shard, see ``_lazy_only``)."""
         self._dirty.add(shard)
+        host = self.hosts[shard]
+        conf = host.raft.active_conf_state
+        if len(conf.voters) > 1 or conf.learners:
+            size = host.batch_len()
+            if size == 1 or self._lazy_only.get(shard) == size - 1:
+                self._lazy_only[shard] = size  # nothing urgent in the batch: held back
+            if self._lazy_timer is None:
+                self._lazy_timer = asyncio.get_running_loop().call_later(self.lazy_sync_delay_s, self._lazy_due)
+            return
         if not self._urgent and self._lazy_timer is None:
             self._lazy_timer = asyncio.get_running_loop().call_later(self.lazy_sync_delay_s, self._lazy_due)
 
     async def flush(self, timeout_s: float) -> bool:
         """Sync and apply everything proposed so far, lazy commands included (at shutdown), waiting
         at most ``timeout_s``. False when that was not done in time."""
-        if self._stopped or (not self._dirty and not self._urgent):
+        if self._stopped or (not self._dirty and not self._urgent and not self._lazy_only):
             return True
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._flush_waiters.append(done)
+        self._release_lazy = True
+        self._dirty.update(self._lazy_only)
         self._urgent = True
         self._wake.set()
         try:
@@ -203,6 +224,8 @@ class GroupCommit:
     def _lazy_due(self) -> None:
         self._lazy_timer = None
         self.lazy_syncs += 1
+        self._release_lazy = True
+        self._dirty.update(self._lazy_only)
         self._urgent = True
         self._wake.set()
 
@@ -210,7 +233,7 @@ class GroupCommit:
         while not self._stopped:
             await self._wake.wait()
             self._wake.clear()
-            if self._lazy_timer is not None:
+            if self._lazy_timer is not None and not self._lazy_only:
                 self._lazy_timer.cancel()  # an urgent proposal takes the lazy ones along
                 self._lazy_timer = None
             # One more loop pass lets every connection's already-read packets join this batch.
@@ -230,15 +253,22 @@ class GroupCommit:
     async def _commit(self, dirty: list[int]) -> bool:
         """One pass: seal, stage, sync once, apply. False when a failed sync stopped the node."""
         staged: list[ShardHost] = []
+        release, self._release_lazy = self._release_lazy, False
+        lazy_only = self._lazy_only
         for shard in dirty:
             host = self.hosts[shard]
             if host.failed is not None or not host.has_work():
+                lazy_only.pop(shard, None)
                 continue
             if staged and self.wal.pending_bytes() + host.batch_bytes > self.max_stage_bytes:
                 self._dirty.add(shard)  # over the staging budget: this shard joins the next sync
                 self._wake.set()
                 continue
-            rd = host.seal()
+            if shard in lazy_only and not release:
+                rd = host.take_ready()  # its lazy proposals wait; what the core has does not
+            else:
+                lazy_only.pop(shard, None)
+                rd = host.seal()
             if rd is not None and not rd.must_sync and not rd.entries and rd.snapshot is None:
                 # Nothing this Ready's messages depend on needs a sync (a follower's heartbeat
                 # response, a new commit index): handled now, its hard state riding on the next sync.
@@ -252,7 +282,11 @@ class GroupCommit:
             if rd is not None:
                 stage_ready(self.wal, shard, rd)
                 staged.append(host)
-        if not staged and self.wal.pending_bytes() == 0:
+        if lazy_only and self._lazy_timer is None:
+            self._lazy_timer = asyncio.get_running_loop().call_later(self.lazy_sync_delay_s, self._lazy_due)
+        if not staged and self.wal.pending_bytes() == self.wal.pending_hard_state_bytes():
+            # Nothing waits for a sync: hard states alone (a new commit index, on a follower after
+            # every round) ride on the next one instead of costing an fdatasync each.
             return True
         if self.unsafe_ack_before_sync:  # deliberately broken build for the crash harness
             self._after_sync(staged)

@@ -350,6 +350,10 @@ class ShardHost:
     def has_batch(self) -> bool:
         return bool(self._batch_cmds)
 
+    def batch_len(self) -> int:
+        """Commands proposed and not sealed yet (GroupCommit tells lazy ones from urgent ones by it)."""
+        return len(self._batch_cmds)
+
     def seal(self) -> Ready | None:
         """Turn the commands proposed so far into log entries (proposed to the core); returns the
         Ready whose entries and hard state must be written to the WAL before ``after_sync``."""
@@ -797,11 +801,13 @@ class ShardHost:
         old_store = self.store
         try:
             snapshot_install.commit_install(staged, old_store.directory, self.snapshots)
+            staged.store.relocate(old_store.directory)
         except OSError as exc:
+            # Before COMMIT: the old replica stays on disk; after it: a restart finishes the install.
+            # Either way this process serves neither (the group commit must not stop for it).
             self.fail(f"installing the leader's snapshot at index {meta.index} failed: {exc}")
             log.error("shard %d: %s", self.shard, self.failed)
             return
-        staged.store.relocate(old_store.directory)
         old_store.close()
         self.store = staged.store
         self.store.on_corruption = self._store_damaged

@@ -41,6 +41,7 @@ import logging
 import os
 import random
 import struct
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,7 +184,7 @@ class _Incoming:
     state_fd: int | None = None
     state_written: int = 0
     store: MessageStore | None = None
-    received: list[int] = field(default_factory=list)  # offsets of the records received
+    received: array[int] = field(default_factory=lambda: array("q"))  # offsets of the records received
 
 
 class SnapshotTransfers:

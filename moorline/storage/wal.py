@@ -828,6 +828,12 @@ class WriteAheadLog:
         """Bytes the next ``sync`` will write (0 means nothing to sync, hard states included)."""
         return self._pending_bytes + self._pending_hard_bytes
 
+    def pending_hard_state_bytes(self) -> int:
+        """The part of ``pending_bytes`` that is hard states. They need no sync of their own: a new
+        commit index may ride on the next sync, and a new term or vote comes with a Ready that
+        must sync anyway."""
+        return self._pending_hard_bytes
+
     def appended_seq(self) -> int:
         return self._appended_seq
 
