@@ -90,6 +90,9 @@ class TopicLimits:
     producer_ttl_ms: int = 7 * 24 * 3_600_000
     max_drop_records: int = 100_000
     max_release_per_housekeeping: int = 100_000
+    # A deliberately broken build for tests (testing/faults.py, dedup_at_propose_only): apply
+    # does not consult the GUID history (the proposer looked in its own replica's).
+    dedup_at_propose_only: bool = False
 
 
 class TopicState:
@@ -153,6 +156,22 @@ class TopicState:
         return self.apply_publishes((cmd,), fx)[0]
 
     def apply_publishes(self, cmds: Sequence[Publish], fx: Effects) -> list[PublishResult]:
+        if self.limits.dedup_at_propose_only:  # the broken build: see _apply_publish_unchecked
+            return [self._apply_publish_unchecked(cmd, fx) for cmd in cmds]
+        return self._apply_publishes(cmds, fx)
+
+    def _apply_publish_unchecked(self, cmd: Publish, fx: Effects) -> PublishResult:
+        """The broken build ``TopicLimits.dedup_at_propose_only``: a GUID the history holds is
+        accepted again as a new message (the history keeps the first copy's entry)."""
+        if self.dedup.get(cmd.principal, cmd.msg.guid) is None:
+            return self._apply_publishes((cmd,), fx)[0]
+        history, self.dedup = self.dedup, GuidHistory()
+        try:
+            return self._apply_publishes((cmd,), fx)[0]
+        finally:
+            self.dedup = history
+
+    def _apply_publishes(self, cmds: Sequence[Publish], fx: Effects) -> list[PublishResult]:
         """Apply a run of consecutive ``Publish`` commands, in order; one result each.
 
         Exactly ``apply_publish`` once per command (nothing else can run between them within one

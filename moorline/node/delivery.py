@@ -167,8 +167,10 @@ class LiveSession:
             return
         outs: list[OutboundPublish] = []
         unavailable: set[int] = set()
-        for seq, d in sess.inflight.items():
-            pid = packet_id_of(seq)
+        renumber = self.node.faults.renumber_packet_ids_on_takeover
+        for i, (seq, d) in enumerate(sess.inflight.items()):
+            # The broken build: fresh packet ids, half the id space past the session's next one.
+            pid = packet_id_of(self.next_seq + PACKET_ID_SPACE // 2 + i if renumber else seq)
             self.pid_to_seq[pid] = seq
             self.inflight_out += 1
             if d.item.offset < 0:

@@ -176,7 +176,7 @@ class Node:
         preferred leader. With one voter the node campaigns at once; in a cluster the preferred
         leader (spreading leaders) campaigns at its first start and elections do the rest."""
         rec, meta = self._recovery, self._meta
-        limits = default_limits(self.cfg)
+        limits = default_limits(self.cfg, self.faults.dedup_at_propose_only)
         hooks = ApplyHooks(on_effects=self._on_effects, on_results=self._on_results,
                            send=self._send_raft, forward=self._forward, now_ms=self.now_ms)
         invariant(len(placement) == self.shard_count, "one placement per shard")
@@ -225,6 +225,7 @@ class Node:
                              self.cfg.shard.snapshot_every_entries, self.cfg.raft.max_entry_bytes, self.recent)
             host.node_id, host.boot = self.member[0], self.boot
             host.snapshot_settings = self.snapshot_settings
+            host.faults = self.faults
             self.groups.append(host)
             if is_meta:
                 self.meta_host = host
@@ -809,6 +810,9 @@ class Node:
         want = rh == 0 or (rh == 1 and not existed)
         futs: list[Any] = []
         refused = self._register_everywhere(sess, flt, sub, want, futs)
+        if self.faults.suback_before_all_shards and len(futs) > 1:  # broken build: the first shard's answer only
+            asyncio.gather(*futs[1:], return_exceptions=True)  # the other shards answer whenever, unheard
+            futs = futs[:1]
         results = await asyncio.gather(*(self.bounded(f, -1) for f in futs), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if refused or errors:
@@ -941,7 +945,7 @@ class Node:
             raise SessionOwnedByOther(client_id)
         # Our lease counts from when we proposed it, shortened by the clock-drift bound.
         self._lease_deadline[(client_id, res.epoch)] = proposed_at + lease_s * (1 - self.cfg.session.owner_lease_drift)
-        if res.wait_until_ms:
+        if res.wait_until_ms and not self.faults.no_owner_lease:  # the broken build serves at once
             await self._wait_for_previous_owner(client_id, res)
         if res.ended is not None:
             await self._end_session(res.ended, "session_expired" if not clean_start else "clean_start")
@@ -989,7 +993,7 @@ class Node:
                     del self._lease_deadline[key]  # a CONNECT that never became a live session
             for cid, live in list(self.live.items()):
                 deadline = self._lease_deadline.get((cid, live.epoch))
-                if deadline is not None and now >= deadline - LEASE_CHECK_MARGIN_S:
+                if deadline is not None and now >= deadline - LEASE_CHECK_MARGIN_S and not self.faults.no_owner_lease:
                     conn = self.connections.get(cid)
                     if conn is not None and getattr(conn, "live", None) is live:
                         log.warning("%s: session lease not renewed in time (session shard unreachable?): "

@@ -41,7 +41,7 @@ from moorline.broker import commands as c
 from moorline.broker.effects import Effects
 from moorline.broker.messages import StoredMessage, decode_message
 from moorline.broker.shard import ShardState
-from moorline.broker.topic_state import TopicLimits
+from moorline.broker.topic_state import PublishResult, TopicLimits
 from moorline.invariant import invariant
 from moorline.node import snapshot_install
 from moorline.node.recent import SHARD_SHIFT, RecentMessages
@@ -60,6 +60,7 @@ from moorline.raft import (
 from moorline.raft.types import Snapshot
 from moorline.storage.msgstore import MessageStore, StoreCorruption, StoreSyncJob
 from moorline.storage.snapshots import SnapshotStore, write_snapshot_file
+from moorline.testing.faults import NO_FAULTS, Faults
 
 log = logging.getLogger("moorline.shard")
 
@@ -305,6 +306,7 @@ class ShardHost:
         self._installed: snapshot_install.StagedInstall | None = None
         self.installs = 0  # leader snapshots installed since start
         self._stamp_ms = 0  # the latest time this replica stamped forwarded entries with, as leader
+        self.faults: Faults = NO_FAULTS  # the node's: deliberately broken builds, for tests only
 
     # --- proposing ---------------------------------------------------------------------------
     def propose(self, cmd: c.Command, want_result: bool = True) -> asyncio.Future[Any] | None:
@@ -316,6 +318,8 @@ class ShardHost:
                 return None
             raise ShardUnavailable(f"shard {self.shard} unavailable: {self.failed}")
         fut: asyncio.Future[Any] | None = asyncio.get_running_loop().create_future() if want_result else None
+        if self.faults.dedup_at_propose_only and self._answered_here(cmd, fut):
+            return fut
         self._batch_cmds.append(cmd)
         self._batch_futs.append(fut)
         if isinstance(cmd, c.Publish):
@@ -326,6 +330,8 @@ class ShardHost:
         """Like ``propose``, but ``callback(result, error)`` runs right at apply (or failure)."""
         if self.failed is not None:
             raise ShardUnavailable(f"shard {self.shard} unavailable: {self.failed}")
+        if self.faults.dedup_at_propose_only and self._answered_here(cmd, callback):
+            return
         self._batch_cmds.append(cmd)
         self._batch_futs.append(callback)
         if isinstance(cmd, c.Publish):
@@ -427,8 +433,10 @@ class ShardHost:
         oldest = next(iter(self._own.values()))
         if not force and lead == self._lead_seen and self._ticks - oldest.sent_tick < self.resend_after_ticks:
             return
+        if self.faults.forwarder_drops_on_leader_change and lead != self._lead_seen:
+            self._forget_unapplied(keep_newest=force)
         self._lead_seen = lead
-        if lead is None:
+        if lead is None or not self._own:
             return
         owns = list(self._own.values())
         for own in owns:
@@ -487,6 +495,8 @@ class ShardHost:
         log_ = self.raft_log
         if rd.entries:
             log_.append(rd.entries)
+            if self.faults.ack_before_quorum:
+                self._ack_appended(rd.entries)
         if rd.hard_state is not None:
             log_.set_hard_state(rd.hard_state)
         if rd.early_messages or rd.messages:
@@ -843,6 +853,45 @@ class ShardHost:
             for fut in own.futures:
                 _resolve(fut, None, failure)
 
+    # --- deliberately broken builds (testing/faults.py), for tests only ----------------------------
+    def _answered_here(self, cmd: c.Command, waiter: Waiter) -> bool:
+        """Faults.dedup_at_propose_only: a PUBLISH whose GUID this replica's history holds is
+        answered as a duplicate here, without a proposal; any other is proposed, and the shard
+        applies it without a GUID check (TopicLimits.dedup_at_propose_only)."""
+        if type(cmd) is not c.Publish:
+            return False
+        seen = self.state.topics.dedup.get(cmd.principal, cmd.msg.guid)
+        if seen is None:
+            return False
+        _resolve(waiter, PublishResult("duplicate", seen[0]), None)
+        return True
+
+    def _ack_appended(self, entries: list[Entry]) -> None:
+        """Faults.ack_before_quorum: the publishes of our entries are answered once this replica
+        synced them into its log, before a majority committed them; apply answers nobody then."""
+        for e in entries:
+            if e.type != EntryType.NORMAL or not e.data:
+                continue
+            head = _head_decoder.decode(e.data)
+            own = self._own.get(head.seq) if (head.origin, head.boot) == (self.node_id, self.boot) else None
+            if own is None:
+                continue
+            for k, waiter in enumerate(own.futures):
+                size = waiter.size if isinstance(waiter, GroupEnd) else 1
+                if waiter is None or waiter is IN_GROUP or any(type(x) is not c.Publish
+                                                               for x in own.commands[k + 1 - size:k + 1]):
+                    continue
+                ok = PublishResult("ok")
+                _resolve(waiter, [ok] * size if isinstance(waiter, GroupEnd) else ok, None)
+                own.futures[k] = None
+
+    def _forget_unapplied(self, keep_newest: bool) -> None:
+        """Faults.forwarder_drops_on_leader_change: the proposals not applied yet are forgotten
+        (the newest, being proposed now, excepted), never handed to the new leader; their waiters
+        are never answered."""
+        for seq in list(self._own)[:-1] if keep_newest else list(self._own):
+            del self._own[seq]
+
     def fail(self, reason: str) -> None:
         self.failed = reason
         for own in self._own.values():
@@ -935,7 +984,7 @@ def _wait_encoder(pid: int, report_fd: int) -> tuple[int, int]:
     return int(size), int(data_bytes)
 
 
-def default_limits(cfg: Any) -> TopicLimits:
+def default_limits(cfg: Any, dedup_at_propose_only: bool = False) -> TopicLimits:
     return TopicLimits(
         retention_min_age_ms=int(cfg.retention.min_age_s * 1000),
         shard_max_bytes=cfg.shard.max_bytes,
@@ -943,5 +992,6 @@ def default_limits(cfg: Any) -> TopicLimits:
         dedup_window_ms=int(cfg.dedup.history_window_s * 1000),
         dedup_max_history=cfg.dedup.max_history,
         producer_ttl_ms=int(cfg.dedup.producer_ttl_s * 1000),
+        dedup_at_propose_only=dedup_at_propose_only,  # a deliberately broken build (tests only)
     )
 

@@ -27,10 +27,33 @@ class Faults:
     # Broken (benchmark comparison only): send a delivery batch before it is committed, so packet ids
     # are not guaranteed on resend.
     loose_packet_ids: bool = False
+    # The cluster simulator's switches (docs/simulation.md, "Bug switches"): each a bug that loses or
+    # duplicates messages only across nodes, which `moorline sim --cluster` must catch.
+    # Broken: de-duplication decided at propose time only. The node a PUBLISH reaches looks its
+    # GUID up in its own replica and proposes it if not found there; the shard applies it without
+    # a GUID check (a resend through another node, or before the first copy applied, is stored twice).
+    dedup_at_propose_only: bool = False
+    # Broken: a resumed session resends its unacknowledged deliveries (and PUBRELs) with fresh
+    # packet ids instead of their original ones.
+    renumber_packet_ids_on_takeover: bool = False
+    # Broken: no owner lease. A new owner serves at once, without waiting for the previous owner's
+    # release or lease end, and an owner that cannot renew its lease keeps serving.
+    no_owner_lease: bool = False
+    # Broken: PUBACK/PUBREC once the proposing node has the entry in its own synced log, not once
+    # a majority committed it (a leader that proposes acknowledges at its local append).
+    ack_before_quorum: bool = False
+    # Broken: on a leader change the forwarder forgets the proposals not yet applied instead of
+    # handing them to the new leader; their waiters are never answered (publish_timeout closes the
+    # client with 0x89), and the shard, which applies a node's proposals in order, skips that
+    # node's later ones until it restarts.
+    forwarder_drops_on_leader_change: bool = False
+    # Broken: SUBACK once the session's shard and the first topic shard registered the
+    # subscription, not every shard the filter can match (the others register later).
+    suback_before_all_shards: bool = False
 
     @property
     def any_broken(self) -> bool:
-        return self.unsafe_ack_before_sync or self.drop_on_restart or self.loose_packet_ids
+        return any(getattr(self, name) for name in BROKEN_SWITCHES)
 
     def to_json(self) -> str:
         return json.dumps({k: v for k, v in asdict(self).items() if v != getattr(NO_FAULTS, k)})
@@ -48,3 +71,11 @@ class Faults:
 
 
 NO_FAULTS = Faults()
+# The switches that make a deliberately broken build (the others are instruments).
+BROKEN_SWITCHES = (
+    "unsafe_ack_before_sync", "drop_on_restart", "loose_packet_ids",
+    "dedup_at_propose_only", "renumber_packet_ids_on_takeover", "no_owner_lease", "ack_before_quorum",
+    "forwarder_drops_on_leader_change", "suback_before_all_shards",
+)
+# The cluster simulator's: each must be caught by `moorline sim --cluster` with the default fault mix.
+CLUSTER_SWITCHES = BROKEN_SWITCHES[3:]
