@@ -5,6 +5,8 @@ $share group of two) and publishers (QoS 1 and QoS 2); at seeded moments SIGKILL
 its files as asked (truncate to the synced length from the ledger, flip a bit of synced data), and
 restart it; after ``duration_s`` stop the publishers, let subscribers drain until quiet, disconnect
 them cleanly, record the broker's counted drops (GET /v1/drops), stop the broker.
+
+With ``nodes`` 3 or 5 the same workload runs against a cluster (``cluster_run.py``).
 """
 
 from __future__ import annotations
@@ -27,13 +29,19 @@ from moorline.chaos.node import (
     flip_synced_byte,
     truncate_to_ledger,
 )
-from moorline.chaos.wire import Subscriber, Subscription
+from moorline.chaos.partition import PARTITION_MODES
+from moorline.chaos.schedule import CLUSTER_FAULT_KINDS
+from moorline.chaos.wire import Endpoint, Subscriber, Subscription
 from moorline.chaos.workload import AckTrigger, Publisher
 from moorline.testing.faults import Faults
 from moorline.verify.history import HistoryWriter
 
-FAULT_KINDS = frozenset({"kill", "truncate", "bitflip"})
+FAULT_KINDS = frozenset({"kill", "truncate", "bitflip"})  # one node
 TOPIC_PREFIX = "chaos"
+SINGLE_CONNECT_TIMEOUT_S = 3.0
+# A takeover on a cluster waits for the previous owner's lease (session.owner_lease_s, 10 s) when
+# that owner was cut off: a client must wait longer than that for its CONNACK.
+CLUSTER_CONNECT_TIMEOUT_S = 15.0
 
 
 @dataclass
@@ -54,13 +62,44 @@ class ChaosConfig:
     broker: str = "moorline"  # or "mosquitto" (client-side development only)
     node_faults: dict[str, Any] = field(default_factory=dict)  # testing.Faults fields (broken builds)
     shards: int | None = None
+    # --- a cluster (nodes 3 or 5; cluster_run.py)
+    nodes: int = 1
+    pauses_per_run: int = 2  # SIGSTOP ... SIGCONT episodes (with "pause" in faults)
+    partitions_per_run: int = 2  # minority cut off, then healed (with "partition" in faults)
+    pause_s: float = 3.0  # longer than an election timeout (raft: 1-2 s by default)
+    partition_s: float = 5.0
+    base_address: str = "127.0.0.31"  # node i listens on base + i - 1
+    partition_with: str = "auto"  # auto (iptables when usable, else proxy), iptables, proxy
+    node_config_text: str | None = None  # TOML given to every node (--config)
+    connect_timeout_s: float | None = None  # CONNECT to CONNACK; None: 3 s on one node, 15 s on a cluster
+    keep_data: bool = False  # keep the nodes' data directories in the run directory
+    start_timeout_s: float = 60.0  # a cluster's nodes ready and every shard led
+    leaders_timeout_s: float = 30.0  # every shard led again after the last fault healed
+    settle_s: float = 2.0  # the workload goes on at least this long after the last fault healed
 
     def __post_init__(self) -> None:
-        unknown = set(self.faults) - FAULT_KINDS
+        if self.nodes not in (1, 3, 5):
+            raise ValueError(f"nodes must be 1, 3 or 5, not {self.nodes}")
+        known = FAULT_KINDS if self.nodes == 1 else CLUSTER_FAULT_KINDS
+        unknown = set(self.faults) - known
         if unknown:
-            raise ValueError(f"unknown faults {sorted(unknown)}; known: {sorted(FAULT_KINDS)}")
-        if self.duration_s <= 0 or self.kills_per_run < 0:
-            raise ValueError("duration must be > 0 and kills_per_run >= 0")
+            where = "one node" if self.nodes == 1 else f"a cluster of {self.nodes}"
+            raise ValueError(f"faults {sorted(unknown)} are not made on {where}; known: {sorted(known)}")
+        if self.duration_s <= 0 or min(self.kills_per_run, self.pauses_per_run, self.partitions_per_run) < 0:
+            raise ValueError("duration must be > 0 and the numbers of kills, pauses and partitions >= 0")
+        if self.pause_s <= 0 or self.partition_s <= 0:
+            raise ValueError("pause and partition durations must be > 0")
+        if self.nodes > 1 and self.broker != "moorline":
+            raise ValueError("a cluster runs moorline nodes only (--broker mosquitto is for one node)")
+        if self.partition_with not in PARTITION_MODES:
+            raise ValueError(f"partitions are made with one of {', '.join(PARTITION_MODES)}, "
+                             f"not {self.partition_with!r}")
+
+    @property
+    def client_connect_timeout_s(self) -> float:
+        if self.connect_timeout_s is not None:
+            return self.connect_timeout_s
+        return SINGLE_CONNECT_TIMEOUT_S if self.nodes == 1 else CLUSTER_CONNECT_TIMEOUT_S
 
 
 @dataclass
@@ -75,6 +114,15 @@ class RunResult:
     drops: int
     notes: list[str]
     restart_failed: bool = False  # the node would not start again for a reason other than corruption
+    # --- a cluster
+    restarts: int = 0
+    truncations: int = 0  # kills followed by truncation to the synced length
+    pauses: int = 0
+    partitions: int = 0
+    leader_changes: int = 0  # seen by polling GET /v1/shards during the run
+    fault_log: list[str] = field(default_factory=list)  # one line per fault step, with its time
+    run_dir: Path | None = None  # node logs, ledgers, the secret, faults.txt
+    partition_kind: str | None = None  # iptables or proxy
 
 
 @dataclass
@@ -99,13 +147,21 @@ def _make_broker(cfg: ChaosConfig, work: Path, ledger: Path) -> Broker:
     if cfg.broker == "mosquitto":
         return MosquittoProcess(work / "mosquitto")
     faults = Faults(**{**cfg.node_faults, "sync_ledger": str(ledger)})
-    return NodeProcess(data_dir=work / "data", faults=faults, shards=cfg.shards)
+    config_file = None
+    if cfg.node_config_text is not None:
+        config_file = work / "node.toml"
+        config_file.write_text(cfg.node_config_text, encoding="utf-8")
+    return NodeProcess(data_dir=work / "data", faults=faults, shards=cfg.shards, config_file=config_file)
 
 
 def run_once(
     cfg: ChaosConfig, run_id: str, out_dir: Path, progress: Callable[[float], None] | None = None
 ) -> RunResult:
     """Execute one run; its history goes to ``out_dir/history-<run_id>.jsonl``."""
+    if cfg.nodes > 1:
+        from moorline.chaos.cluster_run import run_cluster_once
+
+        return run_cluster_once(cfg, run_id, out_dir, progress)
     rng = random.Random(f"{cfg.seed}/{run_id}")
     out_dir.mkdir(parents=True, exist_ok=True)
     history_path = out_dir / f"history-{run_id}.jsonl"
@@ -120,51 +176,12 @@ def run_once(
         broker = _make_broker(cfg, work, ledger)
         broker.start()
 
-        def endpoint() -> tuple[str, int]:
-            return broker.mqtt
+        def endpoint() -> Endpoint:
+            return Endpoint(*broker.mqtt)
 
-        topics = [f"{TOPIC_PREFIX}/t{i}" for i in range(cfg.topics)]
-        subs = [
-            Subscriber(f"{run_id}-sub-q1", endpoint, hist, [Subscription(f"{TOPIC_PREFIX}/#", 1)]),
-            Subscriber(f"{run_id}-sub-q2b", endpoint, hist, [Subscription(f"{TOPIC_PREFIX}/#", 2)]),
-            Subscriber(f"{run_id}-share-m1", endpoint, hist, [Subscription(f"{TOPIC_PREFIX}/#", 1, "g")]),
-            Subscriber(f"{run_id}-share-m2", endpoint, hist, [Subscription(f"{TOPIC_PREFIX}/#", 1, "g")]),
-        ]
-        # The sleeper is away (session kept) from shortly before each kill until after the restart,
-        # so messages committed around the crash must come back from the node's storage.
-        sleeper = Subscriber(f"{run_id}-sleeper", endpoint, hist, [Subscription(f"{TOPIC_PREFIX}/#", 1)])
-        asleep = threading.Event()
-        trigger = AckTrigger()
-        pubs = [
-            Publisher(
-                f"{run_id}-pub-q{q}-{i}",
-                q,
-                topics,
-                endpoint,
-                hist,
-                random.Random(rng.getrandbits(64)),
-                publish_timeout_s=cfg.publish_timeout_s,
-                interval_s=cfg.publish_interval_s,
-                ack_trigger=trigger,
-            )
-            for q, n in ((1, cfg.publishers_qos1), (2, cfg.publishers_qos2))
-            for i in range(n)
-        ]
-        stop_subs = threading.Event()
-        stop_pubs = threading.Event()
-        sub_threads = [threading.Thread(target=s.run, args=(stop_subs.is_set,), daemon=True) for s in subs]
-        sub_threads.append(
-            threading.Thread(
-                target=sleeper.run, args=(stop_subs.is_set,), kwargs={"offline": asleep.is_set}, daemon=True
-            )
-        )
-        subs.append(sleeper)
-        for t in sub_threads:
-            t.start()
-        _wait_until(lambda: all(s.connected for s in subs), 10.0)
-        pub_threads = [threading.Thread(target=p.run, args=(stop_pubs.is_set,), daemon=True) for p in pubs]
-        for t in pub_threads:
-            t.start()
+        w = start_workload(cfg, run_id, hist, rng, lambda _role: endpoint)
+        subs, pubs, asleep, trigger = w.subs, w.pubs, w.asleep, w.trigger
+        stop_subs, stop_pubs, sub_threads, pub_threads = w.stop_subs, w.stop_pubs, w.sub_threads, w.pub_threads
 
         start = time.monotonic()
         state = _RunState()
@@ -307,6 +324,80 @@ def _fault_loop(
                     "fault", "fault", process="harness", reason="corruption_detected", detail=line[:2000]
                 )
                 notes.append(f"node reported corruption: {line}")
+
+
+@dataclass
+class Workload:
+    """The clients of a run and their threads (started), the sleeper last among ``subs``."""
+
+    subs: list[Subscriber]
+    pubs: list[Publisher]
+    asleep: threading.Event  # while set, the sleeper stays away (its session kept)
+    trigger: AckTrigger
+    stop_subs: threading.Event
+    stop_pubs: threading.Event
+    sub_threads: list[threading.Thread]
+    pub_threads: list[threading.Thread]
+
+
+def start_workload(
+    cfg: ChaosConfig,
+    run_id: str,
+    hist: HistoryWriter,
+    rng: random.Random,
+    endpoints: Callable[[str], Callable[[], Endpoint]],
+) -> Workload:
+    """Subscribers (connected, bounded wait), then publishers. ``endpoints(role)`` gives each client
+    its way of choosing a node at every connect (role ``sleeper`` for the sleeper, else ``client``)."""
+    topics = [f"{TOPIC_PREFIX}/t{i}" for i in range(cfg.topics)]
+    connect_s = cfg.client_connect_timeout_s
+
+    def sub(name: str, s: Subscription, role: str = "client") -> Subscriber:
+        return Subscriber(f"{run_id}-{name}", endpoints(role), hist, [s], connect_timeout_s=connect_s)
+
+    subs = [
+        sub("sub-q1", Subscription(f"{TOPIC_PREFIX}/#", 1)),
+        sub("sub-q2b", Subscription(f"{TOPIC_PREFIX}/#", 2)),
+        sub("share-m1", Subscription(f"{TOPIC_PREFIX}/#", 1, "g")),
+        sub("share-m2", Subscription(f"{TOPIC_PREFIX}/#", 1, "g")),
+    ]
+    # The sleeper is away (session kept) from shortly before each kill until after the restart,
+    # so messages committed around the crash must come back from the node's storage.
+    sleeper = sub("sleeper", Subscription(f"{TOPIC_PREFIX}/#", 1), role="sleeper")
+    asleep = threading.Event()
+    trigger = AckTrigger()
+    pubs = [
+        Publisher(
+            f"{run_id}-pub-q{q}-{i}",
+            q,
+            topics,
+            endpoints("client"),
+            hist,
+            random.Random(rng.getrandbits(64)),
+            publish_timeout_s=cfg.publish_timeout_s,
+            connect_timeout_s=connect_s,
+            interval_s=cfg.publish_interval_s,
+            ack_trigger=trigger,
+        )
+        for q, n in ((1, cfg.publishers_qos1), (2, cfg.publishers_qos2))
+        for i in range(n)
+    ]
+    stop_subs = threading.Event()
+    stop_pubs = threading.Event()
+    sub_threads = [threading.Thread(target=s.run, args=(stop_subs.is_set,), daemon=True) for s in subs]
+    sub_threads.append(
+        threading.Thread(
+            target=sleeper.run, args=(stop_subs.is_set,), kwargs={"offline": asleep.is_set}, daemon=True
+        )
+    )
+    subs.append(sleeper)
+    for t in sub_threads:
+        t.start()
+    _wait_until(lambda: all(s.connected for s in subs), max(10.0, 2 * connect_s))
+    pub_threads = [threading.Thread(target=p.run, args=(stop_pubs.is_set,), daemon=True) for p in pubs]
+    for t in pub_threads:
+        t.start()
+    return Workload(subs, pubs, asleep, trigger, stop_subs, stop_pubs, sub_threads, pub_threads)
 
 
 def _corruption_line(log: str) -> str | None:

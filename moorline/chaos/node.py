@@ -1,10 +1,11 @@
-"""Starting, killing and damaging broker processes for the crash harness.
+"""Starting, killing, pausing and damaging broker processes for the crash harness.
 
 ``NodeProcess`` runs ``python -m moorline run`` per NODE_CONTRACT (loopback, port 0 on first start,
-the same ports on restarts so clients reconnect to where they were). ``MosquittoProcess`` has the
-same surface and exists so the harness's client side can be exercised without a moorline node.
-Damage helpers (``truncate_to_ledger``, ``flip_synced_byte``) are pure file operations driven by a
-seeded ``random.Random``.
+the same ports on restarts so clients reconnect to where they were); with ``cluster`` set it is one
+member of a cluster (``--node-id``, ``--cluster``, ``--initial-cluster``, ``--cluster-secret-file``).
+``MosquittoProcess`` has the same surface and exists so the harness's client side can be exercised
+without a moorline node. Damage helpers (``truncate_to_ledger``, ``flip_synced_byte``) are pure file
+operations driven by a seeded ``random.Random``.
 """
 
 from __future__ import annotations
@@ -56,51 +57,110 @@ def free_port() -> int:
 
 
 class _LogPump:
-    """Reads a child's merged output into a bounded deque, signalling the ready line."""
+    """Reads a child's merged output into a bounded deque (and, when given, appends every line to
+    ``log_file``), signalling the ready line."""
 
-    def __init__(self, proc: subprocess.Popen[str], ready: re.Pattern[str] | None) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[str], ready: re.Pattern[str] | None, log_file: Path | None = None
+    ) -> None:
         self.lines: deque[str] = deque(maxlen=LOG_LINES_KEPT)
         self.ready_match: re.Match[str] | None = None
         self.ready_event = threading.Event()
         self._ready_re = ready
+        self._log_file = log_file
         self._thread = threading.Thread(target=self._pump, args=(proc,), daemon=True)
         self._thread.start()
 
     def _pump(self, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
-        for line in proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if self._ready_re is not None and self.ready_match is None:
-                m = self._ready_re.search(line)
-                if m:
-                    self.ready_match = m
-                    self.ready_event.set()
+        sink = open(self._log_file, "a", encoding="utf-8") if self._log_file is not None else None
+        try:
+            for line in proc.stdout:
+                self.lines.append(line.rstrip("\n"))
+                if sink is not None:
+                    sink.write(line)
+                    sink.flush()
+                self._match(line)
+        finally:
+            if sink is not None:
+                sink.close()
         self.ready_event.set()  # EOF: wake any waiter
+
+    def _match(self, line: str) -> None:
+        if self._ready_re is not None and self.ready_match is None:
+            m = self._ready_re.search(line)
+            if m:
+                self.ready_match = m
+                self.ready_event.set()
 
 
 class _Child:
-    """Stop and kill for a child process (``_proc``), bounded by ``stop_timeout_s``."""
+    """Stop, kill, pause and resume for a child process (``_proc``), bounded by ``stop_timeout_s``."""
 
     _proc: subprocess.Popen[str] | None
     stop_timeout_s: float
+    paused: bool = False
 
     def kill(self) -> None:
         self.send_kill()
         if self._proc is not None:
             self._proc.wait(self.stop_timeout_s)
+        self.paused = False
 
     def send_kill(self) -> None:
-        """SIGKILL without waiting (safe from any thread)."""
+        """SIGKILL without waiting (safe from any thread; a stopped process dies too)."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGKILL)
 
+    def pause(self) -> None:
+        """SIGSTOP: the process keeps its sockets and files but runs nothing until ``resume``."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
+        self.paused = False
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
     def stop(self) -> None:
+        self.send_stop()
+        self.wait_stopped()
+
+    def send_stop(self) -> None:
+        """SIGTERM without waiting (so several processes stop in parallel)."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
+            if self.paused:  # a stopped process handles SIGTERM only once continued
+                self.resume()
+
+    def wait_stopped(self) -> None:
+        """Wait ``stop_timeout_s`` for the process to end after ``send_stop``; SIGKILL after that."""
+        if self._proc is not None and self._proc.poll() is None:
             try:
                 self._proc.wait(self.stop_timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+@dataclass(frozen=True)
+class ClusterMember:
+    """What makes a node one member of a cluster: its name, the address its peers dial, how it
+    reaches the others (``--initial-cluster``, which may name relays instead of the peers
+    themselves) and the shared secret."""
+
+    node_id: str
+    listen: tuple[str, int]
+    initial_cluster: str
+    secret_file: Path
 
 
 @dataclass
@@ -116,13 +176,19 @@ class NodeProcess(_Child):
     mqtt: tuple[str, int] = ("127.0.0.1", 0)
     http: tuple[str, int] = ("127.0.0.1", 0)
     has_http: bool = True
+    cluster: ClusterMember | None = None
+    config_file: Path | None = None
+    log_path: Path | None = None  # every start's output is appended here as well
+    starts: int = 0
     _proc: subprocess.Popen[str] | None = None
     _pump: _LogPump | None = None
     _all_logs: str = ""
 
     def start(self) -> None:
-        if self._pump is not None:
-            self._all_logs += "\n".join(self._pump.lines) + "\n"
+        self.spawn()
+        self.wait_ready()
+
+    def command(self) -> list[str]:
         head = ["-m", "moorline"] if self.faults == NO_FAULTS else [
             "-m", "moorline.testing.faulty_node", "--faults", self.faults.to_json()]
         cmd = [
@@ -138,11 +204,37 @@ class NodeProcess(_Child):
         ]
         if self.shards is not None:
             cmd += ["--shards", str(self.shards)]
+        if self.config_file is not None:
+            cmd += ["--config", str(self.config_file)]
+        if self.cluster is not None:
+            c = self.cluster
+            cmd += [
+                "--node-id", c.node_id,
+                "--cluster", f"{c.listen[0]}:{c.listen[1]}",
+                "--initial-cluster", c.initial_cluster,
+                "--cluster-secret-file", str(c.secret_file),
+            ]
+        return cmd
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it (cluster members wait for each other)."""
+        if self._pump is not None:
+            self._all_logs += "\n".join(self._pump.lines) + "\n"
+        cmd = self.command()
+        self.starts += 1
+        if self.log_path is not None:
+            with open(self.log_path, "a", encoding="utf-8") as log:
+                log.write(f"===== start #{self.starts}: {' '.join(cmd)}\n")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, stdin=subprocess.DEVNULL
         )
-        self._pump = _LogPump(self._proc, READY_RE)
+        self.paused = False
+        self._pump = _LogPump(self._proc, READY_RE, self.log_path)
+
+    def wait_ready(self) -> None:
+        """Until the node prints its ready line; NodeStartError (with its log) when it does not."""
+        assert self._pump is not None and self._proc is not None, "spawn() first"
         self._pump.ready_event.wait(self.start_timeout_s)
         m = self._pump.ready_match
         if m is None:

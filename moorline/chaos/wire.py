@@ -15,12 +15,21 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from moorline.verify.history import HistoryWriter
 
 CONNECT, CONNACK, PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP = 1, 2, 3, 4, 5, 6, 7
 SUBSCRIBE, SUBACK, UNSUBSCRIBE, UNSUBACK, PINGREQ, PINGRESP, DISCONNECT = 8, 9, 10, 11, 12, 13, 14
 MAX_PACKET_BYTES = 1 << 20
+
+
+class Endpoint(NamedTuple):
+    """Where a client connects: a node's MQTT listener, and the node's name for the history."""
+
+    host: str
+    port: int
+    node: str = "n1"
 
 
 class WireError(Exception):
@@ -106,7 +115,7 @@ class Subscriber:
     """One persistent MQTT 5 session; ``run()`` keeps it connected until ``stop()`` returns True."""
 
     client_id: str
-    endpoint: Callable[[], tuple[str, int]]
+    endpoint: Callable[[], Endpoint]  # asked at every connect: a cluster's clients move between nodes
     history: HistoryWriter
     subscriptions: list[Subscription]
     session_expiry_s: int = 3600
@@ -195,7 +204,7 @@ class Subscriber:
     def connect(self) -> bool:
         """Connect (clean start only the very first time); subscribe when the session is new."""
         clean_start = not self._ever_connected
-        host, port = self.endpoint()
+        host, port, self.node = self.endpoint()
         self._rec("invoke", "connect", clean_start=clean_start, session_expiry=self.session_expiry_s)
         try:
             self._sock = socket.create_connection((host, port), timeout=self.connect_timeout_s)

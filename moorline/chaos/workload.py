@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from moorline.chaos.wire import Endpoint
 from moorline.verify.history import HistoryWriter
 
 
@@ -51,7 +52,7 @@ class Publisher:
     client_id: str
     qos: int
     topics: list[str]
-    endpoint: Callable[[], tuple[str, int]]
+    endpoint: Callable[[], Endpoint]  # asked at every connect: a cluster's clients move between nodes
     history: HistoryWriter
     rng: random.Random
     publish_timeout_s: float = 5.0
@@ -77,7 +78,7 @@ class Publisher:
         from paho.mqtt.enums import CallbackAPIVersion
 
         self._drop_client()
-        host, port = self.endpoint()
+        host, port, self.node = self.endpoint()
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5)
         connack: dict[str, Any] = {}
 
