@@ -48,6 +48,7 @@ class IncomingConn:
     stream: ByteStream
     remote: Address
     reader: handshake.FrameReader
+    idle: bool = False  # closed by _pong_loop: no byte arrived for idle_timeout_s
 
 
 class Acceptor:
@@ -147,13 +148,12 @@ class Acceptor:
         reason: str | None = None
         try:
             while True:
-                try:
-                    frames = await reader.read_frames(idle_s)
-                except TimeoutError:
-                    reason = f"no byte from {conn.peer} ({STREAM_NAMES[conn.kind]} stream) for {idle_s} s"
-                    break
+                # Idleness is _pong_loop's to notice (a timer per read cost more than the read).
+                frames = await reader.read_frames()
                 if not frames:
-                    break  # the dialer closed: it says why on its side
+                    if conn.idle:
+                        reason = f"no byte from {conn.peer} ({STREAM_NAMES[conn.kind]} stream) for {idle_s} s"
+                    break  # else the dialer closed: it says why on its side
                 counters.bytes_received += reader.received_bytes - seen
                 seen = reader.received_bytes
                 peer.last_contact_at = env.clock()
@@ -176,7 +176,10 @@ class Acceptor:
                 async with asyncio.timeout(env.limits.handshake_timeout_s):
                     await handshake.refuse(conn.stream, str(exc))
         except OSError as exc:
-            reason = f"{STREAM_NAMES[conn.kind]} stream from {conn.peer} broke: {os.strerror(exc.errno) if exc.errno else exc}"
+            if conn.idle:
+                reason = f"no byte from {conn.peer} ({STREAM_NAMES[conn.kind]} stream) for {idle_s} s"
+            else:
+                reason = f"{STREAM_NAMES[conn.kind]} stream from {conn.peer} broke: {os.strerror(exc.errno) if exc.errno else exc}"
         finally:
             if self.connections.get((conn.peer, conn.kind)) is conn:
                 del self.connections[(conn.peer, conn.kind)]
@@ -186,11 +189,22 @@ class Acceptor:
             await stop_tasks(pong)
 
     async def _pong_loop(self, conn: IncomingConn) -> None:
-        """The dialer's proof that we are alive and reading; it redials when they stop."""
+        """The dialer's proof that we are alive and reading; it redials when they stop. Also the
+        idle watch: a connection that brought no byte at all for idle_timeout_s is closed (a
+        frame that keeps arriving, however slowly, is not idleness)."""
         limits = self.env.limits
+        clock = self.env.clock
+        seen, since = conn.reader.received_bytes, clock()
         try:
             while True:
                 await asyncio.sleep(limits.keepalive_interval_s)
+                now = clock()
+                if conn.reader.received_bytes != seen:
+                    seen, since = conn.reader.received_bytes, now
+                elif now - since >= limits.idle_timeout_s:
+                    conn.idle = True
+                    conn.stream.close()
+                    return
                 conn.stream.write(PONG_BYTES)
                 async with asyncio.timeout(limits.idle_timeout_s):
                     await conn.stream.drain()

@@ -85,6 +85,11 @@ class OutgoingLink:
         self._reader: handshake.FrameReader | None = None
         self._last_logged_error: str | None = None
         self.task: asyncio.Task[None] | None = None
+        # Keepalive without a timer per frame: one timer per keepalive interval checks when the
+        # connection was last written to, and asks for a Ping when it was idle that long.
+        self._last_write_at = 0.0
+        self._ping_due = False
+        self._keepalive: asyncio.TimerHandle | None = None
 
     @property
     def name(self) -> str:
@@ -223,18 +228,40 @@ class OutgoingLink:
 
     async def _write_loop(self, stream: ByteStream) -> None:
         limits = self.env.limits
+        loop = asyncio.get_running_loop()
+        self._last_write_at = loop.time()
+        self._ping_due = False
+        self._keepalive = loop.call_later(limits.keepalive_interval_s, self._keepalive_check)
+        try:
+            await self._write_frames(stream, loop)
+        finally:
+            self._keepalive.cancel()
+
+    def _keepalive_check(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval = self.env.limits.keepalive_interval_s
+        idle_s = loop.time() - self._last_write_at
+        if idle_s >= interval:
+            self._ping_due = True
+            self._wake.set()
+            idle_s = 0.0
+        self._keepalive = loop.call_later(interval - idle_s, self._keepalive_check)
+
+    async def _write_frames(self, stream: ByteStream, loop: asyncio.AbstractEventLoop) -> None:
+        limits = self.env.limits
         counters = self.counters
         queue = self.queue
         while True:
             if not queue:
-                self._wake.clear()
-                try:
-                    async with asyncio.timeout(limits.keepalive_interval_s):
-                        await self._wake.wait()
-                except TimeoutError:
+                if self._ping_due:
+                    self._ping_due = False
                     stream.write(PING_BYTES)
+                    self._last_write_at = loop.time()
                     counters.bytes_sent += len(PING_BYTES)
                     await self._drain(stream)
+                    continue
+                self._wake.clear()
+                await self._wake.wait()
                 continue
             chunks: list[bytes] = []
             batch_bytes = 0
@@ -247,6 +274,7 @@ class OutgoingLink:
             # A large frame goes out in slices of write_batch_bytes, each drained: the stall timeout
             # then bounds the time for one slice to leave, not for a whole snapshot chunk on a
             # slow link.
+            self._last_write_at = loop.time()
             if len(data) <= limits.write_batch_bytes:
                 stream.write(data)
                 await self._drain(stream)
@@ -259,6 +287,8 @@ class OutgoingLink:
             counters.bytes_sent += batch_bytes
 
     async def _drain(self, stream: ByteStream) -> None:
+        if not stream.write_blocked():
+            return  # nothing to wait for: no timer (this runs for every frame sent)
         try:
             async with asyncio.timeout(self.env.limits.write_stall_timeout_s):
                 await stream.drain()

@@ -37,6 +37,10 @@ class ByteStream(Protocol):
         """Wait until the queued bytes are below the stream's buffer bound. Raises OSError when broken."""
         ...
 
+    def write_blocked(self) -> bool:
+        """Whether ``drain`` would wait now (the queued bytes are above the stream's bound)."""
+        ...
+
     def close(self) -> None:
         """Close at once, discarding unsent bytes (a stalled peer must not keep the stream alive)."""
         ...
@@ -86,6 +90,10 @@ class AsyncioStream:
 
     async def drain(self) -> None:
         await self._writer.drain()
+
+    def write_blocked(self) -> bool:
+        transport = self._writer.transport
+        return bool(transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1])
 
     def close(self) -> None:
         # abort(), not close(): close() waits to flush the buffer, forever if the peer stopped reading.
