@@ -383,6 +383,7 @@ class TopicState:
         if reg is None:
             return
         owed, claims = reg.owed, reg.claims
+        had_claims = bool(claims)
         acked: list[int] = []
         for offset in cmd.offsets:  # once per acknowledged message: no call per offset
             if offset in owed:
@@ -393,6 +394,10 @@ class TopicState:
         if acked:
             self._owed_gone(reg.reg_key, acked)
             self._unowe_run(acked)
+            if had_claims and owed:
+                # A $share member acknowledged: its window has room again, wherever it is
+                # connected, so the group's dispatcher (on this shard's leader) looks again.
+                fx.owed(reg.reg_key)
         if reg.draining and not owed:
             self._forget(reg)
 

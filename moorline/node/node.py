@@ -1128,11 +1128,20 @@ class Node:
         unclaimed = [o for o in reg.owed if o not in reg.claims]
         if not unclaimed:
             return
-        online = [m for m in reg.members if m in self.live]
+        # Members connected anywhere in the cluster, as their session shards record it: the leader
+        # of this shard is often not the node a member is connected to. A member connected here
+        # has the room its window has; one elsewhere gets the claims its receive window could
+        # hold, less those it has not acknowledged yet (its node delivers what is claimed).
+        online = [m for m in reg.members if m in self.live or self._connected_elsewhere(m)]
         if not online:
             return
         assigned: dict[str, list[int]] = {}
-        room = {m: max(0, self.live[m]._room()) for m in online}
+        outstanding: dict[str, int] = {}
+        for member in reg.claims.values():
+            outstanding[member] = outstanding.get(member, 0) + 1
+        window = self.cfg.mqtt.receive_maximum
+        room = {m: max(0, self.live[m]._room()) if m in self.live else max(0, window - outstanding.get(m, 0))
+                for m in online}
         sticky = self.cfg.share.dispatch == "sticky_topic"
         rr = self._share_rr.get(reg_key, 0)
         for offset in unclaimed:
@@ -1157,6 +1166,13 @@ class Node:
         self._share_rr[reg_key] = rr
         for member, offsets in assigned.items():
             self.propose(shard, c.ShareClaim(reg_key, member, tuple(offsets)), want=False)
+
+    def _connected_elsewhere(self, client_id: str) -> bool:
+        """Whether the session's shard records ``client_id`` as connected (on some node)."""
+        if self.link is None:
+            return False
+        sess = self.hosts[self.session_shard(client_id)].state.sessions.sessions.get(client_id)
+        return sess is not None and sess.connected
 
     def on_ack_room(self, client_id: str) -> None:
         """A member freed window room: its share groups may dispatch again."""
