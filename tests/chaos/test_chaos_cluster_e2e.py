@@ -24,9 +24,6 @@ pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.cluster_e2e]
 # messages only to members connected to that same node (Node._dispatch_share: `m in self.live`).
 # When a shard's leadership moves away from the node the members are connected to, the group gets
 # nothing from that shard any more: acknowledged messages owed to the group are never delivered.
-SHARE_ON_OTHER_NODE_BUG = ("known bug: a $share group gets nothing from a shard led by a node its "
-                           "members are not connected to (Node._dispatch_share looks for members in "
-                           "the leader's own live connections only)")
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +96,6 @@ def test_chaos_cluster_correct_build_verifies_clean(cluster_verdict: Any) -> Non
     # No node logged an ERROR or a traceback, exited non-zero at SIGTERM, or left a shard unled.
     assert results["clean"].notes == [], results["clean"].notes
     failing = _failing(anomalies, "clean")
-    if failing and all(a["kind"] == "lost" and str(a["subscriber"]).startswith("$share/") for a in failing):
-        pytest.xfail(f"{SHARE_ON_OTHER_NODE_BUG} ({len(failing)} messages)")
     assert {k: row[k] for k in FAILING_KINDS if row[k]} == {}, failing[:10]
 
 
