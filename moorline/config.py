@@ -177,6 +177,10 @@ class RaftConfig:
     # Entries a multi-voter group keeps in memory below its latest snapshot: a follower that lags
     # by fewer catches up from entries, one further behind is sent the snapshot (cluster.*snapshot*).
     follower_log_margin_entries: int = 50_000
+    # Entries this node proposed to a shard that its own replica has not applied yet (waiting for
+    # a leader, or resent to a new one). Past it new proposals are refused (they entered no log):
+    # a leader that stays unreachable must not make the node hold every publish sent meanwhile.
+    max_pending_proposals: int = 256
 
 
 @dataclass
@@ -305,6 +309,8 @@ class NodeConfig:
             raise ConfigError("mqtt.max_packet_size must not exceed raft.max_entry_bytes")
         if not 1 <= self.shard.count <= 4096:
             raise ConfigError("shard.count must be within 1..4096")
+        if self.raft.max_pending_proposals < 1:
+            raise ConfigError("raft.max_pending_proposals must be 1 or more")
         if self.shard.replicas not in (1, 3, 5):
             raise ConfigError("shard.replicas must be 1, 3 or 5 (an even number of voters tolerates no more failures)")
         if self.share.dispatch not in ("round_robin", "sticky_topic"):

@@ -290,6 +290,7 @@ class ShardHost:
         self.boot = 0
         self._seq = 0
         self._own: dict[int, _Own] = {}  # seq -> proposal not applied here yet, in seq order
+        self.max_pending_proposals = 256  # raft.max_pending_proposals: entries in _own (and sealing)
         self._lead_seen: Any = None  # the leader our proposals were last handed to
         self._ticks = 0
         self.resend_after_ticks = 20  # a proposal not applied after this many ticks is handed over again
@@ -317,6 +318,11 @@ class ShardHost:
                 # of another shard. Ack reports are sent again at restart; QoS 0 may be lost.
                 return None
             raise ShardUnavailable(f"shard {self.shard} unavailable: {self.failed}")
+        if len(self._own) >= self.max_pending_proposals:
+            if not want_result:
+                return None  # as for a failed shard: nobody waits for it, its sender repeats what matters
+            raise ShardUnavailable(f"shard {self.shard}: {len(self._own)} proposals of this node wait for a leader "
+                                   f"to commit them (raft.max_pending_proposals): refused, it entered no log")
         fut: asyncio.Future[Any] | None = asyncio.get_running_loop().create_future() if want_result else None
         if self.faults.dedup_at_propose_only and self._answered_here(cmd, fut):
             return fut
@@ -330,6 +336,9 @@ class ShardHost:
         """Like ``propose``, but ``callback(result, error)`` runs right at apply (or failure)."""
         if self.failed is not None:
             raise ShardUnavailable(f"shard {self.shard} unavailable: {self.failed}")
+        if len(self._own) >= self.max_pending_proposals:
+            raise ShardUnavailable(f"shard {self.shard}: {len(self._own)} proposals of this node wait for a leader "
+                                   f"to commit them (raft.max_pending_proposals): refused, it entered no log")
         if self.faults.dedup_at_propose_only and self._answered_here(cmd, callback):
             return
         self._batch_cmds.append(cmd)
@@ -341,6 +350,9 @@ class ShardHost:
         """Propose ``cmds`` as one group: ``callback(results, error)`` runs once, when the last is applied."""
         if self.failed is not None:
             raise ShardUnavailable(f"shard {self.shard} unavailable: {self.failed}")
+        if len(self._own) >= self.max_pending_proposals:
+            raise ShardUnavailable(f"shard {self.shard}: {len(self._own)} proposals of this node wait for a leader "
+                                   f"to commit them (raft.max_pending_proposals): refused, it entered no log")
         n = len(cmds)
         invariant(n > 0, "a command group is not empty")
         self._batch_cmds.extend(cmds)
