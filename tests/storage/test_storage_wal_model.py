@@ -117,7 +117,13 @@ def _run(d: Path, ops: list[tuple], preallocate: bool = False) -> int:
             m.last = first + count - 1
         elif kind == "hard":
             _, g, t, vote = o
-            commit = min(live[g].last, t)
+            # As Raft writes them: term and commit index never go back (and nothing at or below a
+            # commit index is ever truncated, see "append"). The WAL relies on it: a batch's hard
+            # state is written after its entries, so a torn batch may keep a truncation and lose
+            # the hard state that came with it; the previous one then still fits the log.
+            prev = live[g].hard
+            t = max(t, prev[0] if prev is not None else 0)
+            commit = max(min(live[g].last, t), live[g].commit())
             w.set_hard_state(g, t, vote, commit)
             live[g].hard = (t, vote, commit)
         elif kind == "snap":
