@@ -311,6 +311,11 @@ class SimStream(_End):
             raise self._error
         await asyncio.sleep(0)
 
+    def write_blocked(self) -> bool:
+        # Always drained, as before ByteStream had this: the drain is a scheduling point and
+        # reports a reset, and the simulated schedule should not change with the real one's economy.
+        return True
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
