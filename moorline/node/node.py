@@ -398,7 +398,9 @@ class Node:
                 continue
             preferred = self.preferred_leader[host.shard]
             pr = raft.progress.get(preferred)
-            if preferred == self.member or pr is None or not pr.recent_active or pr.match < raft.log.last_index():
+            # Caught up to the commit index is enough: transfer_leader itself catches the rest up
+            # (a group with a proposal in flight at every check, e.g. housekeeping, never moved).
+            if preferred == self.member or pr is None or not pr.recent_active or pr.match < raft.log.committed:
                 continue
             raft.transfer_leader(preferred)
             self.commit.kick(host.shard)

@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 from cluster_clients import connect, drain, subscribe
-from cluster_harness import SHARD_COUNT, ClusterFactory, ClusterNode, wait_for
+from cluster_harness import SHARD_COUNT, ClusterError, ClusterFactory, ClusterNode, wait_for
 from rawclient import DISCONNECT, PUBACK, ConnectionClosed, MalformedFromBroker, encode_publish
 from test_cluster_quorum import one_topic_per_shard
 
@@ -58,8 +58,17 @@ def test_three_voters_per_shard_on_five_nodes(cluster_factory: ClusterFactory) -
     preferred_counts = Counter(p for _, _, p in placement.values())
     assert all(abs(preferred_counts[n] - SHARD_COUNT / 5) < 1 for n in cluster.names), preferred_counts
     # Leaders settle on the preferred voters (fresh start, then the rebalancer).
-    wait_for("every shard led by its preferred leader",
-             lambda: all(s["leader"] == s["preferred_leader"] for s in cluster.shards("n1")) or None, 60)
+    unsettled: list[tuple[int, str | None, str]] = []
+
+    def settled() -> bool | None:
+        unsettled[:] = [(s["shard"], s["leader"], s["preferred_leader"]) for s in cluster.shards("n1")
+                        if s["leader"] != s["preferred_leader"]]
+        return not unsettled or None
+
+    try:
+        wait_for("every shard led by its preferred leader", settled, 60)
+    except ClusterError:
+        raise AssertionError(f"(shard, leader, preferred) not settled after 60 s: {unsettled}") from None
 
     # The metadata group: every initial node votes; its record is the placement every node computed.
     for name in cluster.names:
