@@ -121,7 +121,7 @@ class Node:
         self._tasks: list[asyncio.Task[Any]] = []
         self.fatal: BaseException | None = None
         self.stopping = asyncio.Event()
-        self.ledger = SyncLedger(Path(faults.sync_ledger)) if faults.sync_ledger else None
+        self.ledger = seams.sync_ledger or (SyncLedger(Path(faults.sync_ledger)) if faults.sync_ledger else None)
         seed = faults.cross_shard_chaos_seed
         self._chaos = random.Random(seed) if seed is not None else None
         self.stats = {"delivered": 0, "refused": 0, "delivery_batches_committed": 0}

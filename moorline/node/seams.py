@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from moorline.cluster.net import Network
 from moorline.node.clock import SYSTEM_CLOCK, Clock
+from moorline.storage.ledger import SyncLedger
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class Seams:
     # Storage ids, GUID prefixes, incarnations, handshake nonces; and the seed of ``rng()``.
     random_bytes: Callable[[int], bytes] = os.urandom
     inline_io: bool = False  # no threads: WAL syncs run on the event loop
+    # The disk's record of synced lengths (test instrument, see storage/ledger.py): the simulator
+    # keeps it in memory to cut a crashed node's files back to what was synced.
+    sync_ledger: SyncLedger | None = None
 
     def rng(self) -> random.Random:
         """A generator for jitter (reconnect backoff), seeded from ``random_bytes``."""
