@@ -121,7 +121,7 @@ class FaultPlan:
             sn = rng.choice(healthy)
             w.crash(sn)
             if self.cfg.bitflips and rng.random() < 0.5:
-                flipped = flip_synced_byte(sn.ledger, rng)
+                flipped = flip_synced_byte(sn.memory_ledger.as_file(sn.ledger), rng)
                 if flipped is not None:
                     self.flips.append((sn.name, *flipped))
                     w.note(f"{sn.name}: flipped a bit of synced data in {Path(flipped[0]).name} at {flipped[1]}")

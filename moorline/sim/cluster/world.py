@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moorline.chaos.node import truncate_to_ledger
 from moorline.config import NodeConfig
 from moorline.node.auth import Authorizer
 from moorline.node.node import Node
@@ -31,6 +30,7 @@ from moorline.node.seams import Seams
 from moorline.node.server import MqttServer
 from moorline.sim.cluster.vloop import Scheduler, VirtualLoop
 from moorline.sim.cluster.vnet import LinkDelay, SimNetwork
+from moorline.storage.ledger import SyncLedger
 from moorline.testing.faults import Faults
 
 log = logging.getLogger("moorline.sim.cluster")
@@ -55,6 +55,42 @@ class SimClock:
         return EPOCH_MS + self.skew_ms + int(self.loop.time() * 1000)
 
 
+class MemoryLedger(SyncLedger):
+    """Synced lengths per file, in memory: what a crash may keep of each file."""
+
+    def __init__(self) -> None:
+        self.synced: dict[str, int] = {}
+
+    def record_many(self, items: Any) -> None:
+        for file, length in items:
+            self.synced[os.path.abspath(file)] = length
+
+    def forget(self, file: Path) -> None:
+        self.synced.pop(os.path.abspath(file), None)
+
+    def cut_unsynced(self, rng: random.Random, extra_bytes_max: int = 16) -> list[str]:
+        """Every file back to its synced length plus 0..extra_bytes_max of what followed (power loss)."""
+        done = []
+        for name, synced in sorted(self.synced.items()):
+            try:
+                size = os.path.getsize(name)
+            except OSError:
+                continue
+            keep = min(size, synced + rng.randint(0, extra_bytes_max))
+            if keep < size:
+                os.truncate(name, keep)
+                done.append(f"{Path(name).name}:{size}->{keep}")
+        return done
+
+    def as_file(self, path: Path) -> Path:
+        """The same record in the ledger file format (for tools that read one)."""
+        import json
+        with open(path, "w", encoding="utf-8") as f:
+            for name, length in sorted(self.synced.items()):
+                f.write(json.dumps({"file": name, "synced_length": length}) + "\n")
+        return path
+
+
 def seeded_bytes(rng: random.Random) -> Any:
     def draw(n: int) -> bytes:
         return rng.randbytes(n)
@@ -67,7 +103,8 @@ class SimNode:
     index: int
     host: str
     data_dir: Path
-    ledger: Path
+    ledger: Path  # where the synced lengths are written out for tools (flip_synced_byte)
+    memory_ledger: MemoryLedger = field(default_factory=MemoryLedger)
     loop: VirtualLoop | None = None
     node: Node | None = None
     server: MqttServer | None = None
@@ -166,13 +203,14 @@ class World:
         sn.boots += 1
         host_net = self.net.for_host(sn.host, loop)
         seams = Seams(clock=SimClock(loop, skew_ms), cluster_network=host_net,
-                      random_bytes=seeded_bytes(self._node_rngs[sn.name]), inline_io=True)
+                      random_bytes=seeded_bytes(self._node_rngs[sn.name]), inline_io=True,
+                      sync_ledger=sn.memory_ledger)
         cfg = self.node_config(sn)
         cfg.validate()
 
         async def boot() -> None:
             try:
-                faults = Faults(sync_ledger=str(sn.ledger), **dict.fromkeys(self.switches, True))
+                faults = Faults(**dict.fromkeys(self.switches, True))  # type: ignore[arg-type]
                 node = Node(cfg, faults, seams)
                 sn.node = node
                 await node.open_async()
@@ -201,7 +239,7 @@ class World:
         self.net.crash_host(sn.host)
         _close_files_under(sn.data_dir)
         sn.crashed, sn.ready = True, False
-        cut = truncate_to_ledger(sn.ledger, self.crash_rng) if lose_unsynced else []
+        cut = sn.memory_ledger.cut_unsynced(self.crash_rng) if lose_unsynced else []
         self.note(f"{sn.name} crashed" + (f", cut {len(cut)} file(s) to their synced length" if cut else ""))
         sn.node, sn.server = None, None
         return cut
