@@ -245,7 +245,9 @@ class OutgoingLink:
             self._ping_due = True
             self._wake.set()
             idle_s = 0.0
-        self._keepalive = loop.call_later(interval - idle_s, self._keepalive_check)
+        # Never a delay that rounds to nothing: on a virtual clock the timer would fire again at
+        # the same instant forever (the cluster simulator found this).
+        self._keepalive = loop.call_later(max(interval - idle_s, 1e-3), self._keepalive_check)
 
     async def _write_frames(self, stream: ByteStream, loop: asyncio.AbstractEventLoop) -> None:
         limits = self.env.limits
