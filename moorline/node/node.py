@@ -1034,7 +1034,9 @@ class Node:
     # --- effects ---------------------------------------------------------------------------------
     def _on_effects(self, host: ShardHost, fx: Effects) -> None:
         shard = host.shard
-        woken: set[LiveSession] = set()
+        # A dict, not a set: sessions wake in a deterministic order (a set of objects iterates in
+        # address order, which differs run to run and breaks a simulator seed's replay).
+        woken: dict[LiveSession, None] = {}
         # Runs of one registration (one subscriber's messages, in apply order) go to its session at once.
         for reg_key, run in groupby(fx.owed_new, key=itemgetter(1)):
             if reg_key.startswith(SHARE_PREFIX):
@@ -1042,7 +1044,7 @@ class Node:
             live = self.live.get(reg_key.partition("\x00")[0])
             if live is not None:
                 live.notify_run(shard, run)
-                woken.add(live)
+                woken[live] = None
         for reg_key in fx.owed_regs:
             if self.is_share_key(reg_key):
                 self._schedule_dispatch(shard, reg_key)
@@ -1053,7 +1055,7 @@ class Node:
             if live is not None:
                 for offset in offsets:
                     live.notify(shard, reg_key, offset)
-                woken.add(live)
+                woken[live] = None
         for live in woken:
             live.wake()
 
