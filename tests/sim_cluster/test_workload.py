@@ -98,3 +98,22 @@ def test_history_is_well_formed_and_a_seed_replays_exactly() -> None:
     assert versions == {4, 5}
     other = run_workload(12, cfg=cfg)
     assert [json.dumps(r, sort_keys=True) for r in other.records] != text
+
+
+def test_a_cluster_that_cannot_recover_is_reported_stuck_and_judged_on_nothing_else() -> None:
+    """Two of three nodes gone for good: the drain gives up; its subscribers are recorded as not
+    drained (nothing is judged owed to them) and unanswered publishes as abandoned: ``stuck``."""
+    cfg = WorkloadConfig(messages_per_publisher=40, race_messages=40, share_messages=40)
+
+    def lose_the_majority(world: World, _wl: Any) -> None:
+        if world.scheduler.now >= 3.0:
+            for sn in world.nodes[1:]:
+                world.crash(sn)
+
+    run = run_workload(4, cfg=cfg, production_s=6.0, drain_s=16.0, during=lose_the_majority)
+    assert not run.drained and run.workload.errors == []
+    found = check_history(run.records)
+    assert {v.kind for v in found} == {"stuck"}
+    stats = run.workload.stats
+    assert stats["not_drained"] > 0 and stats["drained"] == 0 and stats["publishes_abandoned"] > 0
+    assert len(found) == stats["not_drained"] + stats["publishes_abandoned"]

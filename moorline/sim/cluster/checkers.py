@@ -34,7 +34,9 @@ Beyond verify (``EXTRA_KINDS``):
 - *session_lost*: CONNECT with clean start 0 answered session present 0 although the session's
   expiry (``session_expiry`` of the CONNECT that opened its last connection; none on 3.1.1 means it
   does not expire within a run) had not run out since its last connection ended;
-- *resend_without_dup*: a QoS 2 resend of a held packet id with DUP=0.
+- *resend_without_dup*: a QoS 2 resend of a held packet id with DUP=0;
+- *stuck*: liveness after the faults healed: a subscriber the workload's drain gave up on (it could
+  not reconnect and catch up within the drain's time), or a publish never answered.
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ from moorline.verify.checks import REPORTED_KINDS
 from moorline.verify.topics import filter_to_regex
 
 NO_GUID = "no_guid"
-EXTRA_KINDS: tuple[str, ...] = ("double_owner", "stale_owner", "session_lost", "resend_without_dup")
+STUCK_SUBSCRIBER = "not drained"  # reasons the workload records when its drain gives up
+STUCK_PUBLISH = "abandoned"
+EXTRA_KINDS: tuple[str, ...] = ("double_owner", "stale_owner", "session_lost", "resend_without_dup", "stuck")
 FAILING_KINDS: tuple[str, ...] = VERIFY_FAILING_KINDS + EXTRA_KINDS
 ALL_KINDS: tuple[str, ...] = FAILING_KINDS + REPORTED_KINDS
 END_OF_TIME = 2**62
@@ -230,6 +234,7 @@ class _RunCheck:
         self._resends()
         self._owners()
         self._session_presence()
+        self._stuck()
 
     def _sessions(self) -> None:
         inc: dict[str, int] = defaultdict(int)
@@ -691,6 +696,18 @@ class _RunCheck:
                                   f"{old['process']}'s connection to {old['node']} still open "
                                   f"{(min(end, self.ev[-1]['mono_ns']) - new['start']) / 1e9:.3f} s after "
                                   f"{new['process']} got CONNACK from {new['node']}", None, s, None)
+
+    def _stuck(self) -> None:
+        """Liveness once the faults healed: the workload's drain gave up on a subscriber that could
+        not catch up, or on a publish that was never answered (the workload records both)."""
+        for r in self.ev:
+            reason = r.get("reason") or ""
+            if r.get("type") != "info":
+                continue
+            if r.get("op") == "disconnect" and reason.startswith(STUCK_SUBSCRIBER):
+                self.flag("stuck", f"{r.get('process')}: {reason}", None, r.get("session"), None)
+            elif r.get("op") == "publish" and reason.startswith(STUCK_PUBLISH):
+                self.flag("stuck", f"{r.get('process')}: {reason}", r.get("guid"), r.get("session"), r.get("topic"))
 
     def _session_presence(self) -> None:
         """CONNECT with clean start 0 to a session that cannot have expired yet must find it."""

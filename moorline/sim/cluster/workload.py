@@ -71,6 +71,8 @@ from moorline.verify.history import check_record
 
 NO_GUID = "no_guid"  # detail of a publish sent without a guid user property
 WILL_DISCARDED = "will discarded: clean DISCONNECT processed"
+NOT_DRAINED = "not drained: the drain timed out"  # a subscriber that could not catch up after the faults healed
+ABANDONED = "abandoned: unanswered when the drain timed out"  # a publish never answered after the faults healed
 SESSION_TAKEN_OVER = 0x8E
 PERSISTENT_EXPIRY_S = 600
 
@@ -474,7 +476,7 @@ class Publisher(ModelClient):
                          reason="connection lost", detail=None if out.with_guid else NO_GUID)
 
     async def ensure_connected(self) -> None:
-        while not self.connected:
+        while not self.connected and not self.wl.abandon_publishes:
             clean = not self.persistent or (not self.ever_connected and self.version == 5)
             expiry = PERSISTENT_EXPIRY_S if self.persistent else 0
             present = await self.connect(clean, expiry)
@@ -531,6 +533,11 @@ class Publisher(ModelClient):
                 self.close(clean=False, reason="acknowledgement timed out")
                 continue
             await self.wait_changed(0.5)
+        for out in self.inflight.values():
+            if out.state == "sent":  # never answered although every fault had healed
+                self.rec("info", "publish", guid=out.guid, topic=out.topic, qos=out.qos, packet_id=out.pid,
+                         reason=ABANDONED, detail=None if out.with_guid else NO_GUID)
+                self.stat("publishes_abandoned")
         self.close(clean=True)
 
 
@@ -730,9 +737,9 @@ class Subscriber(ModelClient):
             return
         settled = self.wl.drain_complete and self.connected and self.subscribed and not self.withheld
         if self.connected:
-            self.close(clean=settled, reason="not drained: the drain timed out")
+            self.close(clean=settled, reason=NOT_DRAINED)
         elif not settled and not self.drain_marked:
-            self.rec("info", "disconnect", reason="not drained: offline when the drain timed out")
+            self.rec("info", "disconnect", reason=NOT_DRAINED + " (offline)")
         self.drain_marked = True
         self.stat("drained" if settled else "not_drained")
 
