@@ -308,6 +308,7 @@ class ShardHost:
         self.installs = 0  # leader snapshots installed since start
         self._stamp_ms = 0  # the latest time this replica stamped forwarded entries with, as leader
         self.faults: Faults = NO_FAULTS  # the node's: deliberately broken builds, for tests only
+        self._forgotten: dict[int, _Own] = {}  # Faults.forwarder_drops_on_leader_change: never resent
 
     # --- proposing ---------------------------------------------------------------------------
     def propose(self, cmd: c.Command, want_result: bool = True) -> asyncio.Future[Any] | None:
@@ -529,7 +530,8 @@ class ShardHost:
         if not self.state.admit(head.origin, head.boot, head.seq):
             self.state.applied_index = e.index  # a proposal resent to a new leader, applied before
             return
-        own = self._own.pop(head.seq, None) if head.origin == self.node_id and head.boot == self.boot else None
+        own = (self._own.pop(head.seq, None) or self._forgotten.pop(head.seq, None)
+               if head.origin == self.node_id and head.boot == self.boot else None)
         if own is not None:
             # Our commands as proposed, unless a leader restamped them (forwarded): then what the
             # log holds, as every other replica applies it.
@@ -898,11 +900,12 @@ class ShardHost:
                 own.futures[k] = None
 
     def _forget_unapplied(self, keep_newest: bool) -> None:
-        """Faults.forwarder_drops_on_leader_change: the proposals not applied yet are forgotten
-        (the newest, being proposed now, excepted), never handed to the new leader; their waiters
-        are never answered."""
+        """Faults.forwarder_drops_on_leader_change: the proposals not applied yet (the newest,
+        being proposed now, excepted) are never handed to the new leader nor resent. Those the old
+        leader's log kept are answered when applied; the others never are (publish_timeout closes
+        the client), and the shard skips every later proposal of this node (they apply in order)."""
         for seq in list(self._own)[:-1] if keep_newest else list(self._own):
-            del self._own[seq]
+            self._forgotten[seq] = self._own.pop(seq)
 
     def fail(self, reason: str) -> None:
         self.failed = reason
