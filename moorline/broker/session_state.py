@@ -26,7 +26,6 @@ from moorline.broker.commands import (
     WillSpec,
 )
 from moorline.broker.effects import Effects
-from moorline.invariant import invariant
 
 MAX_SHARE_DONE = 4096
 SENT = 0  # PUBLISH sent, waiting for PUBACK / PUBREC
@@ -206,7 +205,11 @@ class SessionState:
         s = self._current(cmd.client_id, cmd.epoch)
         if s is None:
             return False
-        invariant(cmd.first_seq == s.next_seq, "delivery batches are contiguous in seqno")
+        if cmd.first_seq != s.next_seq:
+            # An earlier batch of this owner never committed (its proposal was dropped, e.g. while
+            # leadership moved): this one does not continue the delivery log, so it is refused,
+            # and the owner ends the connection so the session resumes from what was committed.
+            return False
         seq = cmd.first_seq
         for item in cmd.items:
             if item.qos > 0:

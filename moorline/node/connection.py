@@ -578,6 +578,16 @@ class Connection(asyncio.Protocol):
             self._connack_refuse(RC.SERVER_UNAVAILABLE)  # 3.1.1: return code 3
             return
         if self._closing:
+            # The client went away while its CONNECT was being committed: this node owns a session
+            # nobody is connected to. Hand it back (no will: the client never got a CONNACK).
+            self.node.abandon_session(client_id, epoch)
+            return
+        if not self.node.epoch_is_current(client_id, epoch):
+            # A later CONNECT of this client (on another node) was committed right after ours:
+            # the session is its now. Refused; the client connects again.
+            if self.node.connections.get(client_id) is self:
+                del self.node.connections[client_id]
+            self._connack_refuse(RC.SERVER_UNAVAILABLE)
             return
         client_rm = props.receive_maximum if v5 and props.receive_maximum else self.cfg.max_inflight_out
         if not v5:

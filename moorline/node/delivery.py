@@ -218,6 +218,16 @@ class LiveSession:
                 await asyncio.sleep(0.1)
                 self._wake.set()
 
+    def _cannot_continue(self, why: str) -> None:
+        """The delivery log here no longer continues the committed one: stop, and end the client's
+        connection so it reconnects and the session resumes from what was committed (MQTT 5:
+        DISCONNECT 0x80 with the reason)."""
+        self.closed = True
+        conn = self.node.connections.get(self.client_id)
+        if conn is not None and getattr(conn, "live", None) is self:
+            log.info("session %s: %s; closing its connection", self.client_id, why)
+            conn.disconnect(0x80, f"delivery must resume from the committed state: {why}")
+
     def _room(self) -> int:
         return self.receive_max - self.inflight_out
 
@@ -465,9 +475,13 @@ class LiveSession:
             self.node.stats["delivery_batches_committed"] += 1
             if not self.node.faults.loose_packet_ids:
                 assert fut is not None
-                ok = await fut  # the batch is durable before any PUBLISH of it leaves
+                try:
+                    ok = await fut  # the batch is durable before any PUBLISH of it leaves
+                except Exception as exc:  # noqa: BLE001 - dropped, unavailable, outcome unknown
+                    self._cannot_continue(f"a delivery batch did not commit: {exc}")
+                    return
                 if not ok:
-                    self.closed = True
+                    self._cannot_continue("a delivery batch was refused (stale owner or a batch before it lost)")
                     return
         if self.closed:
             return

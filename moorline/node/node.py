@@ -1011,6 +1011,17 @@ class Node:
                         self._lease_deadline[key] = max(self._lease_deadline[key], deadline)
         return done
 
+    def epoch_is_current(self, client_id: str, epoch: int) -> bool:
+        sess = self.hosts[self.session_shard(client_id)].state.sessions.sessions.get(client_id)
+        return sess is not None and sess.epoch == epoch
+
+    def abandon_session(self, client_id: str, epoch: int) -> None:
+        """A session opened for a connection that closed before it was served: closed (no will),
+        its lease released, so a CONNECT elsewhere need not wait for it."""
+        self._lease_deadline.pop((client_id, epoch), None)
+        self.propose(self.session_shard(client_id), c.SessionClose(self.now_ms(), client_id, epoch, False),
+                     want=False)
+
     def close_session(self, live: LiveSession, send_will: bool, expiry_s: int | None) -> asyncio.Task[None]:
         """Proposes the close at once (before any later CONNECT of the same client can be proposed,
         so the session shard sees them in the order they happened), then finishes asynchronously."""
