@@ -894,16 +894,30 @@ class Node:
         its $share claims return to the group except unreceived QoS 2, which are dropped. An
         expiry-0 session's deliveries were logged only by its ``live`` driver, if any."""
         qos2_unreceived: dict[tuple[str, int], list[int]] = {}
+        # $share deliveries the member finished (acknowledged: share_done) or received at QoS 2
+        # (PUBREC'd) are done: reported as acknowledged before the claims go back, so none is
+        # sent to another member (MQTT-4.8.2-5). The report from the member's own node may not
+        # have reached the topic shard yet (another node may end the session).
+        received: dict[tuple[str, int], list[int]] = {}
+        for shard, rk, offset in sess.share_done:
+            received.setdefault((rk, shard), []).append(offset)
         if live is not None and live.ephemeral:
             releasing = live.local_releasing
             unreceived = [it for seq, it in live.local_inflight.items() if seq not in releasing]
+            pubrecd = [it for seq, it in live.local_inflight.items() if seq in releasing]
         else:
             unreceived = [d.item for d in sess.inflight.values() if d.state == SENT]
+            pubrecd = [d.item for d in sess.inflight.values() if d.state != SENT]
         for it in unreceived:
             if it.offset >= 0 and it.qos == 2:
                 for rk in it.reg_keys:
                     if self.is_share_key(rk):
                         qos2_unreceived.setdefault((rk, it.shard), []).append(it.offset)
+        for it in pubrecd:
+            if it.offset >= 0 and it.qos == 2:
+                for rk in it.reg_keys:
+                    if self.is_share_key(rk):
+                        received.setdefault((rk, it.shard), []).append(it.offset)
         futs = []
         for flt in sess.subs:
             reg_key, inner, group = reg_key_for(sess.client_id, flt)
@@ -911,6 +925,9 @@ class Node:
                 if self.hosts[shard].failed is not None:
                     continue  # unregistered when the shard is back (_unregister_ghosts)
                 if group is not None:
+                    done = received.get((reg_key, shard))
+                    if done:  # proposed first from this node: applied before the return
+                        self.propose(shard, c.AckReport(reg_key, tuple(done)), want=False)
                     dropped = tuple(qos2_unreceived.get((reg_key, shard), ()))
                     futs.append(self.propose_cross(shard, c.ShareReturn(reg_key, sess.client_id, dropped)))
                     futs.append(self.propose_cross(shard, c.ShareMember(reg_key, sess.client_id, False)))
