@@ -285,3 +285,19 @@ def test_verify_scenarios_give_the_same_anomalies() -> None:
         build(h)
         got = Counter(v.kind for v in analyze_history(h.rows).violations if v.kind not in EXTRA_KINDS)
         assert dict(got) == expected, name
+
+
+def test_a_retained_copy_before_or_after_the_live_one_is_no_duplicate(clean: list[Rec]) -> None:
+    """A new subscription's retained copy of a message the session also gets live (through another
+    filter) is a copy MQTT asks for, in either order; a second live copy after it still is a
+    duplicate."""
+    candidates = once_delivered(clean, "psub1", qos=1)
+    assert candidates, "seed 3 delivers QoS 1 messages to psub1 once each"
+    live = candidates[0]
+    retained = {**live, "detail": "retained", "packet_id": (live["packet_id"] or 0) + 1000, "retain": True}
+    before = {**retained, "mono_ns": live["mono_ns"] - 1}
+    assert "duplicate" not in kinds(renumber([*copy.deepcopy(clean), before]))
+    assert "duplicate" not in kinds(insert_after(copy.deepcopy(clean), live, retained))
+    again = {**live, "packet_id": (live["packet_id"] or 0) + 2000}
+    doubled = insert_after(insert_after(copy.deepcopy(clean), live, retained), live, again, dt_ns=5)
+    assert kinds(doubled)["duplicate"] >= 1

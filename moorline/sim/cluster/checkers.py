@@ -337,11 +337,15 @@ class _RunCheck:
                 e.orig_ns = same[0].mono
                 if k == 1:
                     continue
-                prev = same[k - 2]
-                e.prev_conn, e.prev_pid = prev.conn, prev.get("packet_id")
                 # A retained message sent for a new subscription is a copy MQTT asks for (one per
-                # matching filter of a SUBSCRIBE, MQTT-3.8.4-4), not a second delivery.
-                repeatable = self._may_repeat(e.get("guid")) or e.get("detail") == "retained"
+                # matching filter of a SUBSCRIBE, MQTT-3.8.4-4), not a second delivery: in either
+                # order with the live copy another filter of the session was owed. So a delivery is
+                # compared with the session's earlier live copy, if any.
+                earlier_live = [x for x in same[:k - 1] if x.get("detail") != "retained"]
+                prev = earlier_live[-1] if earlier_live else same[k - 2]
+                e.prev_conn, e.prev_pid = prev.conn, prev.get("packet_id")
+                repeatable = (self._may_repeat(e.get("guid")) or e.get("detail") == "retained"
+                              or not earlier_live)
                 if ((e.get("qos") or 0) > 0 and e.prev_pid is not None and e.get("packet_id") is not None
                         and e.prev_pid != e.get("packet_id") and not repeatable):
                     self.flag("packet_id_misuse",

@@ -19,6 +19,7 @@ Nothing here reads a real clock, and the only randomness is the seeded generator
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import selectors
 from asyncio import events
@@ -135,6 +136,8 @@ class Scheduler:
         self.drop(loop)
         tasks = list(asyncio.all_tasks(loop))
         events._set_running_loop(loop)
+        previous = logging.root.manager.disable
+        logging.disable(logging.CRITICAL)  # what the closed coroutines' handlers say is not the world's
         try:
             for task in tasks:
                 task._log_destroy_pending = False  # type: ignore[attr-defined]
@@ -144,6 +147,7 @@ class Scheduler:
                     pass  # a coroutine that refuses to close: garbage collection ends it
         finally:
             events._set_running_loop(None)
+            logging.disable(previous)
         loop._ready.clear()  # type: ignore[attr-defined]
         loop._scheduled.clear()  # type: ignore[attr-defined]
         if not loop.is_closed():
