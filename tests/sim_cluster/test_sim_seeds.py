@@ -10,8 +10,8 @@ from moorline.sim.cluster.runner import run_seed
 
 pytestmark = pytest.mark.timeout(900)
 
-CI_SEEDS_3 = range(100, 104)
-CI_SEEDS_5 = range(200, 201)
+CI_SEEDS_3 = range(100, 130)  # about 3 to 4 minutes of CI: the bounded run the issue asks for
+CI_SEEDS_5 = range(200, 202)
 
 
 @pytest.mark.parametrize("seed", CI_SEEDS_3)
