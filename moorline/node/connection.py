@@ -841,22 +841,10 @@ class Connection(asyncio.Protocol):
             return  # the session left this connection (closed or taken over)
         v5 = self.version == MQTT_5
         sub_id = pk.properties.subscription_identifiers[0] if pk.properties.subscription_identifiers else None
-        live.hold_live()  # released once this SUBSCRIBE's retained messages are sent
-        started = False
-        try:
-            started = await self._subscribe_filters(pk, live, v5, sub_id)
-        finally:
-            if not started:
-                live.release_live()
-
-    async def _subscribe_filters(self, pk: p.Subscribe, live: LiveSession, v5: bool, sub_id: int | None) -> bool:
-        """Each filter of a SUBSCRIBE registered (or refused) in order; then SUBACK, then the
-        retained messages, in a task that releases the session's hold on live deliveries (True
-        when that task was started)."""
         codes: list[int] = []
+        failure = ""  # MQTT 5: why a filter failed (the SUBACK's reason string)
         sys_granted: list[str] = []  # $SYS filters granted: their current values follow the SUBACK
         retained_all: list[Any] = []
-        failure = ""  # MQTT 5: why a filter failed (the SUBACK's reason string)
         for flt, opts in pk.subscriptions:
             if self.state.topic_filter_error(flt) is not None:  # syntax and mqtt.max_topic_*, before any split
                 codes.append(RC.TOPIC_FILTER_INVALID if v5 else 0x80)
@@ -873,7 +861,7 @@ class Connection(asyncio.Protocol):
                 continue
             qos = min(opts.qos, 2)
             if self._closing or self.live is not live:
-                return False  # closed or taken over while an earlier filter registered: no SUBACK to send
+                return  # closed or taken over while an earlier filter registered: no SUBACK to send
             sess = live.session()
             if sess is not None and flt not in sess.subs and len(sess.subs) >= self.node.cfg.session.max_subscriptions:
                 codes.append(RC.QUOTA_EXCEEDED if v5 else 0x80)
@@ -890,7 +878,7 @@ class Connection(asyncio.Protocol):
             retained_all.extend(retained)
             codes.append(qos)
         if self._closing or self.live is not live:
-            return False
+            return
         props = p.Properties(reason_string=failure) if v5 and failure else p.NO_PROPERTIES
         self.send_packet(p.Suback(pk.packet_id, tuple(codes if v5 else [suback_v5_to_v3(x) for x in codes]), props))
         for flt in sys_granted:
@@ -902,9 +890,6 @@ class Connection(asyncio.Protocol):
             # and those are read by this handler once it returns (awaiting here would deadlock).
             task = asyncio.get_running_loop().create_task(live.deliver_retained(retained_all))
             task.add_done_callback(_log_retained_error)
-            task.add_done_callback(lambda _t: live.release_live())
-            return True
-        return False
 
     def _subscribe_sys(self, flt: str, qos: int, shared: bool, v5: bool) -> int:
         """A $SYS filter is node-local (moorline/node/sys_topics.py), never registered in a shard.

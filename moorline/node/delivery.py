@@ -108,7 +108,6 @@ class LiveSession:
         self.send_publishes = send_publishes  # a batch, in order
         self.send_pubrel = send_pubrel
         self.closed = False
-        self._live_holds = 0  # SUBSCRIBEs whose retained messages are not all sent yet
         self.writable = True  # false while the socket's write buffer is above its high-water mark
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -205,22 +204,12 @@ class LiveSession:
         return self.node.hosts[item.shard].message(item.offset)
 
     # --- the pump ------------------------------------------------------------------------------
-    def hold_live(self) -> None:
-        """A SUBSCRIBE is registering: live deliveries wait until its retained messages are sent,
-        so a topic's retained message never arrives after a newer live one (per-topic order)."""
-        self._live_holds += 1
-
-    def release_live(self) -> None:
-        self._live_holds -= 1
-        if self._live_holds == 0:
-            self.wake()
-
     async def _pump(self) -> None:
         while not self.closed:
             await self._wake.wait()
             self._wake.clear()
             try:
-                while not self.closed and self.writable and not self._live_holds and await self._deliver_once():
+                while not self.closed and self.writable and await self._deliver_once():
                     pass
             except asyncio.CancelledError:
                 raise
