@@ -122,6 +122,8 @@ class RaftNode:
         self.rng = config.rng if config.rng is not None else random.Random(crc32c(repr(config.id).encode()))
         self.log = RaftLog(storage)
         hs, cs = storage.initial_state()
+        if config.bugs.forget_vote_on_restart:
+            hs = HardState(term=hs.term, vote=None, commit=hs.commit)  # RaftBugs: the vote is not reloaded
         self.term = hs.term
         self.vote: MemberId | None = hs.vote
         if hs.commit:
@@ -222,7 +224,7 @@ class RaftNode:
         been applied, and unless the change is valid against the current configuration."""
         data = change.encode()
         self._check_can_propose(len(data))
-        if self.pending_conf_index > self.log.applied:
+        if self.pending_conf_index > self.log.applied and not self.bugs.conf_change_while_pending:
             raise ProposalDropped(
                 f"conf change pending: index {self.pending_conf_index} not applied ({self.log.applied})"
             )
@@ -307,6 +309,9 @@ class RaftNode:
             else:
                 self._become_follower(m.term, None)
         elif m.term < self.term:
+            if self.bugs.accept_stale_term_append and m.type == MT.APP and self.role == StateRole.FOLLOWER:
+                self._step_follower(m)  # RaftBugs: a stale leader's append is taken as current
+                return
             if (self.cfg.check_quorum or self.cfg.pre_vote) and m.type in (MT.APP, MT.HEARTBEAT):
                 # A stale leader (e.g. after a partition healed) learns our term and steps down;
                 # without this it could stay leader forever while we ignore it.
@@ -366,7 +371,11 @@ class RaftNode:
         if self.read_states:
             rd.read_states = self.read_states
             self.read_states = []
-        rd.must_sync = bool(rd.entries) or rd.snapshot is not None or term_or_vote_changed
+        rd.must_sync = (
+            bool(rd.entries)
+            or rd.snapshot is not None
+            or (term_or_vote_changed and not self.bugs.hard_state_sync_skipped)
+        )
         if self._bug_self_ack and self.role == StateRole.LEADER and not term_or_vote_changed:
             # RaftBugs.self_ack_before_sync: the leader's own entries are counted without being
             # durable (it already counted them at propose); a host that honours must_sync skips
@@ -721,10 +730,18 @@ class RaftNode:
             self._note_commit()
             self._send(MT.APP_RESP, m.from_, index=log.last_index())
             return
+        # Our entry at the snapshot's index differs (or is missing): everything after it is on
+        # another branch and goes with the rest of the log.
+        kept: list[Entry] = []
+        if self.bugs.snapshot_keeps_log_tail and log.last_index() > meta.index:
+            kept = log.slice(meta.index + 1, log.last_index() + 1, 1 << 62)  # RaftBugs
         log.restore(snap)
         self._note_commit()
         self._conf_history = [(meta.index, meta.conf_state)]
         self._set_conf(meta.conf_state)
+        if kept:
+            log.append(kept)
+            self._on_log_appended(kept)
         self._send(MT.APP_RESP, m.from_, index=log.last_index())
 
     # ==========================================================================================
@@ -882,6 +899,7 @@ class RaftNode:
 
     def _bcast_heartbeat(self, ctx: bytes) -> None:
         committed = self.log.committed
+        unclamped = self.bugs.heartbeat_commit_unclamped
         for mid, pr in self.progress.items():
             if mid == self.id:
                 continue
@@ -891,7 +909,8 @@ class RaftNode:
                     from_=self.id,
                     to=mid,
                     term=self.term,
-                    commit=min(pr.match, committed),
+                    # never beyond what the follower matches: past it, its log may still differ
+                    commit=committed if unclamped else min(pr.match, committed),
                     context=ctx,
                 )
             )

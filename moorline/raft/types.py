@@ -294,14 +294,27 @@ class RaftBugs:
     # Leader counts itself toward quorum before its own sync: it counts an entry at propose and
     # hands its entries out with must_sync=False (observable through a host that honours it).
     self_ack_before_sync: bool = False
+    # A Ready whose only durable change is the term or vote is written but not fsynced before
+    # its messages (vote grants, rejections carrying the new term) go out: must_sync stays false.
+    hard_state_sync_skipped: bool = False
+    # A follower handles an append from a leader of a lower term instead of rejecting it.
+    accept_stale_term_append: bool = False
+    # A leader accepts a membership change while an earlier one is not applied (nor its own
+    # first entry of the term): two changes in flight.
+    conf_change_while_pending: bool = False
+    # A restarted replica reloads its term but not its vote from the stored hard state.
+    forget_vote_on_restart: bool = False
+    # Heartbeats carry the leader's commit index instead of min(commit, the follower's match).
+    heartbeat_commit_unclamped: bool = False
+    # A snapshot installed over a log that disagrees at the snapshot's index keeps the entries
+    # after that index (the rule is: keep them only if the entry at the index matches).
+    snapshot_keeps_log_tail: bool = False
 
     def any(self) -> bool:
-        return (
-            self.vote_without_persist
-            or self.commit_prev_term_by_count
-            or self.no_election_reset_on_append
-            or self.self_ack_before_sync
-        )
+        return any(getattr(self, name) for name in RAFT_BUG_NAMES)
+
+
+RAFT_BUG_NAMES: tuple[str, ...] = tuple(RaftBugs.__dataclass_fields__)
 
 
 @dataclass(slots=True, kw_only=True)

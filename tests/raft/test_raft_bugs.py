@@ -114,3 +114,101 @@ def test_self_ack_three_nodes_needs_leader_sync() -> None:
     g.storages[mid(1)].append(rd.entries)
     leader.advance(rd)
     assert leader.log.committed == index
+
+
+def test_hard_state_sync_skipped_sends_a_vote_before_its_fsync() -> None:
+    for buggy in (False, True):
+        node, st = bootstrap(3, 1, RaftBugs(hard_state_sync_skipped=buggy))
+        node.step(_vote_request(term=2))
+        rd = node.ready()
+        assert rd.hard_state == HardState(term=2, vote=mid(2), commit=1)  # written either way
+        assert any(m.type == MessageType.VOTE_RESP and not m.reject for m in rd.messages)
+        assert rd.must_sync is not buggy  # the grant may leave before the vote is durable
+
+
+def test_accept_stale_term_append() -> None:
+    for buggy in (False, True):
+        node, st = bootstrap(3, 2, RaftBugs(accept_stale_term_append=buggy))
+        # term 3: entry 2 from the leader of term 3
+        node.step(Message(type=MessageType.APP, from_=mid(1), to=mid(2), term=3, index=1, log_term=1,
+                          entries=[Entry(term=3, index=2, data=b"new")], commit=1))
+        handle(node, st)
+        # a deposed leader of term 2 sends its own entry 2
+        node.step(Message(type=MessageType.APP, from_=mid(3), to=mid(2), term=2, index=1, log_term=1,
+                          entries=[Entry(term=2, index=2, data=b"old")], commit=1))
+        _, msgs = handle(node, st)
+        assert node.term == 3
+        if buggy:
+            assert st.term(2) == 2 and node.lead == mid(3)  # the acknowledged entry of term 3 is gone
+        else:
+            assert st.term(2) == 3 and node.lead == mid(1)
+            assert [(m.type, m.term, m.to) for m in msgs] == [(MessageType.APP_RESP, 3, mid(3))]
+
+
+def test_conf_change_while_pending() -> None:
+    from moorline.raft import ConfChange, ConfChangeType, ProposalDropped
+
+    for buggy in (False, True):
+        g = Group(3, bugs={1: RaftBugs(conf_change_while_pending=buggy)})
+        leader = g.elect(1)
+        leader.propose_conf_change(ConfChange(ConfChangeType.REMOVE, mid(3)))  # not applied yet
+        second = ConfChange(ConfChangeType.REMOVE, mid(2))
+        if buggy:
+            leader.propose_conf_change(second)
+            assert len(leader.active_conf_state.voters) == 1  # two voters gone at once
+        else:
+            try:
+                leader.propose_conf_change(second)
+            except ProposalDropped as exc:
+                assert "pending" in str(exc)
+            else:
+                raise AssertionError("a second change while one is pending was accepted")
+
+
+def test_forget_vote_on_restart() -> None:
+    for buggy in (False, True):
+        node, st = bootstrap(3, 1)
+        node.step(_vote_request(term=2))
+        handle(node, st)  # the vote for node 2 is durable
+        restarted = type(node)(bootstrap(3, 1, RaftBugs(forget_vote_on_restart=buggy))[0].cfg, st)
+        assert restarted.term == 2
+        assert restarted.vote == (None if buggy else mid(2))
+        restarted.step(Message(type=MessageType.VOTE, from_=mid(3), to=mid(1), term=2, index=1, log_term=1))
+        _, msgs = handle(restarted, st)
+        granted = [m for m in msgs if m.type == MessageType.VOTE_RESP and not m.reject]
+        assert bool(granted) == buggy  # a second vote in term 2
+
+
+def test_heartbeat_commit_unclamped() -> None:
+    for buggy in (False, True):
+        g = Group(3, bugs={1: RaftBugs(heartbeat_commit_unclamped=buggy)})
+        leader = g.elect(1)
+        leader.propose(b"x")
+        g.stabilize(down={3})  # node 3 is behind: its match is below the commit index
+        assert leader.log.committed > leader.progress[mid(3)].match
+        for _ in range(leader.cfg.heartbeat_tick):
+            leader.tick()
+        rd = leader.ready()
+        hb = [m for m in rd.early_messages + rd.messages if m.type == MessageType.HEARTBEAT and m.to == mid(3)]
+        assert hb
+        expected = leader.log.committed if buggy else leader.progress[mid(3)].match
+        assert hb[0].commit == expected
+
+
+def test_snapshot_keeps_log_tail() -> None:
+    from moorline.raft import ConfState, Snapshot, SnapshotMeta
+
+    for buggy in (False, True):
+        node, st = bootstrap(3, 2, RaftBugs(snapshot_keeps_log_tail=buggy))
+        st.append([Entry(term=2, index=2, data=b"a"), Entry(term=3, index=3, data=b"b"), Entry(term=3, index=4, data=b"c")])
+        st.set_hard_state(HardState(term=5, commit=1))
+        node = type(node)(node.cfg, st)
+        cs = ConfState.of([mid(1), mid(2), mid(3)])
+        snap = Snapshot(meta=SnapshotMeta(index=3, term=4, conf_state=cs), data=b"state")  # disagrees at 3
+        node.step(Message(type=MessageType.SNAP, from_=mid(1), to=mid(2), term=5, snapshot=snap))
+        _, msgs = handle(node, st)
+        ack = [m.index for m in msgs if m.type == MessageType.APP_RESP and not m.reject]
+        if buggy:
+            assert st.last_index() == 4 and st.term(4) == 3 and ack == [4]  # entry 4 of another branch kept
+        else:
+            assert st.last_index() == 3 and ack == [3]
