@@ -11,7 +11,7 @@ from typing import Annotated, Any, TextIO
 
 import typer
 
-from moorline.sim.marks import Marks
+from moorline.sim.marks import CoverageReport
 from moorline.sim.simulation import ALL_BUGS, SeedResult, SimConfig, Simulation
 
 TRACE_LINES = 40
@@ -100,6 +100,12 @@ def _print_failure(r: SeedResult) -> None:
         typer.echo(f"    {line}")
 
 
+def replay_command(seed: int, nodes: int, ops: int, bug: str | None, rule_checks: bool) -> str:
+    """The one-line command that runs ``seed`` again and prints its every message and vote."""
+    extra = (f" --bug {bug}" if bug else "") + ("" if rule_checks else " --no-rule-checks")
+    return f"moorline sim --replay {seed} --nodes {nodes} --ops {ops}{extra} --verbose"
+
+
 def sim(
     seeds: Annotated[int, typer.Option(help="number of seeds to run")] = 100,
     start: Annotated[int, typer.Option(help="first seed")] = 0,
@@ -114,6 +120,14 @@ def sim(
         float,
         typer.Option(help="seconds between progress lines when stderr is not a terminal (0: every seed)"),
     ] = 10.0,
+    rule_checks: Annotated[
+        bool,
+        typer.Option(help="also run checks that restate a core rule (the commit rule); off: effect checks only"),
+    ] = True,
+    verbose: Annotated[
+        bool, typer.Option(help="with --replay: print every Raft message (and its fate), vote and trace line")
+    ] = False,
+    verbose_max_lines: Annotated[int, typer.Option(help="with --verbose: stop printing after this many lines")] = 50_000,
     cluster: Annotated[bool, typer.Option(help="whole clusters of real node code (not the Raft core alone)")] = False,
     seed: Annotated[int | None, typer.Option(help="--cluster: run only this seed")] = None,
     trace: Annotated[Path | None, typer.Option(help="--cluster --seed: write its schedule and history here")] = None,
@@ -130,6 +144,10 @@ def sim(
         return
     if bug is not None and bug not in ALL_BUGS:
         raise typer.BadParameter(f"unknown bug {bug!r}; known: {', '.join(ALL_BUGS)}")
+    if verbose and replay is None:
+        raise typer.BadParameter("--verbose needs --replay SEED (it prints one seed's every message)")
+    if verbose_max_lines < 1:
+        raise typer.BadParameter("--verbose-max-lines must be at least 1")
     if nodes not in SIM_CLUSTER_SIZES:
         # Checked here, before any seed runs: the simulation would otherwise raise from inside its
         # first seed and show a traceback instead of a usage error.
@@ -137,7 +155,7 @@ def sim(
     if progress_every < 0:
         raise typer.BadParameter("--progress-every must be 0 or more seconds")
     todo = [replay] if replay is not None else list(range(start, start + seeds))
-    marks = Marks()
+    coverage = CoverageReport()
     faults: Counter[str] = Counter()
     ops_started = ops_ok = events = 0
     t0 = time.monotonic()
@@ -146,19 +164,32 @@ def sim(
     progress = SeedProgress(len(todo), progress_every)
     try:
         for seed in todo:
-            r = Simulation(SimConfig(seed=seed, nodes=nodes, ops=ops, bug=bug, trace_lines=TRACE_LINES)).run()
+            cfg = SimConfig(
+                seed=seed,
+                nodes=nodes,
+                ops=ops,
+                bug=bug,
+                trace_lines=TRACE_LINES,
+                rule_checks=rule_checks,
+                verbose=typer.echo if verbose else None,
+                verbose_max_lines=verbose_max_lines,
+            )
+            r = Simulation(cfg).run()
             ran += 1
             progress.seed_done(len(r.violations))
-            marks.merge(r.marks)
+            coverage.add_seed(r.marks)
             faults.update(r.faults)
             ops_started += r.ops_started
             ops_ok += r.ops_ok
             events += r.events
             if replay is not None:
                 typer.echo(f"seed {seed}: {'ok' if r.ok else 'VIOLATION'}  params: {r.params}")
-                typer.echo(f"trace (last {len(r.trace)} lines, digest {r.trace_digest:08x}):")
-                for line in r.trace:
-                    typer.echo(f"    {line}")
+                if verbose:  # every line was printed as it happened
+                    typer.echo(f"trace digest {r.trace_digest:08x}")
+                else:
+                    typer.echo(f"trace (last {len(r.trace)} lines, digest {r.trace_digest:08x}):")
+                    for line in r.trace:
+                        typer.echo(f"    {line}")
             if not r.ok:
                 failed = r
                 break
@@ -170,17 +201,19 @@ def sim(
         f"({', '.join(f'{k}={v}' for k, v in sorted(faults.items()))})  events: {events}  "
         f"time: {elapsed:.1f}s"
     )
+    typer.echo(f"coverage of rare paths ({coverage.seeds} seeds):")
+    for line in coverage.table_lines():
+        typer.echo(line)
     typer.echo("coverage marks:")
-    for line in marks.report_lines():
+    for line in coverage.marks.report_lines():
         typer.echo(line)
     if failed is not None:
         typer.echo(f"violations: {len(failed.violations)} (seed {failed.seed})")
         if replay is None:
-            bug_opt = f" --bug {bug}" if bug else ""
             _print_failure(failed)
-            typer.echo(f"  replay: moorline sim --replay {failed.seed} --nodes {nodes} --ops {ops}{bug_opt}")
         else:
             for v in failed.violations:
                 typer.echo(f"  {v}")
+        typer.echo(f"  replay: {replay_command(failed.seed, nodes, ops, bug, rule_checks)}")
         raise typer.Exit(code=1)
     typer.echo("violations: 0")

@@ -176,6 +176,19 @@ class SimDisk:
         self.durable[i] = rec.damaged(bytes(flipped))
         return True
 
+    def peek(self) -> list[Record] | None:
+        """What ``recover()`` would read back now, without changing the image (None: it would
+        find corruption). The simulator's checks use it to see a crashed node's durable log."""
+        image = self.durable + self.pending
+        bad = [i for i, r in enumerate(image) if not r.valid()]
+        if not bad:
+            return image
+        first = bad[0]
+        top = max(r.batch for r in image)
+        if first >= self.synced_count and all(r.batch == top for r in image[first:]):
+            return image[:first]
+        return None
+
     def recover(self, truncate_synced_corruption: bool = False) -> Recovery:
         """Read the image back, applying the torn-tail rule."""
         image = self.durable + self.pending

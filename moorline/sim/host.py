@@ -60,12 +60,30 @@ def raft_node_class() -> Any:
 
 @dataclass(slots=True)
 class HostBugs:
-    """Sim/host-level broken variants (test-only)."""
+    """Sim/host-level broken variants (test-only), passed in through ``SimShared``."""
 
-    ack_before_sync: bool = False
-    wiped_rejoins_as_voter: bool = False
-    truncate_synced_corruption: bool = False
-    dedup_at_propose: bool = False
+    ack_before_sync: bool = False  # a Ready's messages leave before its writes are synced
+    wiped_rejoins_as_voter: bool = False  # a wiped node re-bootstraps under its old identity
+    truncate_synced_corruption: bool = False  # a checksum failure in synced data read as a torn tail
+    dedup_at_propose: bool = False  # enqueue de-duplication on the leader at propose time only
+
+
+HOST_BUG_NAMES: tuple[str, ...] = tuple(HostBugs.__dataclass_fields__)
+
+
+def fmt_member(m: MemberId | None) -> str:
+    return "-" if m is None else f"n{m[0]}/{m[1]}"
+
+
+@dataclass(slots=True)
+class LogView:
+    """A member's log as an election would see it: a running replica's, or the durable log a
+    crashed node will restart with."""
+
+    member: MemberId
+    log: Any  # moorline.raft.log.RaftLog
+    voters: tuple[MemberId, ...]  # of the configuration in force in that log
+    can_vote: bool  # a corrupted replica neither votes nor campaigns
 
 
 @dataclass(slots=True)
@@ -96,6 +114,12 @@ class SimShared:
     host_bugs: HostBugs
     sm_factory: Callable[[], SimStateMachine]
     trace: Callable[[str], None]
+    # checks that restate a core rule rather than observe an effect (the commit rule); a bug
+    # run turns them off to prove the effect checks catch the bug on their own
+    rule_checks: bool = True
+    # members the cluster's configuration no longer holds whose replicas still run (coverage)
+    removed_members: set[MemberId] = field(default_factory=set)
+    on_leader_elected: Callable[[SimNode], None] | None = None
 
 
 def bootstrap_storage(voters: list[MemberId], sm_state: bytes) -> MemoryStorage:
@@ -154,10 +178,32 @@ class SimNode:
         self.epoch = 0  # bumps on crash: callbacks of an old life are ignored
         self._tick_timer: Timer | None = None
         self._held: list[tuple[int, Any]] = []  # messages received while paused
+        self._down_view: LogView | None = None  # cache of view() while crashed
 
     # -- identity --------------------------------------------------------------------------
     def member_id(self) -> MemberId:
         return (self.node_id, f"s{self.storage_gen}")
+
+    def view(self) -> LogView | None:
+        """This node's log for the checks: the running replica's, or (crashed) the durable one it
+        will restart with; None when it has none (quarantined, empty, corrupt on disk)."""
+        r = self.replica
+        if self.alive:
+            if r is None:
+                return None
+            raft = r.raft
+            return LogView(r.member, raft.log, raft.active_conf_state.voters, not raft.corrupted)
+        if self.disk.corrupt_marker:
+            return None  # it will restart quarantined: no votes, no campaigns
+        if self._down_view is None:
+            records = self.disk.peek()
+            if not records:
+                return None
+            st = _rebuild(records)
+            member = self.member_id()
+            raft = raft_node_class()(Config(id=member, rng=random.Random(0)), st)
+            self._down_view = LogView(member, raft.log, raft.active_conf_state.voters, True)
+        return self._down_view
 
     # -- life cycle ------------------------------------------------------------------------
     def start_bootstrap(self, voters: list[MemberId]) -> None:
@@ -190,6 +236,7 @@ class SimNode:
             bugs=self.sh.raft_bugs,
         )
         raft = raft_node_class()(cfg, st)
+        self.sh.observer.on_boot(member, raft.term, raft.vote, raft.log.last_index())
         _hs, cs = st.initial_state()
         self.replica = Replica(member=member, raft=raft, storage=st, sm=sm, conf=cs, applied=applied)
         self.replica.last_commit = st.hard_state().commit
@@ -205,6 +252,7 @@ class SimNode:
         self.alive = False
         self.epoch += 1
         self.replica = None
+        self._down_view = None
         self._held.clear()
         if self._tick_timer is not None:
             self._tick_timer.cancel()
@@ -321,6 +369,8 @@ class SimNode:
         if isinstance(payload, Message):
             if r is None or payload.to != r.member:
                 return  # for a member that no longer lives here (or quarantined)
+            if payload.type == MessageType.APP and payload.term < r.raft.term:
+                self.sh.marks.hit("stale_term_append_received")  # from a deposed leader
             try:
                 r.raft.step(payload)
             except RaftError:
@@ -407,6 +457,8 @@ class SimNode:
                 self.sh.marks.hit("leader_elected")
                 self.sh.trace(f"n{self.node_id}/{r.member[1]} leader term {term}")
                 self.sh.observer.on_leader(term, r.member, _term_at(r.storage), r.storage.first_index() - 1)
+                if self.sh.on_leader_elected is not None:
+                    self.sh.on_leader_elected(self)
         elif r.was_leader_term:
             if raft.term == r.was_leader_term:
                 # no higher term seen: check-quorum (lost contact with a majority) or own removal
@@ -429,13 +481,17 @@ class SimNode:
         for m in rd.early_messages:
             self._send(me, m)
         if rd.snapshot is not None and not rd.snapshot.is_empty():
+            self._note_snapshot_install(r, rd.snapshot)
             self.disk.write(snapshot_record(rd.snapshot))
             r.storage.apply_snapshot(rd.snapshot)
         if rd.entries or rd.hard_state is not None:
             self.disk.write(batch_record(rd.entries, rd.hard_state))
             if rd.entries:
                 first = rd.entries[0].index
-                prev = _term_at(r.storage)(first - 1)
+                term_at = _term_at(r.storage)
+                prev = term_at(first - 1)
+                if first <= r.storage.last_index():
+                    self._note_overwrite(r, rd.entries, term_at)
                 r.storage.append(rd.entries)
                 self.sh.observer.on_persist(r.member, [(e.index, e.term, e.data) for e in rd.entries], prev)
             if rd.hard_state is not None:
@@ -452,9 +508,33 @@ class SimNode:
             self._finish(r, rd)
         del net
 
+    def _note_snapshot_install(self, r: Replica, snap: Snapshot) -> None:
+        s = snap.meta.index
+        if r.storage.last_index() > s and _term_at(r.storage)(s) != snap.meta.term:
+            # the rare path where a snapshot must replace a longer log of another branch
+            self.sh.marks.hit("snapshot_over_longer_divergent_log")
+
+    def _note_overwrite(self, r: Replica, entries: list[Any], term_at: Callable[[int], int | None]) -> None:
+        """Entries are about to replace stored ones from ``entries[0].index`` on: report the
+        stored entries that differ (a suffix of older terms a new leader truncates)."""
+        first = entries[0].index
+        replaced: list[tuple[int, int]] = []
+        for index in range(first, r.storage.last_index() + 1):
+            old = term_at(index)
+            k = index - first
+            if old is not None and (k >= len(entries) or entries[k].term != old):
+                replaced.append((index, old))
+        if replaced:
+            self.sh.marks.hit("stale_term_suffix_truncated")
+            self.sh.observer.on_truncate(r.member, r.raft.term, replaced)
+
     def _check_commit_rule(self, r: Replica, hs: HardState) -> None:
         """Raft's commit rule (paper section 5.4.2, Figure 8): a leader advances its commit
-        index only to an entry of its own term; older entries commit only beneath one."""
+        index only to an entry of its own term; older entries commit only beneath one. A rule
+        check (it restates the core's rule): skipped when ``rule_checks`` is off."""
+        if not self.sh.rule_checks:
+            r.last_commit = max(r.last_commit, hs.commit)
+            return
         if hs.commit > r.last_commit and r.raft.role == StateRole.LEADER and hs.term == r.raft.term:
             t = _term_at(r.storage)(hs.commit)
             if t is not None and t != hs.term:
@@ -502,7 +582,15 @@ class SimNode:
         self._kick()
 
     def _send(self, me: int, m: Message) -> None:
-        if m.type == MessageType.SNAP:
+        t = m.type
+        if self.sh.observer.on_send(m):
+            if t == MessageType.VOTE:
+                self.sh.trace(f"{fmt_member(m.from_)} campaigns in term {m.term} (votes for itself)")
+            else:
+                self.sh.trace(f"vote: {fmt_member(m.from_)} votes for {fmt_member(m.to)} in term {m.term}")
+        if (t == MessageType.PRE_VOTE or t == MessageType.VOTE) and m.from_ in self.sh.removed_members:
+            self.sh.marks.hit("removed_member_campaigned")
+        if t == MessageType.SNAP:
             self.sh.marks.hit("snapshot_sent")
             if self.params.report_snapshot:
                 self.sh.net.send(me, m.to[0], m, on_done=self._snapshot_done(m.to))

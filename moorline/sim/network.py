@@ -42,10 +42,15 @@ class SimNetwork:
         self._marks = marks
         self._handlers: dict[int, Handler] = {}
         self._blocked: set[tuple[int, int]] = set()  # directed (src, dst) links that lose everything
+        # directed links that stall: what is sent before the time given arrives only after it (a
+        # TCP connection waiting out a retransmission timeout delivers late, in a burst)
+        self._stalled: dict[tuple[int, int], int] = {}
         self._in_flight: dict[int, int] = {}
         self.faults_enabled = True
         # drop messages this predicate selects (e.g. one stream of one link); None: off
         self.drop_filter: Callable[[int, int, Any], bool] | None = None
+        # sees every message's fate: (src, dst, payload, fate); None: off (``--verbose``)
+        self.watch: Callable[[int, int, Any, str], None] | None = None
         self.sent = 0
         self.dropped = 0
         self.duplicated = 0
@@ -63,6 +68,12 @@ class SimNetwork:
 
     def heal(self) -> None:
         self._blocked.clear()
+
+    def stall(self, src: int, dst: int, until_ms: int) -> None:
+        self._stalled[(src, dst)] = max(until_ms, self._stalled.get((src, dst), 0))
+
+    def clear_stalls(self) -> None:
+        self._stalled.clear()
 
     def blocked_links(self) -> int:
         return len(self._blocked)
@@ -92,6 +103,8 @@ class SimNetwork:
             or (self.drop_filter is not None and self.drop_filter(src, dst, payload))
         ):
             self.dropped += 1
+            if self.watch is not None:
+                self.watch(src, dst, payload, "partitioned" if (src, dst) in self._blocked else "dropped")
             if on_done is not None:
                 self._loop.call_later(p.delay_min_ms, on_done, False)
             return
@@ -99,8 +112,13 @@ class SimNetwork:
         if self.faults_enabled and not reliable and p.dup_p and rng.random() < p.dup_p:
             copies = 2
             self.duplicated += 1
+        if self.watch is not None:
+            self.watch(src, dst, payload, "sent twice" if copies == 2 else "sent")
+        stalled = self._stalled.get((src, dst), 0) - self._loop.now_ms if self._stalled else 0
         for _ in range(copies):
             delay = p.delay_min_ms + (int(rng.random() * p.delay_jitter_ms) if p.delay_jitter_ms else 0)
+            if stalled > 0:
+                delay += stalled
             self._in_flight[dst] = self._in_flight.get(dst, 0) + 1
             self._loop.call_later(delay, self._deliver, src, dst, payload, on_done)
             on_done = None
@@ -110,6 +128,8 @@ class SimNetwork:
         handler = self._handlers.get(dst)
         if (src, dst) in self._blocked or handler is None:  # link broke in flight, or dst is down
             self.dropped += 1
+            if self.watch is not None:
+                self.watch(src, dst, payload, "lost in flight" if handler is not None else "lost: receiver down")
             if on_done is not None:
                 on_done(False)
             return

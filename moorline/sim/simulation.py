@@ -6,16 +6,25 @@ cluster must converge (every node a caught-up voter, clients done) within a boun
 offline checkers run on the client histories.
 
 Everything non-deterministic comes from ``random.Random(seed)``; a seed replays exactly.
+
+An exception from the core or the host (an invariant violation, an error from ``tick`` or
+``step``) ends the seed as a violation that names the exception and where it was raised; it
+never escapes ``run()``.
 """
 
 from __future__ import annotations
 
 import random
+import traceback
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import combinations
+from typing import Any
 
 from moorline.hashing import crc32c
 from moorline.raft import (
+    RAFT_BUG_NAMES,
     ConfChange,
     ConfChangeType,
     MemberId,
@@ -31,29 +40,20 @@ from moorline.sim.checkers.raft_safety import RaftObserver
 from moorline.sim.checkers.total_queue import check_total_queue
 from moorline.sim.disk import SimDisk
 from moorline.sim.faults import FaultParams, draw_faults
-from moorline.sim.host import HostBugs, HostParams, SimNode, SimShared
+from moorline.sim.host import HOST_BUG_NAMES, HostBugs, HostParams, LogView, SimNode, SimShared, fmt_member
 from moorline.sim.loop import EventLoop
 from moorline.sim.marks import Marks
 from moorline.sim.network import SimNetwork
 from moorline.sim.statemachine import SimStateMachine
 from moorline.sim.workload import Budget, Client, History, WorkloadParams
 
-CORE_BUGS: tuple[str, ...] = (
-    "vote_without_persist",
-    "commit_prev_term_by_count",
-    "no_election_reset_on_append",
-    "self_ack_before_sync",
-)
-HOST_BUGS: tuple[str, ...] = (
-    "ack_before_sync",
-    "wiped_rejoins_as_voter",
-    "truncate_synced_corruption",
-    "dedup_at_propose",
-)
+CORE_BUGS: tuple[str, ...] = RAFT_BUG_NAMES  # switches in the core (RaftBugs)
+HOST_BUGS: tuple[str, ...] = HOST_BUG_NAMES  # switches in the sim host (HostBugs)
 ALL_BUGS: tuple[str, ...] = CORE_BUGS + HOST_BUGS
 
 CLIENT_BASE = 1000
 STABILITY_CLIENT = 999
+LOAD_CLIENT = 998  # background bursts of writes (no history: only the Raft checks see them)
 
 
 @dataclass(slots=True)
@@ -71,6 +71,12 @@ class SimConfig:
     stability_ms: int = 2_000
     linearizability_steps: int = 300_000  # search budget per key ("unknown" beyond, counted)
     stability_write_every_ms: int = 40
+    # checks that restate a core rule instead of observing an effect (the host's commit-rule
+    # check); the bug tests turn them off: the effect checks must catch every switch alone
+    rule_checks: bool = True
+    # --verbose: every Raft message (with its fate), vote and trace line, as it happens
+    verbose: Callable[[str], None] | None = None
+    verbose_max_lines: int = 50_000  # bound on the verbose output of one seed
 
 
 @dataclass(slots=True)
@@ -98,6 +104,7 @@ class _NodeState:
     doomed: bool = False  # data about to be destroyed (bit flip applied, restart pending)
     replacing: bool = False  # operator is removing this member to re-add it fresh
     down_since: int | None = None
+    linger_until: int | None = None  # removed member keeps running until then (operator's delay)
 
 
 class Simulation:
@@ -108,16 +115,21 @@ class Simulation:
             raise ValueError("nodes must be 1, 3 or 5")
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self.fp: FaultParams = draw_faults(self.rng, cfg.nodes, cfg.bug, cfg.all_faults)
+        # one fault mix for every run: a bug run draws exactly what a clean run of its seed draws
+        self.fp: FaultParams = draw_faults(self.rng, cfg.nodes, cfg.all_faults)
         if cfg.corrupt_mode is not None:
             self.fp.corrupt_mode = cfg.corrupt_mode
         self.loop = EventLoop(random.Random(self.rng.random()))
         self.marks = Marks()
         self.net = SimNetwork(self.loop, random.Random(self.rng.random()), self.fp.net, self.marks)
         self.observer = RaftObserver()
+        self.observer.on_first_commit = self._check_commit_stability
         self.faults: Counter[str] = Counter()
         self._trace: deque[str] = deque(maxlen=cfg.trace_lines)
         self._digest = 0
+        self._verbose_lines = 0
+        if cfg.verbose is not None:
+            self.net.watch = self._watch_message
         bug = cfg.bug
         raft_bugs = RaftBugs(**{bug: True}) if bug in CORE_BUGS else RaftBugs()
         host_bugs = HostBugs(**{bug: True}) if bug in HOST_BUGS else HostBugs()
@@ -132,6 +144,8 @@ class Simulation:
             host_bugs=host_bugs,
             sm_factory=lambda: SimStateMachine(dedup_at_apply=dedup_at_apply),
             trace=self.trace,
+            rule_checks=cfg.rule_checks,
+            on_leader_elected=self._on_leader_elected,
         )
         self.fault_rng = random.Random(self.rng.random())
         self.nodes: list[SimNode] = []
@@ -155,18 +169,48 @@ class Simulation:
         self.done = False
         self.partition_epoch = 0
         self.transfer_target: MemberId | None = None
+        self.load_target = 1
+        self.load_req = 0
 
     # -- tracing -------------------------------------------------------------------------------
     def trace(self, line: str) -> None:
         text = f"{self.loop.now_ms:>8}ms {line}"
         self._trace.append(text)
         self._digest = crc32c(text.encode()) ^ ((self._digest * 31) & 0xFFFFFFFF)
+        if self.cfg.verbose is not None:
+            self._emit(text)
+
+    def _emit(self, line: str) -> None:
+        out = self.cfg.verbose
+        assert out is not None
+        self._verbose_lines += 1
+        if self._verbose_lines <= self.cfg.verbose_max_lines:
+            out(line)
+        elif self._verbose_lines == self.cfg.verbose_max_lines + 1:
+            out(f"... verbose output stops after {self.cfg.verbose_max_lines} lines (the run goes on)")
+
+    def _watch_message(self, src: int, dst: int, payload: object, fate: str) -> None:
+        if isinstance(payload, Message):
+            note = "" if fate == "sent" else f"  [{fate}]"
+            self._emit(
+                f"{self.loop.now_ms:>8}ms   {fmt_member(payload.from_)} -> {fmt_member(payload.to)} "
+                f"{describe_message(payload)}{note}"
+            )
 
     def _violation(self, msg: str) -> None:
         self.observer._fail(msg)
 
     # -- run -----------------------------------------------------------------------------------
     def run(self) -> SeedResult:
+        try:
+            self._run()
+        except Exception as exc:  # an error from the core or the host: a violation of this seed
+            where = _raised_at(exc)
+            self.trace(f"exception {type(exc).__name__}: {exc} ({where})")
+            self._violation(f"exception from the code under test: {type(exc).__name__}: {exc} ({where})")
+        return self._result()
+
+    def _run(self) -> None:
         cfg = self.cfg
         voters = [n.member_id() for n in self.nodes]
         SimNode.sh_initial_voters = voters
@@ -194,6 +238,9 @@ class Simulation:
             f"start seed={cfg.seed} nodes={cfg.nodes} ops={cfg.ops} bug={cfg.bug} {self.fp.describe()}"
         )
         self._start_faults()
+        if self.fp.burst_every_ms:
+            self.net.attach(LOAD_CLIENT, self._on_load_reply)
+            self.loop.call_later(self.fp.burst_every_ms, self._load_burst)
         self.loop.call_later(cfg.reconcile_every_ms, self._reconcile_tick)
         safety_end = cfg.ops * cfg.safety_ms_per_op + 5_000
         self.loop.call_at(safety_end, self._end_safety)
@@ -205,7 +252,6 @@ class Simulation:
             )
         if not self.observer.violations:
             self._final_checks()
-        return self._result()
 
     def _should_stop(self) -> bool:
         return self.done or bool(self.observer.violations)
@@ -239,6 +285,7 @@ class Simulation:
         self.liveness_deadline = self.loop.now_ms + self.cfg.liveness_ms
         self.trace("heal: end of faults, liveness phase")
         self.net.heal()
+        self.net.clear_stalls()
         self.net.faults_enabled = False
         self.partition_epoch += 1
         for n in self.nodes:
@@ -380,6 +427,7 @@ class Simulation:
             ("pause", fp.pause_every_ms),
             ("transfer", fp.transfer_every_ms),
             ("replace", fp.replace_every_ms),
+            ("stall", fp.stall_every_ms),
         ):
             if every:
                 self._schedule_fault(kind, every)
@@ -445,6 +493,80 @@ class Simulation:
             self.net.heal()
             self.trace("partition healed")
 
+    def _fault_stall(self) -> None:
+        """A node's outbound links stall (as TCP connections waiting out a retransmission
+        timeout): everything it sends arrives late, in a burst. A deposed leader's appends then
+        reach followers that moved on to a newer term."""
+        rng = self.fault_rng
+        alive = [n for n in self.nodes if n.alive]
+        if not alive:
+            return
+        n = rng.choice(alive)
+        leader = self._leader()
+        if leader is not None and rng.random() < 0.5:
+            n = leader
+        dur = rng.randint(100, self.fp.stall_ms_max)
+        for other in self.nodes:
+            if other is not n:
+                self.net.stall(n.node_id, other.node_id, self.loop.now_ms + dur)
+        self.faults["stall"] += 1
+        self.marks.hit("link_stalled")
+        self.trace(f"stall n{n.node_id}'s outbound links for {dur}ms")
+
+    def _on_leader_elected(self, n: SimNode) -> None:
+        """Faults at the moment of interest: a new leader crashes or is cut off before its first
+        entries spread (Figure 8 of the Raft paper starts this way)."""
+        if self.phase != "safety" or not self.fp.new_leader_fault_p:
+            return
+        rng = self.fault_rng
+        if rng.random() >= self.fp.new_leader_fault_p:
+            return
+        if rng.random() < 0.7:  # cut off at once: its first entries stay on it alone
+            self._cut_off_new_leader(n)
+        else:  # crash a little later: its first entries may or may not have spread
+            self.loop.call_later(rng.randint(0, 20), self._crash_new_leader, n, n.epoch)
+
+    def _crash_new_leader(self, n: SimNode, epoch: int) -> None:
+        if self.phase != "safety" or n.epoch != epoch or not n.alive:
+            return
+        self.faults["new_leader_fault"] += 1
+        self.trace(f"new leader n{n.node_id} crashes")
+        n.crash()
+        self.marks.hit("node_crashed")
+        self.loop.call_later(self.fault_rng.randint(1, self.fp.down_ms_max), self._restart, n, True)
+
+    def _cut_off_new_leader(self, n: SimNode) -> None:
+        self.faults["new_leader_fault"] += 1
+        self.net.heal()
+        for other in self.nodes:
+            if other is not n:
+                self.net.block(n.node_id, other.node_id)
+                self.net.block(other.node_id, n.node_id)
+        self.partition_epoch += 1
+        self.marks.hit("partition_started")
+        self.trace(f"new leader n{n.node_id} cut off")
+        dur = self.fault_rng.randint(50, self.fp.partition_ms_max)
+        self.loop.call_later(dur, self._heal_partition, self.partition_epoch)
+
+    # -- background load ------------------------------------------------------------------------
+    def _load_burst(self) -> None:
+        """A burst of writes to the node believed to lead (as a pipelining publisher sends): a
+        leader cut off meanwhile piles up a long tail that a newer leader must replace."""
+        if self.phase != "safety":
+            return
+        rng = self.fault_rng
+        if rng.random() < 0.1:
+            self.load_target = rng.choice(self.nodes).node_id
+        for _ in range(rng.randint(1, self.fp.burst_max)):
+            self.load_req += 1
+            self.net.send(LOAD_CLIENT, self.load_target, ("cmd", self.load_req, "put", "_load", self.load_req), reliable=True)
+        self.loop.call_later(int(rng.expovariate(1.0 / self.fp.burst_every_ms)) + 1, self._load_burst)
+
+    def _on_load_reply(self, src: int, payload: Any) -> None:
+        result = payload[2]
+        if result[0] == "not_leader" and result[1]:
+            self.load_target = result[1]
+
     def _fault_crash(self) -> None:
         rng = self.fault_rng
         alive = [n for n in self.nodes if n.alive]
@@ -465,8 +587,6 @@ class Simulation:
         self.loop.call_later(rng.randint(1, self.fp.down_ms_max), self._restart, n, True)
 
     def _may_destroy_node(self, n: SimNode) -> bool:
-        if self.cfg.bug in ("truncate_synced_corruption", "wiped_rejoins_as_voter"):
-            return self._leader() is not None  # the bug runs need the damage; budget ignored
         st = self.state[n.node_id]
         if st.doomed or st.replacing or n.quarantined is not None:
             return False
@@ -523,19 +643,25 @@ class Simulation:
         leader._kick()
 
     def _fault_replace(self) -> None:
-        """Operator churn: remove a healthy member, then re-add its node with fresh storage."""
-        cands = [n for n in self.nodes if n.alive and n.replica is not None and self._may_destroy_node(n)]
-        if not cands:
-            return
-        n = self.fault_rng.choice(cands)
-        self.state[n.node_id].replacing = True
-        self.faults["replace"] += 1
-        self.trace(f"operator replaces n{n.node_id}")
+        """Operator churn: remove healthy members, then re-add their nodes with fresh storage
+        (one at a time, or a batch of ``replace_batch`` while the damage budget allows)."""
+        for _ in range(self.fp.replace_batch):
+            cands = [n for n in self.nodes if n.alive and n.replica is not None and self._may_destroy_node(n)]
+            if not cands:
+                return
+            n = self.fault_rng.choice(cands)
+            self.state[n.node_id].replacing = True
+            self.faults["replace"] += 1
+            self.trace(f"operator replaces n{n.node_id}")
 
     # -- the operator / reconciler -------------------------------------------------------------------
     def _reconcile_tick(self) -> None:
         self._reconcile()
         self._observe_transfer()
+        ci, ct = self.observer.committed_max
+        if ci:
+            self._check_commit_stability(ci, ct)
+        self._check_config_quorums()
         self.loop.call_later(self.cfg.reconcile_every_ms, self._reconcile_tick)
 
     def _observe_transfer(self) -> None:
@@ -568,12 +694,18 @@ class Simulation:
             return
         try:
             leader.replica.raft.propose_conf_change(cc)
-        except ProposalDropped:
+        except ProposalDropped as exc:
+            if "pending" in str(exc):
+                self.marks.hit("conf_change_refused_pending")  # one change at a time
             return
         self.trace(f"propose {cc.type.name} {cc.member} on n{leader.node_id}")
+        self._check_config_quorums()
         leader._kick()
 
     def _reconcile(self) -> None:
+        """The operator: bring the configuration to one caught-up voter per node. A patient
+        operator (half the seeds) proposes one change per round; an eager one proposes every
+        change it wants at once and lets the leader refuse what must wait."""
         leader = self._leader()
         if leader is None or leader.replica is None:
             return
@@ -581,38 +713,179 @@ class Simulation:
         conf = raft.conf_state
         members = set(conf.voters) | set(conf.learners)
         for n in self.nodes:
-            st = self.state[n.node_id]
-            cur = n.quarantined if n.quarantined is not None else n.member_id()
-            for m in sorted(members):
-                if m[0] == n.node_id and m != cur:
-                    self._propose(leader, ConfChange(ConfChangeType.REMOVE, m))
-                    return
-            if n.quarantined is not None:
-                if cur in members:
-                    self._propose(leader, ConfChange(ConfChangeType.REMOVE, cur))
-                    return
-                self.marks.hit("corrupted_replica_removed")
-                self.trace(f"n{n.node_id}: corrupted member {cur} removed; new storage")
+            change = self._wanted_change(n, raft, conf, members)
+            if change is None:
+                continue
+            self._propose(leader, change)
+            if not self.fp.eager_operator:
+                return
+
+    def _wanted_change(self, n: SimNode, raft: Any, conf: Any, members: set[MemberId]) -> ConfChange | None:
+        st = self.state[n.node_id]
+        cur = n.quarantined if n.quarantined is not None else n.member_id()
+        for m in sorted(members):
+            if m[0] == n.node_id and m != cur:
+                return ConfChange(ConfChangeType.REMOVE, m)
+        if n.quarantined is not None:
+            if cur in members:
+                return ConfChange(ConfChangeType.REMOVE, cur)
+            self.marks.hit("corrupted_replica_removed")
+            self.trace(f"n{n.node_id}: corrupted member {cur} removed; new storage")
+            n.replace_storage()
+            return None
+        if st.replacing:
+            if cur in members:
+                if len(conf.voters) > 1 or cur not in conf.voters:
+                    return ConfChange(ConfChangeType.REMOVE, cur)
+                return None
+            if n.alive and self._linger(n, cur):
+                return None
+            if n.alive:
+                st.replacing = False
+                self.shared.removed_members.discard(cur)
+                self.trace(f"n{n.node_id}: member {cur} removed; new storage")
                 n.replace_storage()
-                continue
-            if st.replacing:
-                if cur in members:
-                    if len(conf.voters) > 1 or cur not in conf.voters:
-                        self._propose(leader, ConfChange(ConfChangeType.REMOVE, cur))
-                    return
-                if n.alive:
-                    st.replacing = False
-                    self.trace(f"n{n.node_id}: member {cur} removed; new storage")
-                    n.replace_storage()
-                continue
-            if n.alive and n.replica is not None and cur not in members:
-                self._propose(leader, ConfChange(ConfChangeType.ADD_LEARNER, cur))
+            return None
+        if n.alive and n.replica is not None and cur not in members:
+            return ConfChange(ConfChangeType.ADD_LEARNER, cur)
+        if cur in conf.learners and n.replica is not None and n.replica.applied >= raft.log.committed:
+            if n.storage_gen > 0:
+                self.marks.hit("wiped_node_readded")
+            return ConfChange(ConfChangeType.PROMOTE, cur)
+        return None
+
+    def _linger(self, n: SimNode, member: MemberId) -> bool:
+        """A removed member keeps running for a while before the operator deletes its data (as
+        an operator who stops the process later would): True while it still runs."""
+        st = self.state[n.node_id]
+        now = self.loop.now_ms
+        if st.linger_until is None:
+            st.linger_until = now + self.fault_rng.randint(0, self.fp.removed_linger_ms_max)
+            self.shared.removed_members.add(member)
+            self.trace(f"n{n.node_id}: member {member} removed, keeps running until {st.linger_until}ms")
+        if now < st.linger_until and n.replica is not None:
+            self.marks.hit("removed_member_running")
+            return True
+        st.linger_until = None
+        return False
+
+    # -- checks that need every replica's log ------------------------------------------------------
+    def _views(self) -> list[LogView]:
+        views = []
+        for n in self.nodes:
+            v = n.view()
+            if v is not None:
+                views.append(v)
+        return views
+
+    def _check_commit_stability(self, index: int, term: int) -> None:
+        """A committed entry (index, term) must survive every election: no member that lacks it
+        may have a log at least as up to date as a majority of its own configuration's voters
+        (they would all vote for it, and as leader it would overwrite the entry). Members are
+        the running replicas and the crashed nodes (with the durable log they will restart
+        with). Run when an index is first applied and every operator round, on the highest
+        applied entry."""
+        views = self._views()
+        lacking = [v for v in views if not _holds(v, index, term)]
+        if not lacking:
+            return
+        last = {v.member: _last_of(v) for v in views if v.can_vote}
+        for r in lacking:
+            voters = r.voters
+            if r.member not in voters or r.member not in last:
+                continue  # cannot campaign
+            mine = last[r.member]
+            support = [m for m in voters if m in last and last[m] <= mine]
+            if len(support) > len(voters) // 2:
+                self._violation(
+                    f"committed entry can be lost: ({index}, term {term}) is committed but "
+                    f"{fmt_member(r.member)} lacks it (log ends {mine[1]}, term {mine[0]}) and "
+                    f"{', '.join(fmt_member(m) for m in support)} of voters "
+                    f"{', '.join(fmt_member(m) for m in voters)} would vote for it"
+                )
                 return
-            if cur in conf.learners and n.replica is not None and n.replica.applied >= raft.log.committed:
-                if n.storage_gen > 0:
-                    self.marks.hit("wiped_node_readded")
-                self._propose(leader, ConfChange(ConfChangeType.PROMOTE, cur))
+
+    def _check_config_quorums(self) -> None:
+        """Any two configurations that can decide (elect a leader, commit) must have
+        intersecting majorities. A replica can decide only if it is a voter of its own
+        configuration and holds every committed entry (otherwise it cannot win)."""
+        ci, ct = self.observer.committed_max
+        confs: dict[tuple[MemberId, ...], MemberId] = {}
+        for v in self._views():
+            voters = tuple(v.voters)
+            if v.can_vote and v.member in voters and _holds(v, ci, ct):
+                confs.setdefault(voters, v.member)
+        for a, b in combinations(sorted(confs), 2):
+            if majorities_may_be_disjoint(set(a), set(b)):
+                self._violation(
+                    f"configurations with disjoint majorities in force: "
+                    f"{fmt_member(confs[a])} uses {[fmt_member(m) for m in a]}, "
+                    f"{fmt_member(confs[b])} uses {[fmt_member(m) for m in b]}"
+                )
                 return
+
+
+def majorities_may_be_disjoint(a: set[MemberId], b: set[MemberId]) -> bool:
+    """Could a majority of ``a`` and a majority of ``b`` share no member?"""
+    need_a = max(0, len(a) // 2 + 1 - len(a - b))  # members of a majority of a also in b
+    need_b = max(0, len(b) // 2 + 1 - len(b - a))
+    return need_a + need_b <= len(a & b)
+
+
+def _holds(v: LogView, index: int, term: int) -> bool:
+    """Does the member's log (or its snapshot) hold entry (index, term)?"""
+    log = v.log
+    if index < log.first_index():
+        return True  # inside its snapshot: committed there (snapshot states are compared)
+    return bool(log.term_or_zero(index) == term)
+
+
+def _last_of(v: LogView) -> tuple[int, int]:
+    """(last term, last index) of a member's log, as the vote's up-to-date rule compares them."""
+    log = v.log
+    last = log.last_index()
+    return (log.term_or_zero(last), last)
+
+
+def describe_message(m: Message) -> str:
+    """One Raft message on one line (``--verbose``)."""
+    t = m.type
+    head = f"{t.name} term={m.term}"
+    if t == MessageType.APP:
+        ents = m.entries
+        span = f"{ents[0].index}..{ents[-1].index}" if ents else "none"
+        return f"{head} prev={m.index}/{m.log_term} entries={span} commit={m.commit}"
+    if t == MessageType.APP_RESP:
+        if m.reject:
+            return f"{head} REJECT at={m.index} hint={m.reject_hint}/{m.log_term}"
+        return f"{head} match={m.index}"
+    if t in (MessageType.VOTE, MessageType.PRE_VOTE):
+        extra = " (leadership transfer)" if m.context else ""
+        return f"{head} last={m.index}/{m.log_term}{extra}"
+    if t in (MessageType.VOTE_RESP, MessageType.PRE_VOTE_RESP):
+        return f"{head} {'REJECTED' if m.reject else 'GRANTED'}"
+    if t == MessageType.SNAP:
+        meta = m.snapshot.meta if m.snapshot is not None else None
+        return f"{head} snapshot={meta.index}/{meta.term}" if meta is not None else head
+    if t == MessageType.HEARTBEAT:
+        return f"{head} commit={m.commit}" + (f" read={m.context.decode(errors='replace')}" if m.context else "")
+    if t == MessageType.HEARTBEAT_RESP:
+        return head + (f" read={m.context.decode(errors='replace')}" if m.context else "")
+    if t in (MessageType.READ_INDEX, MessageType.READ_INDEX_RESP):
+        return f"{head} index={m.index} read={m.context.decode(errors='replace')}"
+    return head
+
+
+def _raised_at(exc: BaseException) -> str:
+    """Where an exception was raised: the innermost frame outside moorline/invariant.py."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.endswith("invariant.py")]
+    if not frames:
+        return "unknown place"
+    f = frames[-1]
+    path = f.filename
+    if "moorline/" in path:
+        path = "moorline/" + path.rsplit("moorline/", 1)[1]
+    return f"raised at {path}:{f.lineno} in {f.name}"
 
 
 def run_seed(seed: int, nodes: int = 3, ops: int = 1000, bug: str | None = None) -> SeedResult:

@@ -6,6 +6,17 @@
 - Leader completeness: a new leader's log holds the highest entry known committed.
 - State machine safety: every replica applies the same entry at each index, and snapshots of
   the same index are byte-identical.
+- Promises kept (the ledger): every message a member sends is a promise about its durable
+  state. One vote per (term, member), across restarts: two different candidates voted for by
+  one member in one term is a violation (a candidate votes for itself). After a restart a member
+  runs in a term at least as high as any term it sent, keeps the vote it granted in that term,
+  and still holds every entry it acknowledged in that term; within one term it never drops an
+  entry it acknowledged. A committed entry is never replaced on a replica whose term is at least
+  the term that committed it.
+
+``simulation.py`` adds the checks that need every replica's log at once (a committed entry
+that a replica lacking it could be elected over; configurations whose majorities may not
+intersect).
 """
 
 from __future__ import annotations
@@ -15,8 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moorline.hashing import crc32c
+from moorline.raft import Message, MessageType
 
 Member = tuple[int, str]
+
+_MT = MessageType
+_PRE_VOTE_TYPES = frozenset({_MT.PRE_VOTE, _MT.PRE_VOTE_RESP})  # carry a future term: no promise
 
 
 @dataclass(slots=True)
@@ -36,6 +51,12 @@ class RaftObserver:
     commit_marks: list[tuple[int, int]] = field(default_factory=list)
     max_leader_term: int = 0
     max_violations: int = 20
+    # the ledger of promises (see the module docstring)
+    votes: dict[tuple[Member, int], Member] = field(default_factory=dict)  # (voter, term) -> candidate
+    term_sent: dict[Member, int] = field(default_factory=dict)  # highest term in a message sent
+    acked: dict[Member, tuple[int, int]] = field(default_factory=dict)  # (term, highest index acked in it)
+    # called with (index, term) when an index is applied for the first time (= known committed)
+    on_first_commit: Callable[[int, int], None] | None = None
 
     def _fail(self, msg: str) -> None:
         if len(self.violations) < self.max_violations:
@@ -102,6 +123,8 @@ class RaftObserver:
         ref = self.applied.get(index)
         if ref is None:
             self.applied[index] = (term, c)
+            if self.on_first_commit is not None:
+                self.on_first_commit(index, term)
             if index > self.committed_max[0]:
                 prev_term = self.committed_max[1]
                 self.committed_max = (index, term)
@@ -131,3 +154,86 @@ class RaftObserver:
             self._fail(
                 f"state machine safety: snapshot of {member} at index {index} differs from another replica's"
             )
+
+    # -- the ledger: promises made in messages -----------------------------------------------
+    def on_vote(self, voter: Member, term: int, candidate: Member) -> bool:
+        """``voter`` voted for ``candidate`` in ``term`` (a grant sent, or its own candidacy).
+        Returns True the first time this vote is recorded."""
+        key = (voter, term)
+        prev = self.votes.get(key)
+        if prev is None:
+            self.votes[key] = candidate
+            return True
+        if prev != candidate:
+            self._fail(
+                f"one vote per term: {voter} voted for {prev} and then for {candidate} in term {term}"
+            )
+        return False
+
+    def on_send(self, m: Message) -> bool:
+        """A member sent ``m`` (after the persistence its Ready asked for). Returns True when
+        it records a new vote (a grant or a candidacy)."""
+        t = m.type
+        if t in _PRE_VOTE_TYPES:
+            return False
+        member = m.from_
+        if m.term > self.term_sent.get(member, 0):
+            self.term_sent[member] = m.term
+        if t == _MT.APP_RESP:
+            if not m.reject:
+                prev = self.acked.get(member)
+                if prev is None or m.term > prev[0] or (m.term == prev[0] and m.index > prev[1]):
+                    self.acked[member] = (m.term, m.index)
+        elif t == _MT.VOTE:
+            return self.on_vote(member, m.term, member)
+        elif t == _MT.VOTE_RESP and not m.reject:
+            return self.on_vote(member, m.term, m.to)
+        return False
+
+    def on_boot(self, member: Member, term: int, vote: Member | None, last_index: int) -> None:
+        """A replica of ``member`` started from its storage (after a crash, or the first time)."""
+        sent = self.term_sent.get(member, 0)
+        if term < sent:
+            self._fail(f"promise broken: {member} sent messages in term {sent} and restarted in term {term}")
+            return
+        granted = self.votes.get((member, term))
+        if granted is not None and vote != granted:
+            self._fail(
+                f"one vote per term: {member} voted for {granted} in term {term} and restarted "
+                f"with vote {vote} (free to vote again)"
+            )
+        ack = self.acked.get(member)
+        if ack is not None and ack[0] == term and last_index < ack[1]:
+            self._fail(
+                f"promise broken: {member} acknowledged entries up to {ack[1]} in term {term} and "
+                f"restarted with its log ending at {last_index}"
+            )
+
+    def on_truncate(self, member: Member, term: int, replaced: list[tuple[int, int]]) -> None:
+        """``member`` (in ``term``) replaced its stored entries ``replaced`` ((index, term), in
+        index order) with others."""
+        ack = self.acked.get(member)
+        if ack is not None and ack[0] == term and replaced[0][0] <= ack[1]:
+            self._fail(
+                f"promise broken: {member} dropped entries from index {replaced[0][0]} that it "
+                f"acknowledged (up to {ack[1]}) in its current term {term}"
+            )
+        for index, old_term in replaced:
+            ref = self.applied.get(index)
+            if ref is not None and ref[0] == old_term and term >= self._commit_bound(index):
+                self._fail(
+                    f"committed entry overwritten: {member} (term {term}) replaced committed entry "
+                    f"({index}, term {old_term})"
+                )
+                return
+
+    def _commit_bound(self, index: int) -> int:
+        """The highest term in which ``index`` could have been committed (see commit_marks)."""
+        at = bisect.bisect_left(self.commit_marks, index, key=_mark_index)
+        if at < len(self.commit_marks):
+            return self.commit_marks[at][0]
+        return self.max_leader_term
+
+
+def _mark_index(mark: tuple[int, int]) -> int:
+    return mark[1]
