@@ -5,10 +5,11 @@ owner; what to send and what to record is the workload's business (``workload.py
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 
-from moorline.mqtt.codec import decode_one, encode
-from moorline.mqtt.errors import MalformedPacket
+from moorline.mqtt.codec import Decoder, encode
+from moorline.mqtt.errors import ProtocolError
 from moorline.mqtt.packets import Packet
 from moorline.sim.cluster.vnet import HostNetwork, SimStream
 
@@ -19,30 +20,15 @@ class ClientClosed(Exception):
     """The connection ended (broken, closed by the broker, or unusable)."""
 
 
-def _frame_length(buf: bytearray) -> int | None:
-    """Total bytes of the first packet in ``buf`` (fixed header included), None if incomplete."""
-    mult, value, pos = 1, 0, 1
-    while True:
-        if pos >= len(buf):
-            return None
-        b = buf[pos]
-        value += (b & 0x7F) * mult
-        pos += 1
-        if not b & 0x80:
-            break
-        mult *= 128
-        if pos > 4:
-            raise MalformedPacket(message="remaining length longer than 4 bytes")
-    return pos + value
-
-
 class ClientConnection:
     """One MQTT connection of a model client."""
 
     def __init__(self, stream: SimStream, version: int) -> None:
         self.stream = stream
         self.version = version
-        self._buf = bytearray()
+        # The codec's own incremental decoder frames what the broker sends.
+        self._decoder = Decoder(MAX_PACKET_BYTES, role="client", version=version)
+        self._packets: deque[Packet] = deque()
         self.closed = False
 
     @classmethod
@@ -61,15 +47,8 @@ class ClientConnection:
     async def recv(self, timeout_s: float) -> Packet | None:
         """The next packet, or None after ``timeout_s`` without one. ClientClosed when it ends."""
         while True:
-            n = _frame_length(self._buf) if len(self._buf) >= 2 else None
-            if n is not None and len(self._buf) >= n:
-                data = bytes(self._buf[:n])
-                del self._buf[:n]
-                try:
-                    return decode_one(data, self.version, role="client")
-                except MalformedPacket as exc:
-                    self.close()
-                    raise ClientClosed(f"malformed packet from the broker: {exc}") from None
+            if self._packets:
+                return self._packets.popleft()
             if self.closed:
                 raise ClientClosed("closed")
             try:
@@ -82,7 +61,11 @@ class ClientConnection:
             if not chunk:
                 self.closed = True
                 raise ClientClosed("closed by the broker")
-            self._buf += chunk
+            try:
+                self._packets.extend(self._decoder.feed(chunk))
+            except ProtocolError as exc:
+                self.close()
+                raise ClientClosed(f"malformed packet from the broker: {exc}") from None
 
     async def expect(self, want: Callable[[Packet], bool], timeout_s: float,
                      other: Callable[[Packet], None]) -> Packet | None:
