@@ -270,10 +270,18 @@ class MoorlineStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def initialOffset(self) -> dict:
         with _client(self.opts) as client:
-            shards = client.shards()
-            start = _resolve_start(client, self.opts, shards, _wanted(self.opts, shards), self.opts.fail_on_data_loss)
-            start = clamp_to_complete(start, shards, self.opts.fail_on_data_loss)
-            self._pin(client, start)
+            # Retention may pass the start between reading the shards and pinning it: those rows
+            # were never promised to this query. So plan, pin, and plan once more under the pin:
+            # the second plan cannot move again (the pin holds everything at or above the first
+            # start), and "earliest" then means the earliest row still there. A start given as
+            # explicit offsets that retention removed meanwhile still fails (or skips) as asked.
+            start: Offsets = {}
+            for _attempt in range(2):
+                shards = client.shards()
+                wanted = _wanted(self.opts, shards)
+                start = _resolve_start(client, self.opts, shards, wanted, self.opts.fail_on_data_loss)
+                start = clamp_to_complete(start, shards, self.opts.fail_on_data_loss)
+                self._pin(client, start)
         return start
 
     def getDefaultReadLimit(self) -> ReadLimit:

@@ -12,6 +12,7 @@ import base64
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -41,6 +42,7 @@ class FakeBroker:
         self.lock = threading.Lock()
         self.shards = [FakeShard(incarnation=f"{i:02x}" + "a" * 14) for i in range(shard_count)]
         self.pins: dict[str, dict[str, int]] = {}
+        self.on_pin: Callable[[dict[str, Any]], None] | None = None
         self.markers: dict[str, int] = {}
         self.publish_requests = 0
         self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
@@ -207,6 +209,8 @@ class FakeBroker:
                 if self.path == "/v1/publish":
                     return self._send(200, broker.publish(doc))
                 if self.path == "/v1/pins":
+                    if broker.on_pin is not None:  # test hook: something happens as the pin arrives
+                        broker.on_pin(doc)
                     with broker.lock:
                         broker.pins[doc["reader"]] = dict(doc["offsets"])
                     return self._send(200, {})
