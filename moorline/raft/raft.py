@@ -725,10 +725,13 @@ class RaftNode:
         # The snapshot's configuration may predate our own addition (a new learner is caught up
         # from an old snapshot, then learns of itself from the entries after it): install anyway.
         if log.match_term(meta.index, meta.term):
-            # We already hold the snapshot's last entry: only fast-forward the commit index.
+            # We already hold the snapshot's last entry: only fast-forward the commit index. The
+            # acknowledgement claims the commit index, not our last index: entries past the
+            # snapshot may be another leader's branch, and claiming them would let this leader
+            # count us for entries we do not hold (the leader learns the rest by probing).
             log.commit_to(meta.index)
             self._note_commit()
-            self._send(MT.APP_RESP, m.from_, index=log.last_index())
+            self._send(MT.APP_RESP, m.from_, index=log.committed)
             return
         # Our entry at the snapshot's index differs (or is missing): everything after it is on
         # another branch and goes with the rest of the log.
