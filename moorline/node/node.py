@@ -400,7 +400,7 @@ class Node:
             pr = raft.progress.get(preferred)
             # Caught up to the commit index is enough: transfer_leader itself catches the rest up
             # (a group with a proposal in flight at every check, e.g. housekeeping, never moved).
-            if preferred == self.member or pr is None or not pr.recent_active or pr.match < raft.log.committed:
+            if preferred == self.member or pr is None or not raft.is_active(preferred) or pr.match < raft.log.committed:
                 continue
             raft.transfer_leader(preferred)
             self.commit.kick(host.shard)
@@ -424,7 +424,7 @@ class Node:
                 others = [m for m in raft.active_conf_state.voters if m != self.member and m in raft.progress]
                 if not others or raft.lead_transferee is not None:
                     continue
-                best = max(others, key=lambda m: (raft.progress[m].recent_active, raft.progress[m].match))
+                best = max(others, key=lambda m: (raft.is_active(m), raft.progress[m].match))
                 try:
                     raft.transfer_leader(best)
                 except Exception:  # noqa: BLE001 - not leader any more, or the member is gone

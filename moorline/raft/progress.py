@@ -26,6 +26,7 @@ class Progress:
         "state",
         "pending_snapshot",
         "recent_active",
+        "active_last_period",
         "probe_sent",
         "inflights",
         "max_inflight",
@@ -40,6 +41,9 @@ class Progress:
         self.state = ProgressState.PROBE
         self.pending_snapshot = 0
         self.recent_active = False
+        # Whether it was heard from during the last whole check-quorum period: recent_active is
+        # cleared at each period's start, so on its own it reads False just after the reset.
+        self.active_last_period = False
         self.probe_sent = False  # PROBE: an append is out, wait for a response or a heartbeat
         self.inflights: deque[int] = deque()  # last index of each in-flight append (REPLICATE)
         self.max_inflight = max_inflight

@@ -266,6 +266,12 @@ class RaftNode:
         else:
             self._send_append(to, force=True)  # a probe even if nothing new: find its match now
 
+    def is_active(self, member: MemberId) -> bool:
+        """Leader: whether ``member`` answered within about one election timeout (this check-quorum
+        period or the whole previous one); a liveness hint for leadership transfers."""
+        pr = self.progress.get(member)
+        return pr is not None and (pr.recent_active or pr.active_last_period)
+
     def mark_corrupted(self) -> None:
         """Synced data of this group failed its checksum: never vote or campaign again here."""
         self.corrupted = True
@@ -552,6 +558,7 @@ class RaftNode:
         for mid, pr in self.progress.items():
             active[mid] = mid == self.id or pr.recent_active
             if mid != self.id:
+                pr.active_last_period = pr.recent_active
                 pr.recent_active = False
         return has_active_quorum(self.conf.voters, active)
 

@@ -68,10 +68,15 @@ def test_three_voters_per_shard_on_five_nodes(cluster_factory: ClusterFactory) -
     try:
         wait_for("every shard led by its preferred leader", settled, 60)
     except ClusterError:
-        raise AssertionError(f"(shard, leader, preferred) not settled after 60 s: {unsettled}") from None
+        views = {n: {s["shard"]: (s["leader"], s["term"], s["replicas"]) for s in cluster.shards(n)
+                     if s["shard"] in {u[0] for u in unsettled}} for n in cluster.names}
+        raise AssertionError(f"(shard, leader, preferred) not settled after 60 s: {unsettled}; "
+                             f"every node's view (leader, term, replicas): {views}") from None
 
     # The metadata group: every initial node votes; its record is the placement every node computed.
-    for name in cluster.names:
+    for name in cluster.names:  # the first leader writes the record once it leads (polled every 0.5 s)
+        wait_for(f"{name} holds the cluster record",
+                 lambda n=name: cluster[n].get("/v1/cluster")["metadata"]["record"] is not None or None, 20)
         meta = cluster[name].get("/v1/cluster")["metadata"]
         assert sorted(meta["voters"]) == sorted(cluster.names) and meta["learners"] == [], (name, meta)
         record = meta["record"]

@@ -204,3 +204,24 @@ def test_snapshot_over_a_held_entry_acks_no_further_than_the_commit_index() -> N
     acks = [m.index for m in msgs if m.type == MessageType.APP_RESP and not m.reject]
     assert acks == [3], acks  # was [5]: entries 4-5 of term 3 claimed for a term-4 leader
     assert node.log.committed == 3 and st.last_index() == 5
+
+
+def test_a_follower_heard_from_last_period_counts_as_active_right_after_the_reset() -> None:
+    """check-quorum clears recent_active at the start of every election period, so a host that
+    asks at that tick (the leader rebalancer asked every 50 ticks, a multiple of the period) saw
+    every live follower as inactive and never moved leadership. is_active also looks at the last
+    whole period, and still turns False once a follower stays silent for a whole period."""
+    g = Group(3, check_quorum=True)
+    leader = g.elect(1)
+    leader.propose(b"x")
+    g.stabilize()
+    assert leader.progress[mid(2)].recent_active
+    for _ in range(leader.cfg.election_tick):  # the period ends without any response being stepped
+        leader.tick()
+    assert leader.is_leader and not leader.progress[mid(2)].recent_active
+    assert leader.is_active(mid(2))
+    leader.propose(b"y")  # 2 answers, 3 is silent from now on
+    g.stabilize(down={3})
+    for _ in range(leader.cfg.election_tick):
+        leader.tick()
+    assert leader.is_leader and leader.is_active(mid(2)) and not leader.is_active(mid(3))
