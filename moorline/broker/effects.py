@@ -20,6 +20,10 @@ class Effects:
     owed_new: list[tuple[int, str]] = field(default_factory=list)
     owed_regs: set[str] = field(default_factory=set)  # registrations whose owed set changed (dispatch, caps)
     claims: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)  # (share reg, member, offsets)
+    # (registration, its retained messages) of each Register applied that asked for them: the host
+    # hands them to the session in apply order with the live messages, so none of them can
+    # overtake a retained message of its topic.
+    retained_new: list[tuple[str, tuple[StoredMessage, ...]]] = field(default_factory=list)
 
     def store_release(self, offsets: list[int]) -> None:
         self.releases.extend(offsets)
@@ -38,3 +42,4 @@ class Effects:
         self.owed_regs.clear()
         self.owed_new.clear()
         self.claims.clear()
+        self.retained_new.clear()

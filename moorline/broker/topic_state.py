@@ -343,6 +343,8 @@ class TopicState:
                 m for m in (by_topic[t] for t in self.retained_index.match(cmd.filter))
                 if not (cmd.no_local and m.origin == cmd.client_id)
             )
+            if retained:
+                fx.retained_new.append((cmd.reg_key, retained))
         return RegisterResult(reg.start_offset, retained)
 
     def apply_unregister(self, cmd: Unregister, fx: Effects) -> bool:

@@ -49,15 +49,6 @@ LOOP_STALL_GRACE_S = 0.5
 AFTER_STALL_RECHECK_S = 0.05
 
 
-def _log_retained_error(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        exc = task.exception()
-        if isinstance(exc, (ShardUnavailable, NodeFailure)):
-            log.info("retained delivery stopped: %s", exc)
-        else:
-            log.error("retained delivery failed", exc_info=exc)
-
-
 def _log_task_error(task: asyncio.Task[Any]) -> None:
     if task.cancelled() or task.exception() is None:
         return
@@ -844,7 +835,6 @@ class Connection(asyncio.Protocol):
         codes: list[int] = []
         failure = ""  # MQTT 5: why a filter failed (the SUBACK's reason string)
         sys_granted: list[str] = []  # $SYS filters granted: their current values follow the SUBACK
-        retained_all: list[Any] = []
         for flt, opts in pk.subscriptions:
             if self.state.topic_filter_error(flt) is not None:  # syntax and mqtt.max_topic_*, before any split
                 codes.append(RC.TOPIC_FILTER_INVALID if v5 else 0x80)
@@ -867,7 +857,7 @@ class Connection(asyncio.Protocol):
                 codes.append(RC.QUOTA_EXCEEDED if v5 else 0x80)
                 continue
             try:
-                retained = await self.node.subscribe(
+                await self.node.subscribe(
                     live, flt, qos, opts.no_local if v5 else False, opts.retain_as_published if v5 else False,
                     opts.retain_handling if v5 else 0, sub_id,
                 )
@@ -875,7 +865,6 @@ class Connection(asyncio.Protocol):
                 codes.append(RC.UNSPECIFIED_ERROR if v5 else 0x80)
                 failure = f"{flt}: {exc}"[:200]
                 continue
-            retained_all.extend(retained)
             codes.append(qos)
         if self._closing or self.live is not live:
             return
@@ -883,13 +872,6 @@ class Connection(asyncio.Protocol):
         self.send_packet(p.Suback(pk.packet_id, tuple(codes if v5 else [suback_v5_to_v3(x) for x in codes]), props))
         for flt in sys_granted:
             self.server.sys_topics.send_current(self, flt)  # type: ignore[union-attr]
-        if retained_all and live.read_filter is not None:
-            retained_all = [r for r in retained_all if live.read_filter.can_read(r[0].topic)]
-        if retained_all:
-            # In a task of its own: it waits for window room, which this connection's PUBACKs free,
-            # and those are read by this handler once it returns (awaiting here would deadlock).
-            task = asyncio.get_running_loop().create_task(live.deliver_retained(retained_all))
-            task.add_done_callback(_log_retained_error)
 
     def _subscribe_sys(self, flt: str, qos: int, shared: bool, v5: bool) -> int:
         """A $SYS filter is node-local (moorline/node/sys_topics.py), never registered in a shard.

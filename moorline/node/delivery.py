@@ -44,7 +44,6 @@ _UNSEEN: Any = object()
 # still unacknowledged would reuse its packet id.
 PACKET_ID_SPACE = 65535
 READ_FILTER_CACHE_ENTRIES = 4096  # registrations whose read-check answer a session remembers
-RETAINED_PACKET_ID_WAIT_S = 0.05  # retained messages waiting for window or packet-id room look again this often
 
 
 class OutboundPublish(msgspec.Struct, gc=False):
@@ -126,6 +125,9 @@ class LiveSession:
         self.inflight_out = 0  # QoS>0 PUBLISHes not yet acknowledged by the client
         self.share_delivered: set[tuple[int, int]] = set()  # (shard, offset) of share claims in flight
         self.pending: dict[int, deque[tuple[int, str]]] = {}  # shard -> (offset, registration), arrival order
+        # shard -> retained messages of a registration just applied there (embedded deliveries):
+        # served before that shard's pending offsets, all of which the shard applied after them.
+        self.retained_first: dict[int, deque[c.DeliveryItem]] = {}
         self._acks: list[tuple[int, int]] = []
         self._ack_flush: asyncio.Handle | None = None
 
@@ -291,13 +293,19 @@ class LiveSession:
         items: list[c.DeliveryItem] = []
         msgs: list[StoredMessage] = []
         more = False
+        held: set[int] = set()
+        if self.retained_first:
+            room, batch_bytes, held = self._take_retained(items, msgs, room, batch_max, byte_budget)
+            more = len(items) >= batch_max or batch_bytes >= byte_budget
         now_ms = self.node.clock.wall_ms()
         read_filter = self.read_filter
         recent = self.node.recent
         recent_get = recent.by_key.get
         hits = 0
         for shard, dq in self.pending.items():
-            if not dq:
+            if more:
+                break
+            if not dq or shard in held:
                 continue
             host = self.node.hosts[shard]
             topics = host.state.topics
@@ -428,27 +436,48 @@ class LiveSession:
             reg_keys += (reg_key,)
         return qos, sub_ids, reg_keys, rap, share
 
-    async def deliver_retained(self, retained: list[tuple[StoredMessage, int, int | None]]) -> None:
-        """Retained messages returned by a Register apply: (message, granted qos, subscription id)."""
-        items = [
-            c.DeliveryItem(-1, -1, min(q, m.qos), True, (sid,) if sid else (), (), m) for m, q, sid in retained
-        ]
-        msgs = [m for m, _, _ in retained]
-        batch_max = self.node.cfg.session.delivery_batch_max
-        while items and not self.closed:
-            # The same bounds as any delivery: packet ids never reused while in flight, the
-            # client's in-flight window (receive maximum), the socket's write-buffer pause.
-            limit = min(self._packet_id_room(), batch_max, len(items))
-            room = self._room()
-            n = 0
-            while n < limit and (items[n].qos == 0 or room > 0):
-                room -= items[n].qos > 0
-                n += 1
-            if n == 0 or not self.writable:
-                await asyncio.sleep(RETAINED_PACKET_ID_WAIT_S)  # acknowledgements or a drained socket free room
-                continue
-            await self._commit_and_send(items[:n], msgs[:n])
-            items, msgs = items[n:], msgs[n:]
+    def add_retained(self, shard: int, reg_key: str, retained: tuple[StoredMessage, ...]) -> bool:
+        """A Register of this session applied in ``shard`` with these retained messages; False when
+        it is not this session's (an older incarnation's, or the session is closing)."""
+        reg = self.node.hosts[shard].state.topics.regs.get(reg_key)
+        sess = self.session()
+        if self.closed or reg is None or reg.session_inc != self.incarnation or sess is None:
+            return False
+        sub = self.node.reg_subs(self.client_id, sess).get(reg_key)
+        qos = sub.qos if sub is not None else reg.qos
+        sub_ids = (sub.sub_id,) if sub is not None and sub.sub_id else ()
+        can_read = self.read_filter.can_read if self.read_filter is not None else None
+        dq = self.retained_first.setdefault(shard, deque())
+        dq.extend(c.DeliveryItem(-1, -1, min(qos, m.qos), True, sub_ids, (), m)
+                  for m in retained if can_read is None or can_read(m.topic))
+        if not dq:
+            del self.retained_first[shard]
+            return False
+        return True
+
+    def _take_retained(
+        self, items: list[c.DeliveryItem], msgs: list[StoredMessage], room: int, batch_max: int, byte_budget: int,
+    ) -> tuple[int, int, set[int]]:
+        """Retained messages first, within the same bounds as any delivery (packet ids, the
+        client's window, the batch's bytes); returns (room left, bytes, shards still holding
+        retained ones, whose live offsets wait behind them)."""
+        batch_bytes = 0
+        held: set[int] = set()
+        for shard in list(self.retained_first):
+            dq = self.retained_first[shard]
+            while dq and len(items) < batch_max and batch_bytes < byte_budget and (dq[0].qos == 0 or room > 0):
+                it = dq.popleft()
+                msg = it.embedded
+                assert msg is not None
+                items.append(it)
+                msgs.append(msg)
+                room -= it.qos > 0
+                batch_bytes += len(msg.payload) + len(msg.topic)
+            if dq:
+                held.add(shard)
+            else:
+                del self.retained_first[shard]
+        return room, batch_bytes, held
 
     async def _commit_and_send(self, items: list[c.DeliveryItem], msgs: list[StoredMessage]) -> None:
         first = self.next_seq

@@ -799,9 +799,10 @@ class Node:
 
     async def subscribe(
         self, live: LiveSession, flt: str, qos: int, no_local: bool, rap: bool, rh: int, sub_id: int | None
-    ) -> list[tuple[StoredMessage, int, int | None]]:
+    ) -> None:
         """Commits the subscription in the session's shard, then registers it in every shard the
-        filter can match; returns the retained messages to deliver. SUBACK may follow."""
+        filter can match; SUBACK may follow. Each shard's Register hands its retained messages to
+        the session as it applies (``_on_effects``): they may precede the SUBACK (MQTT-3.8.4)."""
         fut = self.propose(live.shard, c.SessionSubscribe(live.client_id, live.epoch, flt, qos, no_local, rap, rh, sub_id))
         assert fut is not None
         res = await self.bounded(fut, live.shard)
@@ -824,12 +825,7 @@ class Node:
             await self._undo_subscribe(live, flt, sub.version)
             which = ", ".join(f"shard {s}" for s in refused)
             raise ShardUnavailable(f"{which or 'a shard'} unavailable" + (f": {errors[0]}" if errors else ""))
-        retained: list[tuple[StoredMessage, int, int | None]] = []
-        for r in results:
-            if r is not None and hasattr(r, "retained"):
-                retained.extend((m, qos, sub_id) for m in r.retained)
         live.wake()
-        return retained
 
     async def _undo_subscribe(self, live: LiveSession, flt: str, version: int) -> None:
         """Removes a subscription whose registration failed part-way, from the session and from
@@ -1065,6 +1061,12 @@ class Node:
         # A dict, not a set: sessions wake in a deterministic order (a set of objects iterates in
         # address order, which differs run to run and breaks a simulator seed's replay).
         woken: dict[LiveSession, None] = {}
+        # Retained messages of a new registration go before anything the shard owes the session
+        # from now on (the delivery pump serves them first).
+        for reg_key, retained in fx.retained_new:
+            live = self.live.get(reg_key.partition("\x00")[0])
+            if live is not None and live.add_retained(shard, reg_key, retained):
+                woken[live] = None
         # Runs of one registration (one subscriber's messages, in apply order) go to its session at once.
         for reg_key, run in groupby(fx.owed_new, key=itemgetter(1)):
             if reg_key.startswith(SHARE_PREFIX):

@@ -8,9 +8,11 @@ the real nodes into a state the checkers (or an exception inside a node) reporte
   session opens applied in one batch, the later one owned the session, and the client, connected
   with the earlier epoch, received nothing (reported lost); and a $share member that PUBREC'd (or
   finished) a QoS 2 message and rejoined with clean start had it sent to another member.
-- workload seeds 15 and 18 (no faults): a retained message arrives after a newer live message of
+- workload seeds 15 and 18 (no faults): a retained message arrived after a newer live message of
   the same topic when a SUBSCRIBE's earlier filter registered before the later one's retained
-  messages were sent. Not fixed yet (strict xfail below): the first fix stalled deliveries."""
+  messages were sent (they went out after the SUBACK, from a task of their own). Fixed: each
+  shard's Register hands its retained messages to the session as it applies, and the delivery
+  pump serves them before anything that shard owes the session afterwards."""
 
 from __future__ import annotations
 
@@ -80,9 +82,6 @@ def run_plan(seed: int) -> tuple[list[str], set[tuple[str, str]]]:
     return errors, {(v.kind, v.subscriber) for v in check_history(run.records)}
 
 
-@pytest.mark.xfail(strict=True, reason="known, not fixed: a retained message can arrive after a newer live one of "
-                   "its topic when a SUBSCRIBE's earlier filter registered first (holding live deliveries behind "
-                   "the retained ones lost a Method-B session's deliveries in seed 107; reverted)")
 def test_retained_messages_never_follow_newer_live_ones() -> None:
     for seed in (15, 18):
         run = run_workload(seed)
