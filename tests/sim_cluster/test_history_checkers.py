@@ -141,7 +141,9 @@ def test_qos2_packet_id_reused_while_held_is_a_method_b_loss(clean: list[Rec]) -
             break
     else:
         raise AssertionError("no held QoS 2 packet id in the base history")
-    other = next(g for g in sorted(acked_guids(recs)) if g != d["guid"])
+    # A message q2b1 was never sent (one it also received would be judged as its resend too).
+    received = {r["guid"] for r in of(recs, op="deliver", session="q2b1")}
+    other = next(g for g in sorted(acked_guids(recs)) if g != d["guid"] and g not in received)
     doctored = insert_after(recs, d, {**d, "guid": other, "dup": False}, dt_ns=500)
     found = [v for v in analyze_history(doctored).violations if v.kind == "packet_id_misuse"]
     assert len(found) == 1 and "reused while held" in found[0].detail and found[0].guid == other
@@ -235,10 +237,23 @@ def test_old_connection_left_open_after_a_takeover_is_a_stale_owner(clean: list[
     assert open_ns > 200_000_000
     end["mono_ns"] = new["mono_ns"] + open_ns
     doctored = renumber(recs)
-    found = kinds(doctored, CheckConfig(stale_owner_grace_s=0.2))
+    strict = CheckConfig(stale_owner_grace_s=0.2)
+    found = kinds(doctored, strict)
     assert set(found) == {"stale_owner"}  # once per CONNACK of the other process while it stayed open
-    # within the grace (a paused old owner closes it when it resumes) it is not flagged
-    assert check_history(doctored) == []
+
+    def paused(node: str) -> list[Rec]:
+        """The node was paused from just before the new CONNACK until just before the close."""
+        harness = {"run": new["run"], "process": "harness", "type": "fault", "op": "fault", "node": node}
+        out = insert_after(doctored, new, {**harness, "reason": "pause", "mono_ns": new["mono_ns"] - 10}, dt_ns=0)
+        resume_at = end["mono_ns"] - 100_000_000
+        anchor = max((r for r in out if r["mono_ns"] <= resume_at), key=lambda r: r["mono_ns"])
+        return renumber(insert_after(out, anchor, {**harness, "reason": "resume", "mono_ns": resume_at}, dt_ns=0))
+
+    # A paused old owner closes the connection when it resumes: its own node's pause excuses it...
+    assert kinds(paused(end["node"]), strict) == Counter()
+    # ...another node's does not.
+    other_node = next(r["node"] for r in of(recs, op="connect", type="ok") if r.get("node") not in (None, end["node"]))
+    assert set(kinds(paused(other_node), strict)) == {"stale_owner"}
 
 
 def test_session_present_0_on_an_unexpired_session_is_a_lost_session(clean: list[Rec]) -> None:

@@ -22,6 +22,10 @@ Seeds each switch needed at 3 nodes (seeds from 0; every seed replays exactly):
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+
 import pytest
 
 from moorline.sim.cluster.runner import SeedResult, run_seed
@@ -43,32 +47,28 @@ SIGNATURE: dict[str, frozenset[str]] = {
 # Switches the default mix and workload do not catch within MAX_SEEDS, and what they miss. The
 # test of such a switch is not run (200 seeds cost about 15 minutes); it runs again once the
 # workload or the checker closes the gap.
-KNOWN_MISSES: dict[str, str] = {
-    "suback_before_all_shards": (
-        "the racer's publisher publishes about once a second, unrelated to the racer's SUBACKs, so a "
-        "publish almost never falls between the first shard's registration and the last one's (a few "
-        "milliseconds unless a leader change delays one); it needs a publish through another node to a "
-        "topic of every shard the filter matches, right after each SUBACK"),
-    "no_owner_lease": (
-        "an old owner cannot deliver once a takeover committed (Deliver is fenced by the epoch in log "
-        "order), so the bug shows only as the old connection left open while the new owner serves; "
-        "stale_owner allows 25 s, longer than any partition of the default mix (at most 12 s) keeps a "
-        "lease-less owner serving, while the default build closes it by its lease end, or when a pause "
-        "(at most 14 s) ends; over seeds 0-29 the default build never left one open more than 1 s after "
-        "the new CONNACK, the broken one did for 4-6 s in two seeds"),
-}
+KNOWN_MISSES: dict[str, str] = {}
+
+
+def _run_broken(args: tuple[int, str]) -> SeedResult:
+    seed, switch = args
+    return run_seed(seed, NODES, frozenset({switch}))
 
 
 def first_catch(switch: str) -> tuple[int, SeedResult] | None:
     """The first seed whose broken build reports a violation of the bug's kinds that the default
     build of the same seed does not (a known bug of the default build, e.g. seed 18's retained
     message after a newer live one, is not this switch's catch)."""
-    for seed in range(MAX_SEEDS):
-        result = run_seed(seed, NODES, frozenset({switch}))
-        if any(f.kind in SIGNATURE[switch] for f in result.findings):
-            default = run_seed(seed, NODES)
-            if not any(f.kind in SIGNATURE[switch] for f in default.findings):
-                return seed, result
+    workers = max(1, min(2, os.cpu_count() or 1))
+    # Seeds in order, a core's worth at a time (spawn: see test_sim_seeds.py).
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for start in range(0, MAX_SEEDS, workers):
+            seeds = range(start, min(start + workers, MAX_SEEDS))
+            for seed, result in zip(seeds, pool.map(_run_broken, [(s, switch) for s in seeds]), strict=True):
+                if any(f.kind in SIGNATURE[switch] for f in result.findings):
+                    default = run_seed(seed, NODES)
+                    if not any(f.kind in SIGNATURE[switch] for f in default.findings):
+                        return seed, result
     return None
 
 

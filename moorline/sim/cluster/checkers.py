@@ -29,8 +29,10 @@ Beyond verify (``EXTRA_KINDS``):
   released the session (having closed its connection) or its lease ran out, so on the client's
   side the old connection's last byte arrives within a link delay of the new CONNACK;
 - *stale_owner*: such an old connection still open more than ``stale_owner_grace_s`` after the new
-  CONNACK (a paused old owner closes it when it resumes: the grace covers a pause up to about two
-  leases);
+  CONNACK. The old owner closes it by the end of its lease, which the new owner waits out, so the
+  grace covers clock drift and scheduling; a paused old owner closes it when it resumes, so a pause
+  of the old owner's node (history records ``fault`` / ``pause`` and ``resume`` with its ``node``)
+  that overlaps the lease before the new CONNACK moves the bound to the pause's end plus the grace;
 - *session_lost*: CONNECT with clean start 0 answered session present 0 although the session's
   expiry (``session_expiry`` of the CONNECT that opened its last connection; none on 3.1.1 means it
   does not expire within a run) had not run out since its last connection ended;
@@ -78,7 +80,8 @@ class Violation:
 @dataclass(frozen=True)
 class CheckConfig:
     owner_overlap_s: float = 0.1  # client-link delay allowed between the old owner's last byte and a new CONNACK
-    stale_owner_grace_s: float = 25.0  # an old owner's connection must end within this of the new CONNACK
+    stale_owner_grace_s: float = 2.0  # an old owner's connection must end within this of the new CONNACK
+    owner_lease_s: float = 10.0  # a pause this long before the new CONNACK can have kept the old one open
     session_expiry_margin_s: float = 1.0  # clock skew and CONNECT processing, against session expiry
 
 
@@ -663,9 +666,17 @@ class _RunCheck:
         CONNACK (within ``owner_overlap_s``) and must not deliver after it."""
         overlap_ns = int(self.cfg.owner_overlap_s * 1e9)
         grace_ns = int(self.cfg.stale_owner_grace_s * 1e9)
+        lease_ns = int(self.cfg.owner_lease_s * 1e9)
         conns: dict[str, list[dict[str, Any]]] = defaultdict(list)  # session -> connections in CONNACK order
         open_conn: dict[tuple[str, Any], dict[str, Any]] = {}
+        pauses: dict[str, list[list[int]]] = defaultdict(list)  # node -> [start, end] (end open: END_OF_TIME)
         for r in self.ev:
+            if r.get("op") == "fault" and r.get("node") is not None:
+                if r.get("reason") == "pause":
+                    pauses[r["node"]].append([r["mono_ns"], END_OF_TIME])
+                elif r.get("reason") == "resume" and pauses[r["node"]]:
+                    pauses[r["node"]][-1][1] = min(pauses[r["node"]][-1][1], r["mono_ns"])
+                continue
             s = r.get("session")
             if s is None:
                 continue
@@ -700,7 +711,12 @@ class _RunCheck:
                                   f"{(d['mono_ns'] - new['start']) / 1e9:.3f} s after {new['process']} got "
                                   f"CONNACK from {new['node']} ({len(late)} such)", d.get("guid"), s,
                                   d.get("topic"))
-                    elif end > new["start"] + grace_ns:
+                        continue
+                    limit = new["start"] + grace_ns
+                    for p_start, p_end in pauses.get(old["node"], ()):
+                        if p_start <= limit and p_end >= new["start"] - lease_ns:
+                            limit = max(limit, p_end + grace_ns)  # it closes when it resumes
+                    if end > limit:
                         self.flag("stale_owner",
                                   f"{old['process']}'s connection to {old['node']} still open "
                                   f"{(min(end, self.ev[-1]['mono_ns']) - new['start']) / 1e9:.3f} s after "

@@ -87,6 +87,8 @@ class FaultPlan:
         self.isolated: dict[str, float] = {}
         self.counts: dict[str, int] = {}
         self.flips: list[tuple[str, str, int]] = []  # (node, file, offset) of each flipped synced bit
+        self.paused: set[str] = set()  # nodes whose pause is recorded in the history and not yet its end
+        self.history: Any = None  # the workload's History: pauses are recorded in it for the checkers
 
     @property
     def now(self) -> float:
@@ -130,6 +132,7 @@ class FaultPlan:
         elif kind == "pause":
             sn = rng.choice(healthy)
             w.pause(sn, rng.uniform(*self.cfg.pause_s))
+            self._record_pause(sn.name, "pause")
         elif kind == "isolate":
             sn = rng.choice(healthy)
             until = self.now + rng.uniform(*self.cfg.partition_s)
@@ -163,6 +166,21 @@ class FaultPlan:
             self.heal_network()
         self._count(kind)
 
+    def _record_pause(self, node: str, reason: str) -> None:
+        """A paused node cannot close its clients' connections: the owner checks need to know."""
+        if reason == "pause":
+            self.paused.add(node)
+        else:
+            self.paused.discard(node)
+        if self.history is not None:
+            self.history.record(self.now, "fault", "fault", process="harness", node=node, reason=reason)
+
+    def _record_resumes(self) -> None:
+        for sn in self.world.nodes:
+            if sn.name in self.paused and (sn.loop is None or sn.loop.paused_until is None
+                                           or sn.loop.paused_until <= self.now):
+                self._record_pause(sn.name, "resume")
+
     def _some_leader(self, healthy: list[SimNode]) -> SimNode | None:
         leaders = [sn for sn in healthy if sn.node is not None and any(h.raft.is_leader for h in sn.node.groups)]
         return self.rng.choice(leaders) if leaders else None
@@ -176,6 +194,7 @@ class FaultPlan:
     def expire(self) -> None:
         """Restart what is due, heal cuts that ran out."""
         w = self.world
+        self._record_resumes()
         for name, at in list(self.down_until.items()):
             if at <= self.now:
                 del self.down_until[name]
@@ -210,6 +229,7 @@ class FaultPlan:
         for sn in w.nodes:
             if sn.loop is not None:
                 sn.loop.paused_until = None
+        self._record_resumes()
         self.heal_network()
 
 
@@ -328,6 +348,7 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
             findings.append(Finding("cluster_did_not_form", "; ".join(errors) or "no leader for every group in 60 s"))
         else:
             workload = Workload(world, random.Random(f"{seed}/workload"), records)
+            plan.history = workload.history
             workload.start()
             end = world.scheduler.now + cfg.fault_s
             next_fault = world.scheduler.now + rng.uniform(*cfg.fault_gap_s)

@@ -37,12 +37,13 @@ import os
 import random
 import shutil
 import tempfile
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moorline.hashing import shard_of
 from moorline.mqtt.packets import (
     NO_PROPERTIES,
     Connack,
@@ -63,12 +64,15 @@ from moorline.mqtt.packets import (
     Unsubscribe,
     Will,
 )
+from moorline.mqtt.topics import matches
 from moorline.sim.cluster.mqtt_client import ClientClosed, ClientConnection
 from moorline.sim.cluster.vloop import VirtualLoop
 from moorline.sim.cluster.vnet import HostNetwork
 from moorline.sim.cluster.world import EPOCH_MS, World, WorldConfig
 from moorline.verify.history import check_record
 
+PROBE_AGAIN_S = (0.3, 1.0)  # a racer's SUBACK is probed at once and again after these delays
+RACE_FILTERS_KEPT = 5  # a racer holds at most this many race/ filters; past it the oldest is unsubscribed
 NO_GUID = "no_guid"  # detail of a publish sent without a guid user property
 WILL_DISCARDED = "will discarded: clean DISCONNECT processed"
 NOT_DRAINED = "not drained: the drain timed out"  # a subscriber that could not catch up after the faults healed
@@ -100,7 +104,7 @@ class WorkloadConfig:
     qos2_receivers: int = 2  # alternately Method B and Method A
     takeover_pairs: int = 1
     takeovers_per_pair: int = 3
-    racers: int = 1
+    racers: int = 2
     race_messages: int = 30
     share_members: int = 3  # one $share group; the last member leaves for good
     share_messages: int = 30
@@ -508,11 +512,7 @@ class Publisher(ModelClient):
         while self.seq < self.messages and not self.wl.stopping:
             await self.ensure_connected()
             if self._timed_out():
-                for o in self.inflight.values():
-                    if o.state == "sent":
-                        self.rec("info", "publish", guid=o.guid, topic=o.topic, qos=o.qos, packet_id=o.pid,
-                                 reason="timeout", detail=None if o.with_guid else NO_GUID)
-                self.close(clean=False, reason="acknowledgement timed out")
+                self.give_up_waiting()
                 continue
             if len(self.inflight) >= cfg.publish_window:
                 await self.wait_changed(0.5)
@@ -526,7 +526,19 @@ class Publisher(ModelClient):
                 self.close(clean=self.rng.random() < 0.5)
                 await self.sleep(self.rng.uniform(0.05, 1.0))
             await self.sleep(self.rng.uniform(*cfg.publish_interval_s))
-        # Stopping: finish what is in flight (resending after reconnects), then leave cleanly.
+        await self.finish()
+
+    def give_up_waiting(self) -> None:
+        """An acknowledgement took longer than the broker's own bound: record it and reconnect
+        (everything in flight is then resent)."""
+        for o in self.inflight.values():
+            if o.state == "sent":
+                self.rec("info", "publish", guid=o.guid, topic=o.topic, qos=o.qos, packet_id=o.pid,
+                         reason="timeout", detail=None if o.with_guid else NO_GUID)
+        self.close(clean=False, reason="acknowledgement timed out")
+
+    async def finish(self) -> None:
+        """Stopping: finish what is in flight (resending after reconnects), then leave cleanly."""
         while self.inflight and not self.wl.abandon_publishes:
             await self.ensure_connected()
             if self._timed_out():
@@ -755,17 +767,80 @@ class RacerSubscriber(Subscriber):
         if not self.connected or self.wl.draining or self.rng.random() > 0.1:
             return
         current = [s for s in self.subs if s.filter.startswith("race/")]
+        if len(current) >= RACE_FILTERS_KEPT:
+            # The oldest goes (UNSUBSCRIBE racing PUBLISH too): the checkers judge a filter's
+            # deliveries only if it is still subscribed at the end, so the recent ones stay.
+            if await self.unsubscribe([current[0]]):
+                self.subs.remove(current[0])
+            return
         j = self.rng.randrange(4)
         new = Sub(self.rng.choice([f"race/+/{j}", f"race/{self.rng.randrange(6)}/+", "race/#"]), 1)
         if any(s.filter == new.filter for s in self.subs):
-            if len(current) > 1:
-                old = self.rng.choice(current)
-                if await self.unsubscribe([old]):
-                    self.subs.remove(old)
             return
         if await self.subscribe([new]):
             self.subs.append(new)
             self.stat("race_subscribes")
+            self.wl.race_probe(new.filter)  # SUBACK means registered everywhere: test it at once
+
+
+class RacePublisher(Publisher):
+    """The racer's publisher: besides its own paced messages, right after each racer SUBACK it
+    publishes one message to a matching topic of every shard the new filter reaches (``probes``),
+    through its own connection, usually to another node than the racer's. A SUBACK sent before
+    every shard registered the filter shows as such a message lost."""
+
+    kind = "publisher"
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.probes: deque[str] = deque()
+        self.regular = 0
+
+    def probe(self, topics: list[str]) -> None:
+        """At once, and twice more within a second: a registration held up by a leader change or
+        a cut link lands after all of them in a broken build."""
+        if self.wl.stopping or len(self.probes) >= 64:  # bounded: racers subscribe now and then
+            return
+        self.probes.extend(topics)
+        self.changed.set()  # the race is between the SUBACK and the last registration
+        loop = self.host.loop
+        for delay in PROBE_AGAIN_S:
+            loop.call_later(delay, self._probe_again, topics)
+
+    def _probe_again(self, topics: list[str]) -> None:
+        if not self.wl.stopping and len(self.probes) < 64:
+            self.probes.extend(topics)
+            self.changed.set()
+
+    def next_message(self) -> Outgoing:
+        out = super().next_message()
+        if self.probes:
+            out.topic = self.probes.popleft()
+            self.stat("race_probes")
+        else:
+            self.regular += 1
+        return out
+
+    async def run(self) -> None:
+        cfg = self.wl.cfg
+        next_regular = self.now() + self.rng.uniform(0.0, 0.5)
+        while not self.wl.stopping:
+            await self.ensure_connected()
+            if self._timed_out():
+                self.give_up_waiting()
+                continue
+            due = self.probes or (self.regular < self.messages and self.now() >= next_regular)
+            if not due or len(self.inflight) >= cfg.publish_window + (4 if self.probes else 0):
+                # Woken by a probe, an acknowledgement, or the next paced message's time.
+                await self.wait_changed(0.5 if due else min(0.5, max(0.001, next_regular - self.now())))
+                continue
+            if not self.probes:
+                next_regular = self.now() + self.rng.uniform(*cfg.publish_interval_s)
+            out = self.next_message()
+            self.inflight[out.pid] = out
+            self._send_publish(out, dup=False)
+            self.stat("published")
+        await self.finish()
 
 
 class ShareMember(Subscriber):
@@ -933,6 +1008,7 @@ class Workload:
         self.hosts: list[ClientHost] = []
         self.clients: list[ModelClient] = []
         self.pairs: list[TakeoverPair] = []
+        self.race_publishers: list[RacePublisher] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._build()
 
@@ -999,8 +1075,10 @@ class Workload:
             self.clients.append(RacerSubscriber(self, f"racer{i + 1}", f"racer{i + 1}", self._version(), host(),
                                                 subs=[Sub("race/+/0", 1)], persistent=True))
             topics = [f"race/{k}/{j}" for k in range(6) for j in range(4)]
-            self.clients.append(Publisher(self, f"racepub{i + 1}", 5, host(), qos=1, with_guid=True,
-                                          persistent=True, topics=topics, messages=cfg.race_messages))
+            racepub = RacePublisher(self, f"racepub{i + 1}", 5, host(), qos=1, with_guid=True,
+                                    persistent=True, topics=topics, messages=cfg.race_messages)
+            self.race_publishers.append(racepub)
+            self.clients.append(racepub)
         if cfg.share_members:
             for i in range(cfg.share_members):
                 leaver = i == cfg.share_members - 1 and cfg.share_members > 1
@@ -1020,6 +1098,17 @@ class Workload:
             self.clients.append(WillClient(self, f"will{i + 1}", self._version(), host(), cfg.will_rounds))
         for c in self.clients:
             self.stats_by_kind.setdefault(c.kind, Counter())
+
+    def race_probe(self, topic_filter: str) -> None:
+        """After a racer's SUBACK for ``topic_filter``: one matching topic per shard, published at once."""
+        if not self.race_publishers:
+            return
+        pub = self.rng.choice(self.race_publishers)
+        per_shard: dict[int, list[str]] = {}
+        for t in pub.topics:
+            if matches(topic_filter, t):
+                per_shard.setdefault(shard_of(t, self.world.cfg.shards), []).append(t)
+        pub.probe([self.rng.choice(ts) for _, ts in sorted(per_shard.items())])
 
     # --- driving ------------------------------------------------------------------------------
     def start(self) -> None:
