@@ -83,6 +83,9 @@ class ReadFilter:
         return True
 
 
+REPLICA_CATCH_UP_POLL_S = 0.01  # a resuming session waiting for a lagging replica looks again this often
+
+
 class LiveSession:
     """The node-side driver of one connected session. Owns no replicated state of its own."""
 
@@ -136,12 +139,58 @@ class LiveSession:
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
+        behind = self._replicas_behind()
+        loop = asyncio.get_running_loop()
+        if behind:
+            self._task = loop.create_task(self._start_when_caught_up(behind), name=f"deliver:{self.client_id}")
+            return
+        self._begin()
+        self._task = loop.create_task(self._pump(), name=f"deliver:{self.client_id}")
+
+    def _begin(self) -> None:
         self._resend()
         sess = self.session()
         if sess is not None:
             self._load_pending(sess)
-        self._task = asyncio.get_running_loop().create_task(self._pump(), name=f"deliver:{self.client_id}")
         self.wake()
+
+    def _replicas_behind(self) -> dict[int, int]:
+        """Topic shards whose replica here has not yet applied a message the session has in flight
+        (shard -> that offset). The session shard committed the delivery after the message, but
+        this node's replica of the message's shard may lag: resending without it would skip it
+        and let later deliveries overtake it."""
+        sess = self.session()
+        behind: dict[int, int] = {}
+        if sess is None:
+            return behind
+        hosts = self.node.hosts
+        for d in sess.inflight.values():
+            shard, offset = d.item.shard, d.item.offset
+            if offset < 0 or not 0 <= shard < len(hosts) or hosts[shard].failed is not None:
+                continue
+            if hosts[shard].state.topics.next_offset <= offset:
+                behind[shard] = max(behind.get(shard, -1), offset)
+        return behind
+
+    async def _start_when_caught_up(self, behind: dict[int, int]) -> None:
+        """Resend (and then deliver) once every replica here holds what is in flight; bounded by
+        ``mqtt.publish_timeout_s``, after which the client is told to reconnect (elsewhere)."""
+        clock = self.node.clock
+        deadline = clock.monotonic() + self.node.cfg.mqtt.publish_timeout_s
+        while not self.closed and behind:
+            hosts = self.node.hosts
+            behind = {s: o for s, o in behind.items()
+                      if hosts[s].failed is None and hosts[s].state.topics.next_offset <= o}
+            if not behind:
+                break
+            if clock.monotonic() >= deadline:
+                self._cannot_continue(f"this node's replica of shard {min(behind)} is behind the session's deliveries")
+                return
+            await asyncio.sleep(REPLICA_CATCH_UP_POLL_S)
+        if self.closed:
+            return
+        self._begin()
+        await self._pump()
 
     def wake(self) -> None:
         self._wake.set()

@@ -133,6 +133,7 @@ def sim(
     trace: Annotated[Path | None, typer.Option(help="--cluster --seed: write its schedule and history here")] = None,
     switch: Annotated[list[str] | None, typer.Option(help="--cluster: a test-only broken build (Faults field)")] = None,
     bitflips: Annotated[bool, typer.Option(help="--cluster: crashes may also flip a bit of synced data")] = False,
+    jobs: Annotated[int, typer.Option(help="--cluster: seeds run in this many worker processes at once")] = 1,
 ) -> None:
     """Deterministic simulation: seeded faults, online Raft checks, total-queue and
     linearizability checkers. Exits 1 on the first seed with a violation. With --cluster: whole
@@ -140,7 +141,7 @@ def sim(
     if cluster:
         from moorline.sim.cluster.cli import cluster_sim
 
-        cluster_sim(seeds, start, nodes, seed, trace, switch or [], progress_every, bitflips)
+        cluster_sim(seeds, start, nodes, seed, trace, switch or [], progress_every, bitflips, jobs)
         return
     if bug is not None and bug not in ALL_BUGS:
         raise typer.BadParameter(f"unknown bug {bug!r}; known: {', '.join(ALL_BUGS)}")

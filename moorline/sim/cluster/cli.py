@@ -11,10 +11,12 @@ Runs are reproducible only if Python's string hashing is: the command re-execute
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import typer
@@ -36,8 +38,13 @@ def known_switches() -> list[str]:
     return sorted(n for n, v in vars(Faults()).items() if v is False)
 
 
+def _run_one(args: tuple[int, int, frozenset[str], Path | None, bool]) -> SeedResult:
+    s, nodes, switches, trace, bitflips = args
+    return run_seed(s, nodes, switches, trace=trace, cfg=RunConfig(bitflips=bitflips))
+
+
 def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Path | None,
-                switches: list[str], progress_every: float, bitflips: bool = False) -> None:
+                switches: list[str], progress_every: float, bitflips: bool = False, jobs: int = 1) -> None:
     if nodes not in CLUSTER_SIZES:
         raise typer.BadParameter(f"--nodes must be 3 or 5 with --cluster, not {nodes}")
     unknown = [s for s in switches if s not in known_switches()]
@@ -45,6 +52,8 @@ def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Pat
         raise typer.BadParameter(f"unknown --switch {', '.join(unknown)}; known: {', '.join(known_switches())}")
     if trace is not None and seed is None:
         raise typer.BadParameter("--trace needs --seed (one seed's trace)")
+    if not 1 <= jobs <= 64:
+        raise typer.BadParameter(f"--jobs must be between 1 and 64, not {jobs}")
     ensure_fixed_hash_seed()
     from moorline.sim.cli import SeedProgress
 
@@ -53,24 +62,36 @@ def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Pat
     results: list[SeedResult] = []
     failed: list[SeedResult] = []
     t0 = time.monotonic()
+    work = [(s, nodes, frozenset(switches), trace, bitflips) for s in todo]
+    pool = None
     try:
-        for s in todo:
-            r = run_seed(s, nodes, frozenset(switches), trace=trace, cfg=RunConfig(bitflips=bitflips))
+        if jobs > 1 and len(todo) > 1:
+            # Each seed is a whole world in one process: seeds in worker processes are independent
+            # and each replays alone. Results come back in seed order.
+            pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+            it = pool.map(_run_one, work)
+        else:
+            it = map(_run_one, work)
+        for r in it:
             results.append(r)
             progress.seed_done(len(r.findings))
             if not r.ok:
                 failed.append(r)
+                typer.echo(f"VIOLATION seed={r.seed} {sorted({f.kind for f in r.findings})}: "
+                           f"replay: {r.replay_command()}", err=True)
     finally:
         progress.close()
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     elapsed = time.monotonic() - t0
-    _summary(results, failed, elapsed)
+    _summary(results, failed, elapsed, jobs)
     if seed is not None:
         typer.echo(f"seed {seed}: trace hash {results[0].trace_hash}" + (f", trace in {trace}" if trace else ""))
     if failed:
         raise typer.Exit(code=1)
 
 
-def _summary(results: list[SeedResult], failed: list[SeedResult], elapsed: float) -> None:
+def _summary(results: list[SeedResult], failed: list[SeedResult], elapsed: float, jobs: int = 1) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -92,7 +113,10 @@ def _summary(results: list[SeedResult], failed: list[SeedResult], elapsed: float
     table.add_row("history records", str(sum(r.counts.get("records", 0) for r in results)))
     table.add_row("simulated seconds per seed", f"{sum(r.sim_s for r in results) / n:.1f}")
     table.add_row("wall seconds per seed", f"{sum(r.wall_s for r in results) / n:.2f}")
-    table.add_row("seeds per minute (one core)", f"{60 * len(results) / elapsed:.1f}" if elapsed > 0 else "-")
+    table.add_row("worker processes", str(jobs))
+    table.add_row("seeds per minute per worker",
+                  f"{60 * len(results) / elapsed / max(1, jobs):.1f}" if elapsed > 0 else "-")
+    table.add_row("wall time", f"{elapsed:.0f} s")
     Console().print(table)
     for r in failed[:10]:
         typer.echo(f"VIOLATION seed={r.seed}")
