@@ -119,6 +119,7 @@ class Node:
         self._guid_prefix = seams.random_bytes(8)
         self._guid_counter = 0
         self._tasks: list[asyncio.Task[Any]] = []
+        self._background: set[asyncio.Task[Any]] = set()  # one-off cleanups nobody awaits
         self.fatal: BaseException | None = None
         self.stopping = asyncio.Event()
         self.ledger = seams.sync_ledger or (SyncLedger(Path(faults.sync_ledger)) if faults.sync_ledger else None)
@@ -956,16 +957,47 @@ class Node:
                                                 not self.takeover_across_users(), self.member[0],
                                                 int(lease_s * 1000)))
         assert fut is not None
-        res = await self.bounded(fut, shard)
+        reason = "session_expired" if not clean_start else "clean_start"
+        try:
+            res = await self.bounded(fut, shard)
+        except ShardUnavailable:
+            # Outcome unknown: the open may still commit. If it does, nobody is served by it, but
+            # the incarnation it replaced (clean start) must still end (its registrations and
+            # $share memberships go), and the session it opened is handed back.
+            fut.add_done_callback(lambda f: self._open_applied_unserved(client_id, f, reason))
+            raise
         if res.refused:
             raise SessionOwnedByOther(client_id)
         # Our lease counts from when we proposed it, shortened by the clock-drift bound.
         self._lease_deadline[(client_id, res.epoch)] = proposed_at + lease_s * (1 - self.cfg.session.owner_lease_drift)
-        if res.wait_until_ms and not self.faults.no_owner_lease:  # the broken build serves at once
-            await self._wait_for_previous_owner(client_id, res)
-        if res.ended is not None:
-            await self._end_session(res.ended, "session_expired" if not clean_start else "clean_start")
+        try:
+            if res.wait_until_ms and not self.faults.no_owner_lease:  # the broken build serves at once
+                await self._wait_for_previous_owner(client_id, res)
+        finally:
+            # Also when the wait failed (taken over again meanwhile): the incarnation this open
+            # replaced is gone from the session shard whatever happens to this connection, and
+            # nothing else would end it (a $share member whose claims never come back).
+            if res.ended is not None:
+                await self._end_session(res.ended, reason)
         return res.session_present, res.epoch, res.incarnation
+
+    def _open_applied_unserved(self, client_id: str, fut: asyncio.Future[Any], reason: str) -> None:
+        """A SessionOpen whose caller gave up (outcome unknown) applied after all."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        res = fut.result()
+        if res is None or res.refused or self.stopping.is_set():
+            return
+        self.abandon_session(client_id, res.epoch)
+        if res.ended is not None:
+            task = asyncio.get_running_loop().create_task(self._end_session(res.ended, reason))
+            self._background.add(task)
+            task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.info("a background cleanup did not finish: %s", task.exception())
 
     async def _wait_for_previous_owner(self, client_id: str, res: Any) -> None:
         """A takeover from another node serves only once that node released the session (it ended
@@ -1310,7 +1342,7 @@ class Node:
         await self.hand_over_leadership(timeout_s=min(self.cfg.shutdown_drain_s, 3.0))
         if not await self.commit.flush(timeout_s=1.0):  # acks and reports proposed lazily, too
             log.warning("stopping: the last proposals were not synced within 1 s")
-        await cancel_all(self._tasks)
+        await cancel_all([*self._tasks, *self._background])
         if self.link is not None:
             await self.link.close()
         self.commit.stop()

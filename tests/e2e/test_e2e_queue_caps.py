@@ -57,6 +57,9 @@ def _fill_offline_queue(b: BrokerProc, uniq: str, payload: bytes, per_topic: int
             body = b"%s|%d|" % (t.encode(), r) + payload
             pub.publish_and_wait(t, body, qos=1)
             sent.append(body)
+            # Caps drop by entry time (milliseconds) across shards, ties in shard order: two
+            # messages in one millisecond would make "newer" ambiguous (a CI failure once).
+            time.sleep(0.003)
     pub.close()
     time.sleep(0.5)  # drops are proposed after the applies that overfill the queue
     sub = RawClient(HOST, b.mqtt_port, 5)

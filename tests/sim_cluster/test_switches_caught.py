@@ -88,6 +88,7 @@ def test_switch_is_caught_within_200_seeds(switch: str) -> None:
     assert found is not None, f"{switch}: no violation of {sorted(SIGNATURE[switch])} in {MAX_SEEDS} seeds"
     seed, broken = found
     caught = sorted({f.kind for f in broken.findings if f.kind in SIGNATURE[switch]})
+    print(f"{switch}: caught at seed {seed} ({seed + 1} seeds): {caught}")  # the docs' table (-rP)
     default = run_seed(seed, NODES)
     same = [(f.kind, f.detail) for f in default.findings if f.kind in SIGNATURE[switch]]
     assert not same, (f"{switch}: seed {seed} reports {caught}, but so does the default build: {same[:3]}\n"
