@@ -33,6 +33,7 @@ from moorline.broker.session_state import (
 )
 from moorline.broker.topic_state import Registration, TopicState
 from moorline.node.recent import SHARD_SHIFT
+from moorline.raft import ProposalDropped
 
 if TYPE_CHECKING:
     from moorline.node.node import Node
@@ -84,6 +85,8 @@ class ReadFilter:
 
 
 REPLICA_CATCH_UP_POLL_S = 0.01  # a resuming session waiting for a lagging replica looks again this often
+READ_BARRIER_WAIT_S = 2.0  # a session's read barrier on a shard not answered in this long is asked again
+READ_BARRIER_RETRY_S = 0.5  # ...and after this long when the shard has no known leader
 
 
 class LiveSession:
@@ -131,6 +134,12 @@ class LiveSession:
         # shard -> retained messages of a registration just applied there (embedded deliveries):
         # served before that shard's pending offsets, all of which the shard applied after them.
         self.retained_first: dict[int, deque[c.DeliveryItem]] = {}
+        # Shards whose replica here is not yet known to hold everything the group had committed
+        # when the session started here (a read barrier each): what they owe is not delivered
+        # before, since a replica that was down or cut off may not have applied the acks,
+        # returns and takeovers that came before this session's start.
+        self.unconfirmed: set[int] = set()
+        self._confirm_task: asyncio.Task[None] | None = None
         self._acks: list[tuple[int, int]] = []
         self._ack_flush: asyncio.Handle | None = None
 
@@ -152,6 +161,49 @@ class LiveSession:
         sess = self.session()
         if sess is not None:
             self._load_pending(sess)
+            if self.node.link is not None:  # one node: its replicas are the groups themselves
+                shards = [shard for shard, _ in self.node.session_regs(self.client_id, sess)]
+                if shards:
+                    self.unconfirmed = set(shards)
+                    self._confirm_task = asyncio.get_running_loop().create_task(
+                        self._confirm_replicas(shards), name=f"read-barrier:{self.client_id}")
+        self.wake()
+
+    async def _confirm_replicas(self, shards: list[int]) -> None:
+        """A read barrier on every shard the session reads; each shard's owed messages flow once
+        its barrier passed (reloaded from the replica's state then). Asked again until answered."""
+        todo = set(shards)
+        while todo and not self.closed:
+            asked: dict[int, asyncio.Future[None]] = {}
+            for shard in sorted(todo):
+                try:
+                    asked[shard] = self.node.read_barrier(shard)
+                except ProposalDropped:
+                    pass  # no leader known yet (or too many reads): asked again below
+            if not asked:
+                await asyncio.sleep(READ_BARRIER_RETRY_S)
+                continue
+            await asyncio.wait(list(asked.values()), timeout=READ_BARRIER_WAIT_S)
+            for shard, fut in asked.items():
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    todo.discard(shard)
+                    self._shard_confirmed(shard)
+                elif not fut.done():
+                    fut.cancel()
+            if todo and len(asked) < len(todo):
+                await asyncio.sleep(READ_BARRIER_RETRY_S)
+
+    def _shard_confirmed(self, shard: int) -> None:
+        if self.closed or shard not in self.unconfirmed:
+            return
+        self.unconfirmed.discard(shard)
+        sess = self.session()
+        if sess is None:
+            return
+        for s, regs in self.node.session_regs(self.client_id, sess):
+            if s == shard:
+                entries = self._pending_entries(shard, regs)
+                self.pending[shard] = deque(entries)
         self.wake()
 
     def _replicas_behind(self) -> dict[int, int]:
@@ -205,6 +257,8 @@ class LiveSession:
 
     async def close(self) -> None:
         self.stop()
+        if self._confirm_task is not None:
+            self._confirm_task.cancel()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -310,21 +364,27 @@ class LiveSession:
         self.pending = {}
         self.share_delivered.update((shard, offset) for shard, _rk, offset in sess.share_done)
         for shard, regs in node.session_regs(self.client_id, sess):
-            topics = node.hosts[shard].state.topics
-            cursor = self.cursor.get(shard, -1)
-            entries: list[tuple[int, str]] = []
-            for reg_key, _sub in regs:
-                reg = topics.regs.get(reg_key)
-                if reg is None:
-                    continue
-                if reg.share_group is not None:
-                    entries.extend((o, reg_key) for o, m in reg.claims.items()
-                                   if m == self.client_id and (shard, o) not in self.share_delivered)
-                elif reg.session_inc == self.incarnation:
-                    entries.extend((o, reg_key) for o in reg.owed if o > cursor)
+            entries = self._pending_entries(shard, regs)
             if entries:
-                entries.sort()
                 self.pending[shard] = deque(entries)
+
+    def _pending_entries(self, shard: int, regs: list[tuple[str, Any]]) -> list[tuple[int, str]]:
+        """(offset, registration) owed to (or claimed for) this session in ``shard`` past the
+        delivered cursor, as this replica's state has it, in offset order."""
+        topics = self.node.hosts[shard].state.topics
+        cursor = self.cursor.get(shard, -1)
+        entries: list[tuple[int, str]] = []
+        for reg_key, _sub in regs:
+            reg = topics.regs.get(reg_key)
+            if reg is None:
+                continue
+            if reg.share_group is not None:
+                entries.extend((o, reg_key) for o, m in reg.claims.items()
+                               if m == self.client_id and (shard, o) not in self.share_delivered)
+            elif reg.session_inc == self.incarnation:
+                entries.extend((o, reg_key) for o in reg.owed if o > cursor)
+        entries.sort()
+        return entries
 
     async def _deliver_once(self) -> bool:
         sess = self.session()
@@ -351,10 +411,11 @@ class LiveSession:
         recent = self.node.recent
         recent_get = recent.by_key.get
         hits = 0
+        unconfirmed = self.unconfirmed
         for shard, dq in self.pending.items():
             if more:
                 break
-            if not dq or shard in held:
+            if not dq or shard in held or shard in unconfirmed:
                 continue
             host = self.node.hosts[shard]
             topics = host.state.topics

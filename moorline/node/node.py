@@ -674,6 +674,12 @@ class Node:
         self.commit.kick(shard)
         return fut
 
+    def read_barrier(self, shard: int) -> asyncio.Future[None]:
+        """``ShardHost.read_barrier`` of ``shard``: this node's replica as of the group's commit now."""
+        fut = self.groups[shard].read_barrier()
+        self.commit.kick(shard)
+        return fut
+
     def propose_lazy(self, shard: int, cmd: c.Command, want: bool = False) -> asyncio.Future[Any] | None:
         """A command nobody waits for and whose delay costs nothing but a later release (ack
         reports, QoS 1 session acks, housekeeping): it never forces a sync of its own, it rides on

@@ -67,6 +67,7 @@ log = logging.getLogger("moorline.shard")
 # Default of raft.follower_log_margin_entries: entries a multi-voter group keeps in memory below
 # its snapshot, so a follower that lags by less catches up from entries, not a snapshot.
 MULTI_VOTER_LOG_MARGIN = 50_000
+READS_ASKED_MAX = 1024  # read barriers asked and not yet answered, per group (the oldest past it fail)
 
 _conf_encoder = msgspec.msgpack.Encoder()
 _conf_decoder = msgspec.msgpack.Decoder(ConfState)
@@ -309,6 +310,10 @@ class ShardHost:
         self._stamp_ms = 0  # the latest time this replica stamped forwarded entries with, as leader
         self.faults: Faults = NO_FAULTS  # the node's: deliberately broken builds, for tests only
         self._forgotten: dict[int, _Own] = {}  # Faults.forwarder_drops_on_leader_change: never resent
+        # Read barriers (Raft read index): asked, by context; then confirmed, waiting for the apply.
+        self._reads_asked: dict[bytes, asyncio.Future[None]] = {}
+        self._reads_confirmed: list[tuple[int, asyncio.Future[None]]] = []
+        self._read_seq = 0
 
     # --- proposing ---------------------------------------------------------------------------
     def propose(self, cmd: c.Command, want_result: bool = True) -> asyncio.Future[Any] | None:
@@ -459,6 +464,40 @@ class ShardHost:
         else:
             self.hooks.forward(self, lead[0], [o.data for o in owns])
 
+    def read_barrier(self) -> asyncio.Future[None]:
+        """Resolves once this replica has applied everything the group had committed when it was
+        asked (Raft read index, confirmed by the leader's quorum). A replica that was down, cut off
+        or is replaying its log reads as of then, not as of its own past. Raises ProposalDropped
+        when no leader is known (or too many reads wait); the caller bounds the wait."""
+        self._read_seq += 1
+        ctx = b"rb" + self.node_id.to_bytes(4, "big") + self.boot.to_bytes(8, "big") + self._read_seq.to_bytes(8, "big")
+        self.raft.read_index(ctx)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._reads_asked[ctx] = fut
+        return fut
+
+    def _serve_reads(self, rd: Ready) -> None:
+        for rs in rd.read_states:
+            fut = self._reads_asked.pop(rs.ctx, None)
+            if fut is not None and not fut.done():
+                self._reads_confirmed.append((rs.index, fut))
+        if self._reads_confirmed:
+            applied = self.state.applied_index
+            waiting = []
+            for index, fut in self._reads_confirmed:
+                if fut.done():
+                    continue
+                if index <= applied:
+                    fut.set_result(None)
+                else:
+                    waiting.append((index, fut))
+            self._reads_confirmed = waiting
+        if len(self._reads_asked) > READS_ASKED_MAX:  # answers lost with a leader change: forget the oldest
+            for ctx in list(self._reads_asked)[: len(self._reads_asked) - READS_ASKED_MAX]:
+                fut = self._reads_asked.pop(ctx)
+                if not fut.done():
+                    fut.set_exception(ProposalDropped("read index not answered"))
+
     def has_work(self) -> bool:
         """Commands to seal, or a Ready for the WAL."""
         return bool(self._batch_cmds) or self._rd is not None or self.raft.has_ready()
@@ -517,6 +556,8 @@ class ShardHost:
         for e in rd.committed_entries:
             self._apply_entry(e)
         self.raft.advance(rd)
+        if rd.read_states or self._reads_confirmed:
+            self._serve_reads(rd)
         st = self.raft.active_conf_state
         if len(st.voters) == 1 and not st.learners:
             # One voter: no follower will ever ask for an applied entry again.
