@@ -41,7 +41,7 @@ SIGNATURE: dict[str, frozenset[str]] = {
     "no_owner_lease": frozenset({"double_owner", "stale_owner"}),
     "ack_before_quorum": frozenset({"lost", "out_of_order"}),
     "forwarder_drops_on_leader_change": frozenset({"lost", "stuck"}),
-    "suback_before_all_shards": frozenset({"lost"}),
+    "suback_before_all_shards": frozenset({"lost", "suback_unregistered"}),
 }
 
 # Switches the default mix and workload do not catch within MAX_SEEDS, and what they miss. The

@@ -371,6 +371,7 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
             while world.scheduler.now < converge_end and not _replicas_converged(world):
                 world.run_for(0.1)
             findings += [Finding(v.kind, v.detail) for v in check_history(records)]
+            findings += [Finding(kind, detail) for kind, detail in workload.state_findings]
             replicas = compare_replicas(world)
             flipped = {name for name, _, _ in plan.flips}
             # A replica that stopped its group on a flipped bit reported the damage: that is the

@@ -780,6 +780,7 @@ class RacerSubscriber(Subscriber):
         if await self.subscribe([new]):
             self.subs.append(new)
             self.stat("race_subscribes")
+            self.wl.check_registered(self, new.filter)
             self.wl.race_probe(new.filter)  # SUBACK means registered everywhere: test it at once
 
 
@@ -1009,6 +1010,9 @@ class Workload:
         self.clients: list[ModelClient] = []
         self.pairs: list[TakeoverPair] = []
         self.race_publishers: list[RacePublisher] = []
+        # What the world's own state shows wrong when a client observes something (the runner
+        # reports each as a finding): (kind, detail).
+        self.state_findings: list[tuple[str, str]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._build()
 
@@ -1098,6 +1102,23 @@ class Workload:
             self.clients.append(WillClient(self, f"will{i + 1}", self._version(), host(), cfg.will_rounds))
         for c in self.clients:
             self.stats_by_kind.setdefault(c.kind, Counter())
+
+    def check_registered(self, client: ModelClient, topic_filter: str) -> None:
+        """On the racer's SUBACK: the node that sent it must already hold the subscription's
+        registration in every shard the filter can match (it answers SUBACK only once each of
+        them applied there). A node that crashed since has no state to look at."""
+        from moorline.node.node import reg_key_for
+
+        sn = next((n for n in self.world.nodes if n.name == client.node), None)
+        node = sn.node if sn is not None and not sn.crashed else None
+        if node is None or not client.connected:
+            return
+        reg_key, inner, _ = reg_key_for(client.client_id, topic_filter)
+        missing = [s for s in node.shards_for_filter(inner) if reg_key not in node.hosts[s].state.topics.regs]
+        if missing:
+            self.state_findings.append(("suback_unregistered", f"{client.name} got SUBACK for {topic_filter} from "
+                                        f"{sn.name if sn else '?'} at {self.world.scheduler.now:.3f}, whose "
+                                        f"shards {missing} had not registered it"))
 
     def race_probe(self, topic_filter: str) -> None:
         """After a racer's SUBACK for ``topic_filter``: one matching topic per shard, published at once."""
