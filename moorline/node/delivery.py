@@ -171,7 +171,7 @@ class LiveSession:
 
     async def _confirm_replicas(self, shards: list[int]) -> None:
         """A read barrier on every shard the session reads; each shard's owed messages flow once
-        its barrier passed (reloaded from the replica's state then). Asked again until answered."""
+        its barrier passed. Asked again until answered."""
         todo = set(shards)
         while todo and not self.closed:
             asked: dict[int, asyncio.Future[None]] = {}
@@ -194,16 +194,13 @@ class LiveSession:
                 await asyncio.sleep(READ_BARRIER_RETRY_S)
 
     def _shard_confirmed(self, shard: int) -> None:
+        """The pending entries stay as they are: the pump checks each against the replica's state
+        when it delivers it (claimed for us, still owed, past the cursor), and that state is now
+        current; what the catch-up applied was notified as it applied. (Reloading them here would
+        bring back a claim whose PUBCOMP just came, its ack report not applied yet.)"""
         if self.closed or shard not in self.unconfirmed:
             return
         self.unconfirmed.discard(shard)
-        sess = self.session()
-        if sess is None:
-            return
-        for s, regs in self.node.session_regs(self.client_id, sess):
-            if s == shard:
-                entries = self._pending_entries(shard, regs)
-                self.pending[shard] = deque(entries)
         self.wake()
 
     def _replicas_behind(self) -> dict[int, int]:
