@@ -1164,11 +1164,17 @@ class Workload:
         for p in self.pairs:  # one process of each pair stays: the current owner
             p.current.want_online = True
         self.last_delivery = sched.now
+        settled_since: float | None = None
         while sched.now < deadline:
             self.world.run_for(0.25)
             subs = [c for c in self.clients if isinstance(c, Subscriber) and c.want_online and not c.gone]
             settled = all(c.connected and c.subscribed and not c.withheld for c in subs)
-            if settled and sched.now - self.last_delivery >= self.cfg.quiet_s:
+            if not settled:
+                settled_since = None
+                continue
+            if settled_since is None:
+                settled_since = sched.now  # quiet counts from when the last of them (re)connected too
+            if sched.now - max(self.last_delivery, settled_since) >= self.cfg.quiet_s:
                 break
         ok = sched.now < deadline
         self.drain_complete = ok
