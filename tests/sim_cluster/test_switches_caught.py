@@ -8,11 +8,12 @@ then run with the default build, which must not report that kind: the catch is t
 
 Seeds each switch needed at 3 nodes in the last full run (seeds from 0; every seed replays
 exactly; the numbers move with the workload and the node code, the bound is what is asserted):
-- dedup_at_propose_only:            1 seed  (seed 0: duplicate: a resend stored twice)
+- dedup_at_propose_only:            1 seed  (seed 0: duplicate, packet_id_misuse: a resend stored
+                                    twice)
 - renumber_packet_ids_on_takeover:  1 seed  (seed 0: packet_id_misuse)
 - forwarder_drops_on_leader_change: 1 seed  (seed 0: stuck: publishes unanswered when the drain
                                     timed out, the node's later proposals to that shard skipped)
-- ack_before_quorum:                37 seeds (seed 36: out_of_order: a PUBACK given by a stale
+- ack_before_quorum:                67 seeds (seed 66: out_of_order: a PUBACK given by a stale
                                     leader at its local append; the publisher's later messages
                                     committed before that one)
 - no_owner_lease:                   17 seeds (seed 16: stale_owner: the old connection open past
