@@ -7,10 +7,12 @@ import random
 from moorline.raft import (
     Config,
     ConfState,
+    Entry,
     HardState,
     MemberId,
     MemoryStorage,
     Message,
+    MessageType,
     RaftBugs,
     RaftNode,
     Ready,
@@ -77,3 +79,20 @@ class Group:
         self.stabilize()
         assert self.nodes[mid(i)].is_leader
         return self.nodes[mid(i)]
+
+
+def snapshot_over_log(
+    entries: list[Entry], term: int, snap_index: int, snap_term: int, bugs: RaftBugs | None = None
+) -> tuple[RaftNode, MemoryStorage, list[int]]:
+    """Follower 2 of 3 holding ``entries`` (after the bootstrap snapshot at 1) at ``term`` with
+    commit 1, restarted, is sent a snapshot at (``snap_index``, ``snap_term``) by 1: the node, its
+    storage and the indexes it acknowledged."""
+    node, st = bootstrap(3, 2, bugs)
+    st.append(entries)
+    st.set_hard_state(HardState(term=term, commit=1))
+    node = type(node)(node.cfg, st)
+    cs = ConfState.of([mid(1), mid(2), mid(3)])
+    snap = Snapshot(meta=SnapshotMeta(index=snap_index, term=snap_term, conf_state=cs), data=b"state")
+    node.step(Message(type=MessageType.SNAP, from_=mid(1), to=mid(2), term=term, snapshot=snap))
+    _, msgs = handle(node, st)
+    return node, st, [m.index for m in msgs if m.type == MessageType.APP_RESP and not m.reject]

@@ -3,7 +3,7 @@ checkers have something real to catch), and the correct core does not."""
 
 from __future__ import annotations
 
-from raft_helpers import Group, bootstrap, handle, mid
+from raft_helpers import Group, bootstrap, handle, mid, snapshot_over_log
 
 from moorline.raft import Entry, HardState, Message, MessageType, RaftBugs, StateRole
 
@@ -196,18 +196,11 @@ def test_heartbeat_commit_unclamped() -> None:
 
 
 def test_snapshot_keeps_log_tail() -> None:
-    from moorline.raft import ConfState, Snapshot, SnapshotMeta
-
     for buggy in (False, True):
-        node, st = bootstrap(3, 2, RaftBugs(snapshot_keeps_log_tail=buggy))
-        st.append([Entry(term=2, index=2, data=b"a"), Entry(term=3, index=3, data=b"b"), Entry(term=3, index=4, data=b"c")])
-        st.set_hard_state(HardState(term=5, commit=1))
-        node = type(node)(node.cfg, st)
-        cs = ConfState.of([mid(1), mid(2), mid(3)])
-        snap = Snapshot(meta=SnapshotMeta(index=3, term=4, conf_state=cs), data=b"state")  # disagrees at 3
-        node.step(Message(type=MessageType.SNAP, from_=mid(1), to=mid(2), term=5, snapshot=snap))
-        _, msgs = handle(node, st)
-        ack = [m.index for m in msgs if m.type == MessageType.APP_RESP and not m.reject]
+        _, st, ack = snapshot_over_log(
+            [Entry(term=2, index=2, data=b"a"), Entry(term=3, index=3, data=b"b"), Entry(term=3, index=4, data=b"c")],
+            term=5, snap_index=3, snap_term=4, bugs=RaftBugs(snapshot_keeps_log_tail=buggy),
+        )  # the snapshot disagrees at 3
         if buggy:
             assert st.last_index() == 4 and st.term(4) == 3 and ack == [4]  # entry 4 of another branch kept
         else:

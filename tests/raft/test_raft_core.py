@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from raft_helpers import Group, bootstrap, handle, mid
+from raft_helpers import Group, bootstrap, handle, mid, snapshot_over_log
 
 from moorline.invariant import InvariantViolation
 from moorline.raft import (
@@ -186,22 +186,12 @@ def test_snapshot_over_a_held_entry_acks_no_further_than_the_commit_index() -> N
     """A follower that already holds a snapshot's last entry keeps its log, but entries after it may
     be another leader's branch: its acknowledgement must not claim them (the leader would count it
     toward committing entries it does not hold)."""
-    from moorline.raft import ConfState, Snapshot, SnapshotMeta
-
-    node, st = bootstrap(3, 2)
-    st.append([
+    node, st, acks = snapshot_over_log([
         Entry(term=2, index=2, data=b"a"),
         Entry(term=2, index=3, data=b"b"),
         Entry(term=3, index=4, data=b"other-branch"),
         Entry(term=3, index=5, data=b"other-branch"),
-    ])
-    st.set_hard_state(HardState(term=4, commit=1))
-    node = type(node)(node.cfg, st)
-    cs = ConfState.of([mid(1), mid(2), mid(3)])
-    snap = Snapshot(meta=SnapshotMeta(index=3, term=2, conf_state=cs), data=b"state")  # agrees at 3
-    node.step(Message(type=MessageType.SNAP, from_=mid(1), to=mid(2), term=4, snapshot=snap))
-    _, msgs = handle(node, st)
-    acks = [m.index for m in msgs if m.type == MessageType.APP_RESP and not m.reject]
+    ], term=4, snap_index=3, snap_term=2)  # the snapshot agrees at 3
     assert acks == [3], acks  # was [5]: entries 4-5 of term 3 claimed for a term-4 leader
     assert node.log.committed == 3 and st.last_index() == 5
 
