@@ -62,16 +62,25 @@ class AckReport(Cmd, tag="ackr"):
     offsets: tuple[int, ...]
 
 
+# $share commands name the member's session incarnation as well as its client id: a client id
+# outlives its sessions, and an ended incarnation's leave or claims, applied late, must never
+# reach the incarnation that replaced it. LEGACY_INC (entries written before incarnations were
+# recorded) matches any incarnation of the member.
+LEGACY_INC = -1
+
+
 class ShareMember(Cmd, tag="shm"):
     reg_key: str
     member: str  # client id
     joined: bool
+    session_inc: int = LEGACY_INC  # the member's incarnation that joins or leaves
 
 
 class ShareClaim(Cmd, tag="shc"):
     reg_key: str
     member: str
     offsets: tuple[int, ...]
+    session_inc: int = LEGACY_INC  # granted only while this incarnation is the member
 
 
 class ShareReturn(Cmd, tag="shr"):
@@ -81,6 +90,7 @@ class ShareReturn(Cmd, tag="shr"):
     reg_key: str
     member: str
     dropped: tuple[int, ...]
+    session_inc: int = LEGACY_INC  # only the claims made for this incarnation
 
 
 class DropOwed(Cmd, tag="drop"):

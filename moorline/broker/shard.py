@@ -30,7 +30,7 @@ from moorline.broker.topic_state import (
     TopicState,
 )
 
-SNAPSHOT_VERSION = 2  # 2: message index and GUID history as columns
+SNAPSHOT_VERSION = 3  # 2: message index and GUID history as columns; 3: $share incarnations
 
 
 class ShardState:
@@ -154,6 +154,8 @@ class ShardState:
 
     @classmethod
     def restore(cls, data: bytes, limits: TopicLimits, max_session_expiry_s: int) -> ShardState:
+        if msgspec.msgpack.decode(data, type=_Version).version == 2:
+            data = _upgrade_v2(data)
         snap = msgspec.msgpack.decode(data, type=_Snapshot)
         if snap.version != SNAPSHOT_VERSION:
             raise ValueError(f"unsupported snapshot version {snap.version}")
@@ -187,6 +189,21 @@ class ShardState:
         st.proposals = {o: (b, s) for o, b, s in snap.proposals}
         st.cluster = snap.cluster
         return st
+
+
+class _Version(msgspec.Struct):
+    version: int
+
+
+def _upgrade_v2(data: bytes) -> bytes:
+    """A version-2 snapshot as version 3: $share members and claims recorded without the
+    member's incarnation match any incarnation of it (LEGACY_INC), as they did."""
+    raw = msgspec.msgpack.decode(data)
+    for reg in raw["regs"]:
+        reg["members"] = {m: c.LEGACY_INC for m in reg.get("members", ())}
+        reg["claims"] = {o: (m, c.LEGACY_INC) for o, m in reg.get("claims", {}).items()}
+    raw["version"] = 3
+    return msgspec.msgpack.encode(raw)
 
 
 @dataclass

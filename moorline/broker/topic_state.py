@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from moorline.broker.commands import (
+    LEGACY_INC,
     AckReport,
     DropOwed,
     Housekeeping,
@@ -48,9 +49,17 @@ class Registration:
     start_offset: int
     owed: dict[int, None] = field(default_factory=dict)  # offsets owed and not acked, ascending
     draining: bool = False  # unsubscribed: no new messages, finishing those in flight
-    members: list[str] = field(default_factory=list)  # $share members (client ids), join order
-    claims: dict[int, str] = field(default_factory=dict)  # $share offset -> member
+    # $share members: client id -> the session incarnation that joined, in join order.
+    members: dict[str, int] = field(default_factory=dict)
+    # $share claims: offset -> (member, the incarnation it was claimed for). A claim of an ended
+    # incarnation stays with it until that incarnation's ShareReturn, never passing to a newer one.
+    claims: dict[int, tuple[str, int]] = field(default_factory=dict)
     sub_version: int = -1  # the latest Register's subscription version (plain registrations)
+
+
+def same_incarnation(a: int, b: int) -> bool:
+    """Whether two $share incarnation stamps name the same session (LEGACY_INC matches any)."""
+    return a == b or LEGACY_INC in (a, b)
 
 
 # The unowed heap packs (ts_ms, offset) into one int; offsets stay far below 2**40 (a trillion
@@ -446,20 +455,27 @@ class TopicState:
         reg = self.regs.get(cmd.reg_key)
         if reg is None:
             return
-        if cmd.joined and cmd.member not in reg.members:
-            reg.members.append(cmd.member)
-        elif not cmd.joined and cmd.member in reg.members:
-            reg.members.remove(cmd.member)
+        current = reg.members.get(cmd.member)
+        if cmd.joined:
+            # Incarnations of a client id only grow (one session shard numbers them all): a join
+            # of an older one than the member's, applied late, changes nothing.
+            if current is None or cmd.session_inc > current:
+                reg.members[cmd.member] = cmd.session_inc
+        elif current is not None and (LEGACY_INC in (cmd.session_inc, current) or cmd.session_inc >= current):
+            # An ended incarnation's leave, applied after a newer one joined, leaves that one in.
+            del reg.members[cmd.member]
         fx.owed(cmd.reg_key)
 
     def apply_share_claim(self, cmd: ShareClaim, fx: Effects) -> tuple[int, ...]:
         reg = self.regs.get(cmd.reg_key)
-        if reg is None or cmd.member not in reg.members:
-            return ()
+        current = reg.members.get(cmd.member) if reg is not None else None
+        if reg is None or current is None or not same_incarnation(current, cmd.session_inc):
+            return ()  # not a member, or claimed for an incarnation that is no longer the member
+        holder = (cmd.member, cmd.session_inc)
         granted = []
         for offset in cmd.offsets:
             if offset in reg.owed and offset not in reg.claims:
-                reg.claims[offset] = cmd.member
+                reg.claims[offset] = holder
                 granted.append(offset)
         fx.claimed(cmd.reg_key, cmd.member, tuple(granted))
         return tuple(granted)
@@ -468,12 +484,12 @@ class TopicState:
         reg = self.regs.get(cmd.reg_key)
         if reg is None:
             return
+        mine = {o for o, (m, inc) in reg.claims.items()
+                if m == cmd.member and same_incarnation(inc, cmd.session_inc)}
         dropped = set(cmd.dropped)
-        for offset in [o for o, m in reg.claims.items() if m == cmd.member and o not in dropped]:
+        for offset in sorted(mine):
             del reg.claims[offset]
-        for offset in cmd.dropped:
-            if reg.claims.get(offset) == cmd.member and offset in reg.owed:
-                del reg.claims[offset]
+            if offset in dropped and offset in reg.owed:
                 del reg.owed[offset]
                 self._record_drop(offset, reg.reg_key, "share_qos2_member_gone")
                 self._owed_gone(reg.reg_key, (offset,))

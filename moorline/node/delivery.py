@@ -31,7 +31,7 @@ from moorline.broker.session_state import (
     SubscriptionState,
     packet_id_of,
 )
-from moorline.broker.topic_state import Registration, TopicState
+from moorline.broker.topic_state import Registration, TopicState, same_incarnation
 from moorline.node.recent import SHARD_SHIFT
 from moorline.raft import ProposalDropped
 
@@ -376,8 +376,8 @@ class LiveSession:
             if reg is None:
                 continue
             if reg.share_group is not None:
-                entries.extend((o, reg_key) for o, m in reg.claims.items()
-                               if m == self.client_id and (shard, o) not in self.share_delivered)
+                entries.extend((o, reg_key) for o, holder in reg.claims.items()
+                               if self._holds(holder) and (shard, o) not in self.share_delivered)
             elif reg.session_inc == self.incarnation:
                 entries.extend((o, reg_key) for o in reg.owed if o > cursor)
         entries.sort()
@@ -510,6 +510,11 @@ class LiveSession:
             return reg, reg.qos, (), False, (reg_key,)
         return reg, sub.qos, (sub.sub_id,) if sub.sub_id else (), sub.retain_as_published, (reg_key,)
 
+    def _holds(self, holder: tuple[str, int]) -> bool:
+        """Whether a $share claim (member, incarnation) is this session's: a claim made for an
+        earlier session of this client id is that session's, returned when it ends."""
+        return holder[0] == self.client_id and same_incarnation(holder[1], self.incarnation)
+
     def _resolve(
         self, topics: TopicState, subs: dict[str, SubscriptionState], shard: int, offset: int,
         dq: deque[tuple[int, str]], n: int, cursor: int,
@@ -528,7 +533,8 @@ class LiveSession:
             if reg is None:
                 continue
             if reg.share_group is not None:
-                if reg.claims.get(offset) != self.client_id or (shard, offset) in self.share_delivered:
+                holder = reg.claims.get(offset)
+                if holder is None or not self._holds(holder) or (shard, offset) in self.share_delivered:
                     continue
                 share = True
             elif reg.session_inc != self.incarnation or offset not in reg.owed or offset <= cursor:

@@ -28,7 +28,7 @@ from moorline.broker.effects import Effects
 from moorline.broker.messages import MessageProps, StoredMessage
 from moorline.broker.session_state import SENT, Session, SubscriptionState
 from moorline.broker.shard import ShardState
-from moorline.broker.topic_state import PublishResult
+from moorline.broker.topic_state import PublishResult, same_incarnation
 from moorline.config import NodeConfig
 from moorline.hashing import guid128, shard_of
 from moorline.invariant import invariant
@@ -799,7 +799,8 @@ class Node:
                     sub.qos, sub.no_local, want_retained and group is None, group, sub.version,
                 )))
                 if group is not None:
-                    futs.append(self.propose_cross(shard, c.ShareMember(reg_key, sess.client_id, True)))
+                    futs.append(self.propose_cross(shard, c.ShareMember(reg_key, sess.client_id, True,
+                                                                        sess.incarnation)))
             except ShardUnavailable:
                 refused.append(shard)
         return refused
@@ -849,7 +850,8 @@ class Node:
         for shard in self.shards_for_filter(inner):
             try:
                 if group is not None:
-                    futs.append(self.propose_cross(shard, c.ShareMember(reg_key, live.client_id, False)))
+                    futs.append(self.propose_cross(shard, c.ShareMember(reg_key, live.client_id, False,
+                                                                        live.incarnation)))
                 else:
                     futs.append(self.propose_cross(shard, c.Unregister(
                         reg_key, live.incarnation, "subscribe_failed", undone if undone else version)))
@@ -879,7 +881,7 @@ class Node:
         futs = []
         for shard in self.shards_for_filter(inner):
             if group is not None:
-                futs.append(self.propose_cross(shard, c.ShareMember(reg_key, live.client_id, False)))
+                futs.append(self.propose_cross(shard, c.ShareMember(reg_key, live.client_id, False, live.incarnation)))
                 continue
             reg = self.hosts[shard].state.topics.regs.get(reg_key)
             cursor = live.cursor.get(shard, -1)
@@ -932,8 +934,9 @@ class Node:
                     if done:  # proposed first from this node: applied before the return
                         self.propose(shard, c.AckReport(reg_key, tuple(done)), want=False)
                     dropped = tuple(qos2_unreceived.get((reg_key, shard), ()))
-                    futs.append(self.propose_cross(shard, c.ShareReturn(reg_key, sess.client_id, dropped)))
-                    futs.append(self.propose_cross(shard, c.ShareMember(reg_key, sess.client_id, False)))
+                    inc = sess.incarnation
+                    futs.append(self.propose_cross(shard, c.ShareReturn(reg_key, sess.client_id, dropped, inc)))
+                    futs.append(self.propose_cross(shard, c.ShareMember(reg_key, sess.client_id, False, inc)))
                 else:
                     futs.append(self.propose_cross(shard, c.Unregister(reg_key, sess.incarnation, reason)))
         self._views.pop(sess.client_id, None)
@@ -1204,24 +1207,32 @@ class Node:
         # Members connected anywhere in the cluster, as their session shards record it: the leader
         # of this shard is often not the node a member is connected to. A member connected here
         # has the room its window has; one elsewhere gets the claims its receive window could
-        # hold, less those it has not acknowledged yet (its node delivers what is claimed).
-        online = [m for m in reg.members if m in self.live or self._connected_elsewhere(m)]
+        # hold, less those it has not acknowledged yet (its node delivers what is claimed). Only
+        # the incarnation that joined is a member: a client id reconnected as a new session that
+        # has not joined (or whose old session's leave is still to apply) is given nothing.
+        members = reg.members
+        online = [m for m, inc in members.items() if self._member_connected(m, inc)]
         if not online:
             return
-        assigned: dict[str, list[int]] = {}
         outstanding: dict[str, int] = {}
-        for member in reg.claims.values():
-            outstanding[member] = outstanding.get(member, 0) + 1
+        for member, inc in reg.claims.values():
+            if members.get(member) == inc:
+                outstanding[member] = outstanding.get(member, 0) + 1
         window = self.cfg.mqtt.receive_maximum
-        room = {m: max(0, self.live[m]._room()) if m in self.live else max(0, window - outstanding.get(m, 0))
-                for m in online}
+        room = {}
+        for m in online:
+            live = self.live.get(m)
+            here = live is not None and same_incarnation(live.incarnation, members[m])
+            room[m] = max(0, live._room()) if here and live is not None else max(0, window - outstanding.get(m, 0))
         sticky = self.cfg.share.dispatch == "sticky_topic"
+        order = list(members)
+        assigned: dict[str, list[int]] = {}
         rr = self._share_rr.get(reg_key, 0)
         for offset in unclaimed:
             if sticky:
                 meta = host.state.topics.meta.get(offset)
                 topic = meta.topic if meta is not None else ""
-                member = reg.members[shard_of(topic, len(reg.members)) if reg.members else 0]
+                member = order[shard_of(topic, len(order))]
                 if member not in room or room[member] <= 0:
                     continue
             else:
@@ -1238,14 +1249,18 @@ class Node:
             assigned.setdefault(member, []).append(offset)
         self._share_rr[reg_key] = rr
         for member, offsets in assigned.items():
-            self.propose(shard, c.ShareClaim(reg_key, member, tuple(offsets)), want=False)
+            self.propose(shard, c.ShareClaim(reg_key, member, tuple(offsets), members[member]), want=False)
 
-    def _connected_elsewhere(self, client_id: str) -> bool:
-        """Whether the session's shard records ``client_id`` as connected (on some node)."""
+    def _member_connected(self, client_id: str, inc: int) -> bool:
+        """Whether ``client_id``'s session incarnation ``inc`` is connected: here, or on some node as
+        its session shard records it (LEGACY_INC: any incarnation)."""
+        live = self.live.get(client_id)
+        if live is not None and same_incarnation(live.incarnation, inc):
+            return True
         if self.link is None:
             return False
         sess = self.hosts[self.session_shard(client_id)].state.sessions.sessions.get(client_id)
-        return sess is not None and sess.connected
+        return sess is not None and sess.connected and same_incarnation(sess.incarnation, inc)
 
     def on_ack_room(self, client_id: str) -> None:
         """A member freed window room: its share groups may dispatch again."""

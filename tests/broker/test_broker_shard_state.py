@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -176,17 +177,65 @@ def test_share_claims_and_return_drop_qos2() -> None:
     s, fx = new_shard(), Effects()
     key = "$share\0g\0t"
     s.apply(c.Register(0, key, "", 1, "t", 2, share_group="g", want_retained=False), fx)
-    s.apply(c.ShareMember(key, "m1", True), fx)
-    s.apply(c.ShareMember(key, "m2", True), fx)
+    s.apply(c.ShareMember(key, "m1", True, 1), fx)
+    s.apply(c.ShareMember(key, "m2", True, 2), fx)
     for _ in range(4):
         s.apply(c.Publish(msg("t", qos=2)), fx)
-    assert s.apply(c.ShareClaim(key, "m1", (0, 1, 2)), fx) == (0, 1, 2)
-    assert s.apply(c.ShareClaim(key, "m2", (2, 3)), fx) == (3,)  # 2 already claimed
-    s.apply(c.ShareReturn(key, "m1", (1,)), fx)  # m1 gone: 1 was an unreceived QoS 2
+    assert s.apply(c.ShareClaim(key, "m1", (0, 1, 2), 1), fx) == (0, 1, 2)
+    assert s.apply(c.ShareClaim(key, "m2", (2, 3), 2), fx) == (3,)  # 2 already claimed
+    s.apply(c.ShareReturn(key, "m1", (1,), 1), fx)  # m1 gone: 1 was an unreceived QoS 2
     r = s.topics.regs[key]
-    assert r.claims == {3: "m2"}
+    assert r.claims == {3: ("m2", 2)}
     assert list(r.owed) == [0, 2, 3]
     assert s.topics.drop_counts == {"share_qos2_member_gone": 1}
+
+
+def test_share_claims_belong_to_the_incarnation_that_joined() -> None:
+    """A client id's ended session (incarnation 1) and its new one (3) are different members: the
+    old one's claims, return and leave, applied after the new one joined, never touch the new one's."""
+    s, fx = new_shard(), Effects()
+    key = "$share\0g\0t"
+    s.apply(c.Register(0, key, "", 1, "t", 2, share_group="g", want_retained=False), fx)
+    s.apply(c.ShareMember(key, "m1", True, 1), fx)
+    for _ in range(3):
+        s.apply(c.Publish(msg("t", qos=2)), fx)
+    assert s.apply(c.ShareClaim(key, "m1", (0,), 1), fx) == (0,)
+    s.apply(c.ShareMember(key, "m1", True, 3), fx)  # m1 reconnected as a new session and joined
+    r = s.topics.regs[key]
+    assert r.members == {"m1": 3} and r.claims == {0: ("m1", 1)}  # the claim stays the old session's
+    assert s.apply(c.ShareClaim(key, "m1", (1,), 1), fx) == ()  # not the member any more
+    assert s.apply(c.ShareClaim(key, "m1", (1,), 3), fx) == (1,)
+    s.apply(c.ShareMember(key, "m1", True, 1), fx)  # a late join of the old session: no change
+    assert r.members == {"m1": 3}
+    # The old session's end applies late: its unreceived QoS 2 claim is dropped, the new one's kept.
+    s.apply(c.ShareReturn(key, "m1", (0, 1), 1), fx)
+    s.apply(c.ShareMember(key, "m1", False, 1), fx)
+    assert r.members == {"m1": 3} and r.claims == {1: ("m1", 3)}
+    assert list(r.owed) == [1, 2] and s.topics.drop_counts == {"share_qos2_member_gone": 1}
+    s.apply(c.ShareReturn(key, "m1", (), 3), fx)  # the new session ends: its claim goes back
+    s.apply(c.ShareMember(key, "m1", False, 3), fx)
+    assert r.members == {} and r.claims == {} and list(r.owed) == [1, 2]
+
+
+def test_version_2_snapshot_share_state_matches_any_incarnation() -> None:
+    """Members and claims from before incarnations were recorded are kept, as LEGACY_INC."""
+    s, fx = new_shard(), Effects()
+    key = "$share\0g\0t"
+    s.apply(c.Register(0, key, "", 1, "t", 2, share_group="g", want_retained=False), fx)
+    s.apply(c.ShareMember(key, "m1", True, 4), fx)
+    s.apply(c.Publish(msg("t", qos=2)), fx)
+    s.apply(c.ShareClaim(key, "m1", (0,), 4), fx)
+    raw = msgspec.msgpack.decode(s.snapshot())
+    for r in raw["regs"]:  # the version-2 shapes: members a list, claims offset -> client id
+        r["members"] = list(r["members"])
+        r["claims"] = {o: m for o, (m, _inc) in r["claims"].items()}
+    raw["version"] = 2
+    old = ShardState.restore(msgspec.msgpack.encode(raw), TopicLimits(), 3600)
+    reg = old.topics.regs[key]
+    assert reg.members == {"m1": c.LEGACY_INC} and reg.claims == {0: ("m1", c.LEGACY_INC)}
+    old.apply(c.ShareReturn(key, "m1", (), 7), fx)  # any incarnation's return takes a legacy claim
+    assert reg.claims == {}
+    assert ShardState.restore(old.snapshot(), TopicLimits(), 3600).snapshot() == old.snapshot()
 
 
 def test_shard_cap_refuses_before_the_limit() -> None:

@@ -37,7 +37,13 @@ the real nodes into a state the checkers (or an exception inside a node) reporte
 - seed 10556 (a checker false positive, not a node bug): the workload's drain ended the moment a
   subscriber got its CONNACK after waiting out its previous owner's lease, if nobody had received
   anything for quiet_s before; its queued messages were then judged lost. The quiet time now also
-  counts from when the last subscriber (re)connected."""
+  counts from when the last subscriber (re)connected.
+- seed 10441: $share claims were kept per member client id, not per session: a member's ended
+  session's cleanup (which drops its unreceived QoS 2 claims and leaves the group) applied seconds
+  after the client had opened a new session elsewhere, which had meanwhile been handed the old
+  session's claim and received the QoS 2 message a second time in the group. Fixed: members and
+  claims name the session incarnation; an ended incarnation's claims, return and leave never reach
+  a newer one."""
 
 from __future__ import annotations
 
@@ -121,7 +127,7 @@ def test_found_schedules_no_longer_lose_or_stop_anything(seed: int) -> None:
     assert violations == set()
 
 
-@pytest.mark.parametrize("seed", [303, 10001, 10049, 10121, 10556])
+@pytest.mark.parametrize("seed", [303, 10001, 10049, 10121, 10441, 10556])
 def test_default_seeds_that_found_bugs_are_clean(seed: int) -> None:
     r = run_seed(seed, nodes=3)
     assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:5]]}\nreplay: {r.replay_command()}"
