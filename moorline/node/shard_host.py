@@ -295,6 +295,10 @@ class ShardHost:
         self._lead_seen: Any = None  # the leader our proposals were last handed to
         self._ticks = 0
         self.resend_after_ticks = 20  # a proposal not applied after this many ticks is handed over again
+        # The seq of our oldest proposal that our own log (we lead) refused to take (a leadership
+        # transfer in progress, too many uncommitted bytes): it and every later one wait in _own,
+        # in order, until the log takes them (_propose_held) or another leader is handed them all.
+        self._held_from: int | None = None
         self._fx = Effects()
         self._entries_since_snapshot = 0
         self.snapshot_settings = SnapshotSettings()  # the node sets its own
@@ -406,39 +410,61 @@ class ShardHost:
             # (the shard applies a node's proposals only in their order).
             self.check_leader(force=True)
             return
+        if self._held_from is not None:
+            return  # behind a proposal our log refused: proposed after it (_propose_held)
         if self.raft.is_leader:
             try:
                 self.raft.propose(own.data)
-            except ProposalDropped as exc:  # too much uncommitted: it entered no log
-                del self._own[own.seq]
-                self._seq -= 1  # nothing follows it yet: the next proposal takes its place
-                failure = ShardUnavailable(f"shard {self.shard}: proposal refused: {exc}")
-                for fut in futs:
-                    _resolve(fut, None, failure)
+            except ProposalDropped:
+                # It entered no log, yet it is not refused: a refusal here, after later PUBLISHes
+                # of the same client were read and proposed, would let them commit before its
+                # resend (moorline sim --cluster seed 10993: a message refused during a leadership
+                # transfer, the next two of its topic committed first). It waits, and so does
+                # everything after it, until the log takes them or another leader is given them.
+                self._held_from = own.seq
             return
         lead = self.raft.lead
         if lead is not None:
             self.hooks.forward(self, lead[0], [own.data])
         # No leader known: kept, handed over when one is (check_leader).
 
-    def propose_forwarded(self, entries: list[bytes]) -> None:
-        """Another member's proposals: into the log if we lead, else dropped (its origin hands
-        them to the leader it learns of; an entry applies once whoever proposes it)."""
+    def propose_forwarded(self, entries: list[bytes]) -> int:
+        """Another member's proposals (or ours, handed over again): into the log if we lead, else
+        dropped (its origin hands them to the leader it learns of; an entry applies once whoever
+        proposes it). Returns how many, from the first, the log took."""
         if not self.raft.is_leader or self.failed is not None:
-            return
+            return 0
         # The leader's time, never decreasing, replaces the proposer's in every command.
         self._stamp_ms = stamp = max(self._stamp_ms, self.hooks.now_ms())
-        for data in entries:
+        for i, data in enumerate(entries):
             try:
                 self.raft.propose(c.restamp_entry(data, stamp))
             except ProposalDropped:
-                return  # the origin resends after resend_after_ticks
+                return i  # the origin resends after resend_after_ticks
+        return len(entries)
+
+    def _propose_held(self) -> None:
+        """Our proposals from the one our log refused: into it, in order, as far as it takes them."""
+        held = self._held_from
+        if held is None or not self.raft.is_leader or self.raft.lead != self._lead_seen or self.failed is not None:
+            return
+        for seq, own in self._own.items():  # ascending
+            if seq < held:
+                continue
+            try:
+                self.raft.propose(own.data)
+            except ProposalDropped:
+                self._held_from = seq
+                return
+            own.sent_tick = self._ticks
+        self._held_from = None
 
     def tick(self) -> None:
         """The logical clock (cluster mode): the core's timers, then our proposals' hand-over."""
         self._ticks += 1
         self.raft.tick()
         self.check_leader()
+        self._propose_held()
 
     def check_leader(self, force: bool = False) -> None:
         """Hands every proposal not applied yet, in original order, to a new leader; or again to
@@ -459,8 +485,11 @@ class ShardHost:
         owns = list(self._own.values())
         for own in owns:
             own.sent_tick = self._ticks
+        self._held_from = None  # every one of them is handed over now, in order
         if self.raft.is_leader:
-            self.propose_forwarded([o.data for o in owns])
+            taken = self.propose_forwarded([o.data for o in owns])
+            if taken < len(owns):
+                self._held_from = owns[taken].seq  # the rest wait for room, in order
         else:
             self.hooks.forward(self, lead[0], [o.data for o in owns])
 
@@ -556,6 +585,8 @@ class ShardHost:
         for e in rd.committed_entries:
             self._apply_entry(e)
         self.raft.advance(rd)
+        if self._held_from is not None:
+            self._propose_held()  # commits made room in the log; no tick on a single node
         if rd.read_states or self._reads_confirmed:
             self._serve_reads(rd)
         st = self.raft.active_conf_state
@@ -950,6 +981,7 @@ class ShardHost:
 
     def fail(self, reason: str) -> None:
         self.failed = reason
+        self._held_from = None
         for own in self._own.values():
             for fut in own.futures:
                 _resolve(fut, None, ShardUnavailable(reason))

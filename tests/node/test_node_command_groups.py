@@ -144,3 +144,31 @@ def test_an_apply_failure_inside_a_group_reaches_its_waiter(tmp_path: Path) -> N
         synced(host)
     assert host.failed is not None
     assert len(g.calls) == 1 and g.calls[0][0] is None and isinstance(g.calls[0][1], ShardUnavailable)
+
+
+def test_a_proposal_its_own_log_refuses_waits_and_nothing_overtakes_it(tmp_path: Path) -> None:
+    """A leader's log refuses a proposal (too many uncommitted bytes here; a leadership transfer in
+    progress in the cluster simulator's seed 10993). It entered no log, but answering it as
+    refused would let the client's next PUBLISHes of the same topic, read and proposed meanwhile,
+    commit before its resend: it waits instead, and what follows waits behind it, until the log
+    has room; then all commit, in the order they were proposed."""
+    async def body() -> None:
+        host = make_host(tmp_path)
+        host.raft.cfg.max_uncommitted_bytes = 600
+        host.raft._max_uncommitted = 600  # the core's copy for its hot path
+        first = host.propose(publish(1, size=400))
+        assert host.seal() is not None  # in the log, not committed yet
+        second = host.propose(publish(2, size=400))
+        host.seal()  # the log refuses it: 400 more bytes do not fit
+        third = host.propose(publish(3, size=10))
+        host.seal()  # would fit, but must not overtake the second
+        assert first is not None and second is not None and third is not None
+        assert not second.done() and not third.done()
+        for _ in range(3):  # the first commits; the room it leaves takes the others, in order
+            host.take_ready()
+            synced(host)
+        offsets = [f.result().offset for f in (first, second, third)]
+        assert [f.result().status for f in (first, second, third)] == ["ok"] * 3
+        assert offsets == sorted(offsets), offsets
+
+    asyncio.run(body())
