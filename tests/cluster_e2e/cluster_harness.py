@@ -4,9 +4,9 @@ Node i (n1, n2, ...) listens for peers on 127.0.0.1<i> (127.0.0.11, 127.0.0.12, 
 node's outgoing peer connections leave from the host of its own ``--cluster`` address, every packet
 between two nodes carries both nodes' addresses. Clients connect from 127.0.0.1 to each node's MQTT
 port on 127.0.0.1, so iptables rules on (node address, cluster port) pairs cut links between nodes
-without touching any client. The rules live in a chain of this process's own
-(``MOORLINE_TEST_<pid>``), jumped to from INPUT and OUTPUT, and are removed on ``close`` (and, for a
-crashed earlier run, by ``remove_stale_chains`` at session start).
+without touching any client. The rules are ``moorline.chaos.partition.Firewall``'s, the same as
+``moorline chaos`` uses: a chain of this process's own, jumped to from INPUT and OUTPUT, removed on
+``close`` (and, for a crashed earlier run, by ``remove_stale_chains`` at session start).
 
 Every wait here is bounded; each returns as soon as its condition holds.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +29,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from moorline.chaos.partition import Firewall
 from moorline.hashing import shard_of
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,6 @@ START_TIMEOUT_S = 60.0  # one node from exec to "moorline ready" (bootstrap wait
 STOP_TIMEOUT_S = 30.0
 LEADERS_TIMEOUT_S = 30.0
 SHARD_COUNT = 16
-CHAIN_PREFIX = "MOORLINE_TEST_"
 # Log entries no test expects: a node logging one of these has a bug (or a test provoked it and
 # says so with Cluster.allow_errors). An entry is a timestamped line and the lines after it (a traceback).
 ENTRY_START_RE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ", re.MULTILINE)
@@ -76,114 +75,6 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-# --------------------------------------------------------------------------------------- iptables
-
-
-def iptables_usable() -> str | None:
-    """None when this process can add and remove iptables rules; otherwise why not."""
-    if shutil.which("iptables") is None:
-        return "iptables is not installed"
-    if os.geteuid() != 0:
-        return "iptables needs root"
-    probe = f"{CHAIN_PREFIX}PROBE{os.getpid()}"[:28]
-    r = subprocess.run(["iptables", "-w", "5", "-N", probe], capture_output=True, text=True, timeout=30)
-    if r.returncode != 0:
-        return f"iptables cannot create a chain: {r.stderr.strip() or r.stdout.strip()}"
-    subprocess.run(["iptables", "-w", "5", "-X", probe], capture_output=True, timeout=30)
-    return None
-
-
-def _ipt(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    r = subprocess.run(["iptables", "-w", "5", *args], capture_output=True, text=True, timeout=30)
-    if check and r.returncode != 0:
-        raise ClusterError(f"iptables {' '.join(args)}: {r.stderr.strip()}")
-    return r
-
-
-def _remove_chain(chain: str) -> None:
-    for parent in ("INPUT", "OUTPUT"):
-        while _ipt("-D", parent, "-j", chain, check=False).returncode == 0:
-            pass
-    _ipt("-F", chain, check=False)
-    _ipt("-X", chain, check=False)
-
-
-def remove_stale_chains() -> list[str]:
-    """Chains of earlier test runs whose process is gone (a crashed run): flushed and deleted."""
-    if iptables_usable() is not None:
-        return []
-    r = _ipt("-S", check=False)
-    removed = []
-    for chain in sorted(set(re.findall(rf"^-N ({CHAIN_PREFIX}(?:PROBE)?\d+)$", r.stdout, re.MULTILINE))):
-        pid = int(chain[len(CHAIN_PREFIX):].removeprefix("PROBE"))
-        if pid == os.getpid() or _pid_alive(pid):
-            continue
-        _remove_chain(chain)
-        removed.append(chain)
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class Firewall:
-    """This process's iptables chain: DROP rules between pairs of (address, port) endpoints."""
-
-    def __init__(self) -> None:
-        self.chain = f"{CHAIN_PREFIX}{os.getpid()}"
-        self.active = False
-
-    def _ensure(self) -> None:
-        if self.active:
-            return
-        if _ipt("-L", self.chain, "-n", check=False).returncode != 0:
-            _ipt("-N", self.chain)
-        for parent in ("INPUT", "OUTPUT"):
-            if _ipt("-C", parent, "-j", self.chain, check=False).returncode != 0:
-                _ipt("-I", parent, "1", "-j", self.chain)
-        self.active = True
-
-    @staticmethod
-    def _rules(a: tuple[str, int], b: tuple[str, int]) -> list[list[str]]:
-        """Every packet between node a and node b: a's connections to b's port and b's to a's."""
-        (ha, pa), (hb, pb) = a, b
-        return [
-            ["-s", ha, "-d", hb, "-p", "tcp", "--dport", str(pb), "-j", "DROP"],
-            ["-s", hb, "-d", ha, "-p", "tcp", "--sport", str(pb), "-j", "DROP"],
-            ["-s", hb, "-d", ha, "-p", "tcp", "--dport", str(pa), "-j", "DROP"],
-            ["-s", ha, "-d", hb, "-p", "tcp", "--sport", str(pa), "-j", "DROP"],
-        ]
-
-    def cut(self, a: tuple[str, int], b: tuple[str, int]) -> None:
-        self._ensure()
-        for rule in self._rules(a, b):
-            if _ipt("-C", self.chain, *rule, check=False).returncode != 0:
-                _ipt("-A", self.chain, *rule)
-
-    def heal(self, a: tuple[str, int], b: tuple[str, int]) -> None:
-        if not self.active:
-            return
-        for rule in self._rules(a, b):
-            while _ipt("-D", self.chain, *rule, check=False).returncode == 0:
-                pass
-
-    def heal_all(self) -> None:
-        if self.active:
-            _ipt("-F", self.chain, check=False)
-
-    def close(self) -> None:
-        if self.active:
-            _remove_chain(self.chain)
-            self.active = False
 
 
 # ------------------------------------------------------------------------------------------ nodes
@@ -347,7 +238,7 @@ class Cluster:
             host = f"127.0.0.{10 + i}"
             self.nodes[f"n{i}"] = ClusterNode(f"n{i}", i, base, host, _free_port(host))
         self.initial_cluster = ",".join(f"{nd.name}={nd.cluster_host}:{nd.cluster_port}" for nd in self.nodes.values())
-        self.firewall = Firewall()
+        self.firewall = Firewall({nd.name: nd.cluster_addr for nd in self.nodes.values()})
         self.allowed_errors: list[re.Pattern[str]] = []
 
     def __getitem__(self, name: str) -> ClusterNode:
@@ -440,10 +331,10 @@ class Cluster:
     # --- partitions ---------------------------------------------------------------------------------
     def partition(self, a: str, b: str) -> None:
         """Cut every packet between nodes a and b (both directions); clients are untouched."""
-        self.firewall.cut(self.nodes[a].cluster_addr, self.nodes[b].cluster_addr)
+        self.firewall.cut(a, b)
 
     def heal(self, a: str, b: str) -> None:
-        self.firewall.heal(self.nodes[a].cluster_addr, self.nodes[b].cluster_addr)
+        self.firewall.heal(a, b)
 
     def isolate(self, name: str) -> None:
         for other in self.nodes:

@@ -12,7 +12,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # rawclient
 
-from cluster_harness import Cluster, ClusterFactory, iptables_usable, remove_stale_chains  # noqa: E402
+from cluster_harness import Cluster, ClusterFactory  # noqa: E402
+
+from moorline.chaos.partition import iptables_usable, remove_stale_chains  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -34,6 +36,8 @@ _CALL_PASSED = pytest.StashKey[bool]()
 @pytest.fixture(scope="session", autouse=True)
 def _no_stale_iptables_chains() -> None:
     """A crashed earlier run may have left its chain (and partitions) behind."""
+    if iptables_usable() is not None:
+        return
     removed = remove_stale_chains()
     if removed:
         print(f"removed stale iptables chains: {removed}")
