@@ -461,7 +461,7 @@ class TopicState:
             # of an older one than the member's, applied late, changes nothing.
             if current is None or cmd.session_inc > current:
                 reg.members[cmd.member] = cmd.session_inc
-        elif current is not None and (LEGACY_INC in (cmd.session_inc, current) or cmd.session_inc >= current):
+        elif current is not None and (same_incarnation(current, cmd.session_inc) or cmd.session_inc > current):
             # An ended incarnation's leave, applied after a newer one joined, leaves that one in.
             del reg.members[cmd.member]
         fx.owed(cmd.reg_key)

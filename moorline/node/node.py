@@ -1222,8 +1222,10 @@ class Node:
         room = {}
         for m in online:
             live = self.live.get(m)
-            here = live is not None and same_incarnation(live.incarnation, members[m])
-            room[m] = max(0, live._room()) if here and live is not None else max(0, window - outstanding.get(m, 0))
+            if live is not None and same_incarnation(live.incarnation, members[m]):
+                room[m] = max(0, live._room())
+            else:
+                room[m] = max(0, window - outstanding.get(m, 0))
         sticky = self.cfg.share.dispatch == "sticky_topic"
         order = list(members)
         assigned: dict[str, list[int]] = {}
