@@ -284,6 +284,15 @@ class RuntimeConfig:
 
 
 @dataclass
+class SupervisorConfig:
+    """The node's long-lived tasks (moorline/node/supervisor.py): a task that fails is restarted
+    after a backoff that starts here and doubles up to the maximum (critical tasks stop the node)."""
+
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 10.0
+
+
+@dataclass
 class NodeConfig:
     data_dir: str = "./moorline-data"
     loop_lag_threshold_ms: float = 500.0
@@ -303,12 +312,15 @@ class NodeConfig:
     sys: SysConfig = field(default_factory=SysConfig)
     pins: PinConfig = field(default_factory=PinConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     def validate(self) -> None:
         if self.mqtt.max_packet_size > self.raft.max_entry_bytes:
             raise ConfigError("mqtt.max_packet_size must not exceed raft.max_entry_bytes")
         if not 1 <= self.shard.count <= 4096:
             raise ConfigError("shard.count must be within 1..4096")
+        if not 0 < self.supervisor.backoff_initial_s <= self.supervisor.backoff_max_s:
+            raise ConfigError("supervisor.backoff_initial_s must be above 0 and at most supervisor.backoff_max_s")
         if self.raft.max_pending_proposals < 1:
             raise ConfigError("raft.max_pending_proposals must be 1 or more")
         if self.shard.replicas not in (1, 3, 5):

@@ -264,24 +264,29 @@ class GroupCommit:
                 self._dirty.add(shard)  # over the staging budget: this shard joins the next sync
                 self._wake.set()
                 continue
-            if shard in lazy_only and not release:
-                rd = host.take_ready()  # its lazy proposals wait; what the core has does not
-            else:
-                lazy_only.pop(shard, None)
-                rd = host.seal()
-            if rd is not None and not rd.must_sync and not rd.entries and rd.snapshot is None:
-                # Nothing this Ready's messages depend on needs a sync (a follower's heartbeat
-                # response, a new commit index): handled now, its hard state riding on the next sync.
-                if rd.hard_state is not None:
-                    self.stage_hard_state(shard, rd.hard_state)
-                if host.after_sync(self.stage_hard_state):
-                    self._dirty.add(shard)
-                    self._urgent = True
-                    self._wake.set()
-                continue
-            if rd is not None:
-                stage_ready(self.wal, shard, rd)
-                staged.append(host)
+            try:
+                if shard in lazy_only and not release:
+                    rd = host.take_ready()  # its lazy proposals wait; what the core has does not
+                else:
+                    lazy_only.pop(shard, None)
+                    rd = host.seal()
+                if rd is not None and not rd.must_sync and not rd.entries and rd.snapshot is None:
+                    # Nothing this Ready's messages depend on needs a sync (a follower's heartbeat
+                    # response, a new commit index): handled now, its hard state riding on the next sync.
+                    if rd.hard_state is not None:
+                        self.stage_hard_state(shard, rd.hard_state)
+                    if host.after_sync(self.stage_hard_state):
+                        self._dirty.add(shard)
+                        self._urgent = True
+                        self._wake.set()
+                    continue
+                if rd is not None:
+                    stage_ready(self.wal, shard, rd)
+                    staged.append(host)
+            except OSError:
+                raise  # the WAL itself failed: every shard's durability is unknown (the node stops)
+            except Exception as exc:  # a bug in one shard stops that shard; the others go on
+                host.fail_on_bug("commit", exc)
         if lazy_only and self._lazy_timer is None:
             self._lazy_timer = asyncio.get_running_loop().call_later(self.lazy_sync_delay_s, self._lazy_due)
         if not staged and self.wal.pending_bytes() == self.wal.pending_hard_state_bytes():
@@ -322,7 +327,14 @@ class GroupCommit:
 
     def _after_sync(self, staged: list[ShardHost]) -> None:
         for host in staged:
-            if host.failed is None and host.after_sync(self.stage_hard_state):
+            try:
+                more = host.failed is None and host.after_sync(self.stage_hard_state)
+            except OSError:
+                raise
+            except Exception as exc:  # an apply bug stops its shard (DESIGN: one bad shard stops one shard)
+                host.fail_on_bug("apply", exc)
+                continue
+            if more:
                 self._dirty.add(host.shard)  # the core has more for the WAL: another pass
                 self._urgent = True
                 self._wake.set()

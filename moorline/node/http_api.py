@@ -423,6 +423,9 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
         lines.append("# TYPE moorline_shard_failed gauge")
         for h in node.hosts:
             lines.append(f'moorline_shard_failed{{shard="{h.shard}"}} {1 if h.failed else 0}')
+        lines.append("# TYPE moorline_task_failures_total counter")
+        for task, n in sorted(node.supervisor.failures.items()):
+            lines.append(f'moorline_task_failures_total{{task="{task}"}} {n}')
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     app.add_routes(routes)

@@ -31,7 +31,7 @@ from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import PublishResult, same_incarnation
 from moorline.config import NodeConfig
 from moorline.hashing import guid128, shard_of
-from moorline.invariant import invariant
+from moorline.invariant import InvariantViolation, invariant
 from moorline.mqtt.topics import is_wildcard, parse_shared
 from moorline.node.aio import cancel_all
 from moorline.node.cluster_link import ClusterLink, parse_cluster
@@ -50,7 +50,8 @@ from moorline.node.shard_host import (
     recorded_members,
 )
 from moorline.node.snapshot_install import recover_install
-from moorline.raft import MemberId, Message
+from moorline.node.supervisor import Supervisor
+from moorline.raft import MemberId, Message, ProposalDropped
 from moorline.storage.dirlock import DataDirLock
 from moorline.storage.fsutil import write_file_atomically
 from moorline.storage.identity import load_or_create_storage_id, next_boot_number
@@ -118,7 +119,7 @@ class Node:
         self._topic_shards: dict[str, int] = {}
         self._guid_prefix = seams.random_bytes(8)
         self._guid_counter = 0
-        self._tasks: list[asyncio.Task[Any]] = []
+        self.supervisor = Supervisor(self._on_fatal, cfg.supervisor.backoff_initial_s, cfg.supervisor.backoff_max_s)
         self._background: set[asyncio.Task[Any]] = set()  # one-off cleanups nobody awaits
         self.fatal: BaseException | None = None
         self.stopping = asyncio.Event()
@@ -363,8 +364,11 @@ class Node:
             return  # not serving yet: the sender retransmits
         try:
             host.raft.step(m)
+        except InvariantViolation as exc:  # our core broke its own rule: this group stops, as for corruption
+            host.fail_on_bug("raft step", exc)
+            return
         except Exception as exc:  # a peer's message must never take a group (or the node) down
-            log.warning("shard %d: dropped a raft message from %s: %s", shard, m.from_, exc)
+            log.warning("shard %d: dropped a raft message from %r: %s", shard, m.from_, exc)
             return
         if host.raft.has_ready():
             self.commit.kick(shard)
@@ -382,7 +386,11 @@ class Node:
             ticks += 1
             for host in self.groups:
                 if host.failed is None:
-                    host.tick()
+                    try:
+                        host.tick()
+                    except Exception as exc:  # a bug in one group's core stops that group, not the node
+                        host.fail_on_bug("tick", exc)
+                        continue
                     if host.has_work():
                         self.commit.kick(host.shard)
             if ticks % REBALANCE_EVERY_TICKS == 0 and not self._handing_over:
@@ -403,7 +411,11 @@ class Node:
             # (a group with a proposal in flight at every check, e.g. housekeeping, never moved).
             if preferred == self.member or pr is None or not raft.is_active(preferred) or pr.match < raft.log.committed:
                 continue
-            raft.transfer_leader(preferred)
+            try:
+                raft.transfer_leader(preferred)
+            except ProposalDropped as exc:  # refused by the core (e.g. a change in progress): next round
+                log.info("shard %d: leadership not moved to its preferred node: %s", host.shard, exc)
+                continue
             self.commit.kick(host.shard)
             moved += 1
             if moved >= REBALANCE_MAX_TRANSFERS:
@@ -535,7 +547,12 @@ class Node:
                 return
             stage_ready(self.wal, host.shard, rd)
             self.wal.sync()
-            host.after_sync(partial(stage_hard_state, self.wal))
+            try:
+                host.after_sync(partial(stage_hard_state, self.wal))
+            except OSError:
+                raise
+            except Exception as exc:  # a replayed entry this code cannot apply stops its shard only
+                host.fail_on_bug("recovery apply", exc)
 
     def _cluster_meta(self, cluster_key: str | None = None) -> dict[str, Any]:
         path = self.data_dir / "cluster.json"
@@ -592,13 +609,15 @@ class Node:
                                   inline_sync_max_us, self.cfg.storage.lazy_sync_delay_ms,
                                   unsafe_ack_before_sync=self.faults.unsafe_ack_before_sync,
                                   slow_sync_s=self.faults.slow_sync_s, inline_only=self.seams.inline_io)
-        self._tasks.append(asyncio.create_task(self.commit.run(), name="group-commit"))
+        # Critical: without group commit, ticks or lease renewals the node would serve unsafely
+        # (nothing durable, no elections, two owners of a session): it stops instead.
+        self.supervisor.spawn("group-commit", self.commit.run, critical=True)
         if self.link is not None:
-            self._tasks.append(asyncio.create_task(self._tick_loop(), name="raft-ticks"))
+            self.supervisor.spawn("raft-ticks", self._tick_loop, critical=True)
         await self._reconcile_after_restart()
-        self._tasks.append(asyncio.create_task(self._housekeeping_loop(), name="housekeeping"))
-        self._tasks.append(asyncio.create_task(self._lease_loop(), name="session-leases"))
-        self._tasks.append(asyncio.create_task(self._meta_bootstrap_loop(), name="metadata-bootstrap"))
+        self.supervisor.spawn("housekeeping", self._housekeeping_loop, critical=False)
+        self.supervisor.spawn("session-leases", self._lease_loop, critical=True)
+        self.supervisor.spawn("metadata-bootstrap", self._meta_bootstrap_loop, critical=False)
 
     async def _reconcile_after_restart(self) -> None:
         """Sessions that were connected when the node stopped are now disconnected (wills may
@@ -1043,7 +1062,13 @@ class Node:
                     if self.hosts[shard].failed is not None:
                         continue
                     cmd = c.SessionRenew(self.now_ms(), self.member[0], int(lease_s * 1000), tuple(held))
-                    self.propose_cb(shard, cmd, self._renewed(tuple(held), now + margin))
+                    try:
+                        self.propose_cb(shard, cmd, self._renewed(tuple(held), now + margin))
+                    except ShardUnavailable as exc:
+                        # Not renewed this round (a long minority partition fills
+                        # raft.max_pending_proposals): the deadlines below close the clients in
+                        # time; the loop itself must go on, or nothing is ever closed again.
+                        log.warning("shard %d: session leases not renewed: %s", shard, exc)
             for key, until in list(self._lease_deadline.items()):
                 live_now = self.live.get(key[0])
                 if (live_now is None or live_now.epoch != key[1]) and now > until:
@@ -1309,11 +1334,16 @@ class Node:
             for host in self.hosts:
                 if host.failed is not None or not host.raft.is_leader:
                     continue  # leader-proposed: entry times are the leader's, and proposed once
-                t = host.state.topics
-                if t.meta or t.dedup:
-                    self.propose_lazy(host.shard, c.Housekeeping(now, self._pin_floor(host.shard, now)))
-                if any(not s.connected for s in host.state.sessions.sessions.values()):
-                    await self._session_housekeeping(host.shard)
+                try:
+                    t = host.state.topics
+                    if t.meta or t.dedup:
+                        self.propose_lazy(host.shard, c.Housekeeping(now, self._pin_floor(host.shard, now)))
+                    if any(not s.connected for s in host.state.sessions.sessions.values()):
+                        await self._session_housekeeping(host.shard)
+                except (ShardUnavailable, ProposalDropped, NodeFailure) as exc:
+                    # One shard's trouble (a failed will publish, a full proposal queue) must not
+                    # stop retention and reclaim for every other shard: it is tried next round.
+                    log.warning("shard %d: housekeeping deferred: %s", host.shard, exc)
             self._reclaim()
 
     async def _session_housekeeping(self, shard: int) -> None:
@@ -1365,7 +1395,8 @@ class Node:
         await self.hand_over_leadership(timeout_s=min(self.cfg.shutdown_drain_s, 3.0))
         if not await self.commit.flush(timeout_s=1.0):  # acks and reports proposed lazily, too
             log.warning("stopping: the last proposals were not synced within 1 s")
-        await cancel_all([*self._tasks, *self._background])
+        await self.supervisor.stop()
+        await cancel_all(list(self._background))
         if self.link is not None:
             await self.link.close()
         self.commit.stop()

@@ -635,10 +635,10 @@ class ShardHost:
                 else:
                     j = i + 1
                     results.append(apply(cmd, fx))
-            except Exception as exc:  # an apply bug must not take the node down silently
-                log.exception("shard %d: apply of %s failed", self.shard, type(cmd).__name__)
-                self.failed = f"apply failed at index {index}: {exc}"
-                failure = ShardUnavailable(self.failed)
+            except Exception as exc:  # an apply bug stops this shard (the caller fails it), never the node
+                reason = f"apply of {type(cmd).__name__} failed at index {index}: {exc!r}"
+                self.failed = reason  # nothing more of this shard is applied, whatever the caller does
+                failure = ShardUnavailable(reason)
                 for fut in futs[i:]:  # nothing from here on was answered: every waiter hears it
                     _resolve(fut, None, failure)
                 raise
@@ -978,6 +978,14 @@ class ShardHost:
         the client), and the shard skips every later proposal of this node (they apply in order)."""
         for seq in list(self._own)[:-1] if keep_newest else list(self._own):
             self._forgotten[seq] = self._own.pop(seq)
+
+    def fail_on_bug(self, where: str, exc: BaseException) -> None:
+        """A bug surfaced in this group (an apply that raised, an invariant of the Raft core): the
+        group stops serving, as for corruption in synced data, and says so once with the
+        traceback; every other group goes on (one bad shard stops one shard)."""
+        reason = self.failed or f"{where} failed: {exc!r}"
+        log.error("shard %d stops serving: %s", self.shard, reason, exc_info=exc)
+        self.fail(reason)
 
     def fail(self, reason: str) -> None:
         self.failed = reason
