@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -58,9 +59,16 @@ def chaos(
                           "(repeatable; any broken switch of moorline.testing.Faults)."),
     ] = None,
     verify: Annotated[bool, typer.Option(help="Run verify on the histories at the end.")] = True,
+    min_acked: Annotated[
+        int, typer.Option(help="Acknowledged publishes each run must have; fewer: the run exercised "
+                               "nothing, exit 3 (verify gets runs x this as its --min-acked).")
+    ] = 1,
 ) -> None:
     """Start a node (or a cluster), drive publishers and subscribers, kill/damage/pause/partition at
-    seeded moments, heal, drain, then verify."""
+    seeded moments, heal, drain, then verify. Exit 0 PASS, 1 FAIL (anomalies, a node that would not
+    restart, a client thread that died), 2 bad input or a missing extra, 3 NOT VERIFIED (a run with
+    fewer than --min-acked acknowledged publishes)."""
+    require_extras(verify)
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
@@ -101,6 +109,8 @@ def chaos(
         raise typer.BadParameter(str(exc)) from exc
     if runs < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--runs")
+    if min_acked < 0:
+        raise typer.BadParameter("must be 0 or more", param_hint="--min-acked")
     console = Console()
     results: list[RunResult] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console) as bar:
@@ -127,11 +137,19 @@ def chaos(
         for note in res.notes:
             console.print(f"[yellow]{res.run}[/]: {note}")
     failed_restarts = [r.run for r in results if r.restart_failed]
+    died = [(r.run, e) for r in results for e in r.client_errors]
+    idle = [r.run for r in results if r.acked < min_acked]
+    if died:
+        for run, error in died:
+            console.print(f"[bold red]{run}: a client thread died: {error}[/]")
+        console.print("[bold red]FAIL: the workload did not run as planned; the histories prove nothing[/]")
+        raise typer.Exit(code=1)
     if verify:
         from moorline.verify.cli import verify as verify_cmd
 
         try:
-            verify_cmd([r.history for r in results], master=master, report=out / "report")
+            verify_cmd([r.history for r in results], master=master, report=out / "report",
+                       min_acked=min_acked * len(results))
         except typer.Exit:
             if failed_restarts:
                 console.print(f"[bold red]node failed to restart in runs {failed_restarts}[/]")
@@ -139,6 +157,30 @@ def chaos(
     if failed_restarts:
         console.print(f"[bold red]node failed to restart in runs {failed_restarts}[/]")
         raise typer.Exit(code=1)
+    if idle:
+        console.print(f"[bold red]NOT VERIFIED: runs {', '.join(idle)} acknowledged fewer than "
+                      f"--min-acked {min_acked} publishes[/]")
+        raise typer.Exit(code=3)
+
+
+CHAOS_HINT = "pip install 'moorline[chaos]'"
+
+
+def require_extras(with_verify: bool) -> None:
+    """One line naming the extra to install, not an ImportError in a client thread (chaos's
+    publishers use paho-mqtt) or a traceback from verify (PySpark)."""
+    needed = [("paho.mqtt.client", "paho-mqtt")]
+    if with_verify:
+        needed.append(("pyspark", "PySpark"))
+    for module, what in needed:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            top = module.partition(".")[0]
+            if exc.name is None or not (exc.name == top or exc.name.startswith(top + ".")):
+                raise
+            typer.echo(f"moorline chaos needs {what} ({exc.name} is not installed): {CHAOS_HINT}", err=True)
+            raise typer.Exit(code=2) from None
 
 
 def _summary(res: RunResult) -> str:

@@ -334,6 +334,7 @@ def run_cluster_once(
                 fault_log=run.fault_log,
                 run_dir=run_dir,
                 partition_kind=cluster.partitioner.kind,
+                client_errors=list(w.died),
             )
         _write_fault_log(run_dir / "faults.txt", result, monitor.log)
     finally:

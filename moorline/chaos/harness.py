@@ -123,6 +123,7 @@ class RunResult:
     fault_log: list[str] = field(default_factory=list)  # one line per fault step, with its time
     run_dir: Path | None = None  # node logs, ledgers, the secret, faults.txt
     partition_kind: str | None = None  # iptables or proxy
+    client_errors: list[str] = field(default_factory=list)  # client threads that died: the run proves nothing
 
 
 @dataclass
@@ -246,6 +247,7 @@ def run_once(
             drops,
             notes,
             state.restart_failed,
+            client_errors=list(w.died),
         )
 
 
@@ -338,6 +340,20 @@ class Workload:
     stop_pubs: threading.Event
     sub_threads: list[threading.Thread]
     pub_threads: list[threading.Thread]
+    died: list[str] = field(default_factory=list)  # "client: error" of every client thread that raised
+
+
+def guarded(name: str, target: Callable[..., None], died: list[str]) -> Callable[..., None]:
+    """``target`` run in a client thread: an exception it raises is recorded in ``died`` (a run
+    whose clients died exercised nothing, and must fail), not only printed by the thread."""
+
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            target(*args, **kwargs)
+        except Exception as exc:  # reported once per run by the caller, not as a thread traceback
+            died.append(f"{name}: {type(exc).__name__}: {exc}")
+
+    return run
 
 
 def start_workload(
@@ -384,20 +400,24 @@ def start_workload(
     ]
     stop_subs = threading.Event()
     stop_pubs = threading.Event()
-    sub_threads = [threading.Thread(target=s.run, args=(stop_subs.is_set,), daemon=True) for s in subs]
+    died: list[str] = []
+    sub_threads = [threading.Thread(target=guarded(s.client_id, s.run, died), args=(stop_subs.is_set,), daemon=True)
+                   for s in subs]
     sub_threads.append(
         threading.Thread(
-            target=sleeper.run, args=(stop_subs.is_set,), kwargs={"offline": asleep.is_set}, daemon=True
+            target=guarded(sleeper.client_id, sleeper.run, died), args=(stop_subs.is_set,),
+            kwargs={"offline": asleep.is_set}, daemon=True,
         )
     )
     subs.append(sleeper)
     for t in sub_threads:
         t.start()
     _wait_until(lambda: all(s.connected for s in subs), max(10.0, 2 * connect_s))
-    pub_threads = [threading.Thread(target=p.run, args=(stop_pubs.is_set,), daemon=True) for p in pubs]
+    pub_threads = [threading.Thread(target=guarded(p.client_id, p.run, died), args=(stop_pubs.is_set,), daemon=True)
+                   for p in pubs]
     for t in pub_threads:
         t.start()
-    return Workload(subs, pubs, asleep, trigger, stop_subs, stop_pubs, sub_threads, pub_threads)
+    return Workload(subs, pubs, asleep, trigger, stop_subs, stop_pubs, sub_threads, pub_threads, died)
 
 
 def _corruption_line(log: str) -> str | None:
