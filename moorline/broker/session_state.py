@@ -99,6 +99,17 @@ class EndedSession:
     reason: str
 
 
+# A connected session whose owner's lease ended this long ago (entry time) without a renewal is
+# ended as a connection lost without DISCONNECT. The owner closed its client a margin before the
+# lease's end by its own clock; this covers the stamping leaders' clock offsets on top of that.
+LEASE_LAPSE_GRACE_MS = 1000
+
+
+def lease_lapsed(s: Session, now_ms: int) -> bool:
+    """Whether ``s`` is marked connected under a lease nobody renewed in time (owner gone)."""
+    return s.connected and s.lease_until_ms > 0 and now_ms > s.lease_until_ms + LEASE_LAPSE_GRACE_MS
+
+
 class SessionState:
     def __init__(self, max_expiry_s: int) -> None:
         self.sessions: dict[str, Session] = {}
@@ -288,7 +299,17 @@ class SessionState:
         for cid in list(self.sessions):
             s = self.sessions[cid]
             if s.connected:
-                continue
+                if not lease_lapsed(s, now):
+                    continue
+                # Its owner neither renewed nor released the lease (its node died or was cut off
+                # for good, and it closed its client before the lease ran out): the connection
+                # ended without DISCONNECT as of the lease's end. Decided here, by the entry's
+                # time, so whichever node leads this shard after any crash does the same.
+                s.connected = False
+                s.disconnected_at_ms = s.lease_until_ms
+                s.lease_until_ms = 0
+                if s.will is not None:
+                    s.will_due_ms = s.disconnected_at_ms + min(s.will.delay_s, s.expiry_s) * 1000
             expired = now - s.disconnected_at_ms >= s.expiry_s * 1000
             if s.will is not None and s.will_due_ms is not None and (s.will_due_ms <= now or expired):
                 wills.append((s, s.will))

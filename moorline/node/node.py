@@ -26,7 +26,7 @@ import msgspec
 from moorline.broker import commands as c
 from moorline.broker.effects import Effects
 from moorline.broker.messages import MessageProps, StoredMessage
-from moorline.broker.session_state import SENT, Session, SubscriptionState
+from moorline.broker.session_state import SENT, Session, SubscriptionState, lease_lapsed
 from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import PublishResult, same_incarnation
 from moorline.config import NodeConfig
@@ -1338,8 +1338,8 @@ class Node:
                     t = host.state.topics
                     if t.meta or t.dedup:
                         self.propose_lazy(host.shard, c.Housekeeping(now, self._pin_floor(host.shard, now)))
-                    if any(not s.connected for s in host.state.sessions.sessions.values()):
-                        await self._session_housekeeping(host.shard)
+                    if any(not s.connected or lease_lapsed(s, now) for s in host.state.sessions.sessions.values()):
+                        await self._session_housekeeping(host.shard)  # wills due, expiry, owners gone
                 except (ShardUnavailable, ProposalDropped, NodeFailure) as exc:
                     # One shard's trouble (a failed will publish, a full proposal queue) must not
                     # stop retention and reclaim for every other shard: it is tried next round.
