@@ -5,6 +5,12 @@ Files written to DIR: ``ca.crt`` / ``ca.key`` (the CA), ``server.crt`` / ``serve
 ``--name`` values: DNS names and IP addresses, as subject alternative names), ``client.crt`` /
 ``client.key`` (subject CN = ``--client``, the MQTT username under ``tls.use_identity_as_username``),
 and ``moorline-tls.toml``, a configuration that serves MQTT over TLS and secure WebSocket with them.
+
+With ``--nodes n1,n2,n3`` it also writes the certificates of a dev cluster's link (cluster TLS,
+docs/cluster-transport.md) to ``DIR/cluster/``: a separate cluster CA (``ca.crt`` / ``ca.key``: a
+CA only for nodes, so no MQTT client certificate is ever signed by it) and, per node, ``NAME.crt``
+/ ``NAME.key`` naming the node by the subject alternative name ``URI:urn:moorline:node:NAME``
+(usable to dial and to listen), and ``NAME.toml`` with its ``[cluster.tls]`` keys.
 """
 
 from __future__ import annotations
@@ -141,6 +147,46 @@ def write_dev_certificates(out: Path, names: list[str], client: str = "dev-clien
                            out / "client.crt", out / "client.key", config)
 
 
+def check_node_names(nodes: list[str]) -> None:
+    if not nodes:
+        raise ValueError("--nodes needs at least one node name")
+    for n in nodes:
+        if not n or len(n) > 64 or not all(ch.isascii() and (ch.isalnum() or ch in "-_.") for ch in n):
+            raise ValueError(f"node name {n!r}: use 1 to 64 letters, digits, '-', '_' and '.'")
+    if len(set(nodes)) != len(nodes):
+        raise ValueError("--nodes names a node twice")
+
+
+def write_node_certificates(out: Path, nodes: list[str], days: int = 825) -> dict[str, tuple[Path, Path]]:
+    """A cluster CA and one certificate per node in ``out`` (made if missing): {node: (cert, key)}."""
+    from moorline.cluster.tls import node_uri
+
+    check_node_names(nodes)
+    out.mkdir(parents=True, exist_ok=True)
+    ca_key = _key()
+    ca_subject = _name("moorline dev cluster CA")
+    ca_cert = _issue(ca_subject, ca_key, ca_subject, ca_key, days, True, [], [])
+    _write_key(out / "ca.key", ca_key)
+    _write_cert(out / "ca.crt", ca_cert)
+    made: dict[str, tuple[Path, Path]] = {}
+    for n in nodes:
+        key = _key()
+        cert = _issue(_name(n), key, ca_subject, ca_key, days, False,
+                      [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+                      [x509.UniformResourceIdentifier(node_uri(n))])
+        _write_key(out / f"{n}.key", key)
+        _write_cert(out / f"{n}.crt", cert)
+        (out / f"{n}.toml").write_text(
+            f"# Written by moorline certs dev --nodes: the cluster link of node {n} over TLS.\n"
+            "[cluster.tls]\n"
+            f'cert_file = "{(out / f"{n}.crt").resolve()}"\n'
+            f'key_file = "{(out / f"{n}.key").resolve()}"\n'
+            f'ca_file = "{(out / "ca.crt").resolve()}"\n'
+        )
+        made[n] = (out / f"{n}.crt", out / f"{n}.key")
+    return made
+
+
 @app.command("dev")
 def dev(
     out: Annotated[Path, typer.Option(help="directory to write the files to")],
@@ -148,17 +194,29 @@ def dev(
         help="a DNS name or IP address the server is reached by (repeat); default: localhost, 127.0.0.1, ::1")] = None,
     client: Annotated[str, typer.Option(help="the client certificate's CN (an MQTT username)")] = "dev-client",
     days: Annotated[int, typer.Option(help="validity in days")] = 825,
+    nodes: Annotated[str | None, typer.Option(
+        help="also write cluster-link certificates for these nodes (comma-separated, e.g. n1,n2,n3) to OUT/cluster")
+    ] = None,
 ) -> None:
-    """Write a self-signed CA, a server certificate for the given names and a client certificate."""
+    """Write a self-signed CA, a server certificate for the given names and a client certificate
+    (and, with --nodes, a cluster CA and a certificate per node for cluster TLS)."""
     if days < 1:
         typer.echo("moorline certs dev: --days must be 1 or more", err=True)
         raise typer.Exit(2)
     names = list(name) if name else list(DEFAULT_NAMES)
+    node_names = [n.strip() for n in nodes.split(",")] if nodes is not None else []
     try:
+        if nodes is not None:
+            check_node_names(node_names)
         made = write_dev_certificates(out, names, client, days)
+        node_certs = write_node_certificates(out / "cluster", node_names, days) if nodes is not None else {}
     except (OSError, ValueError) as exc:
         typer.echo(f"moorline certs dev: {exc}", err=True)
         raise typer.Exit(2) from exc
+    if node_certs:
+        typer.echo(f"wrote the cluster CA {out / 'cluster' / 'ca.crt'} and node certificates for "
+                   f"{', '.join(node_certs)}; node NAME runs with --config {out / 'cluster'}/NAME.toml "
+                   "(its [cluster.tls] keys)")
     typer.echo(f"wrote {made.ca_cert} (the CA clients trust), {made.server_cert} for {', '.join(names)}, "
                f"{made.client_cert} (CN={client}) and {made.config}")
     typer.echo(f"try: moorline run --config {made.config}   then   mosquitto_pub -h localhost -p 8883 "

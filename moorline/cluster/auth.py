@@ -130,7 +130,22 @@ def require_secret_or_loopback(host: str, secret: bytes | None) -> None:
     secret the handshake proves nothing, so only a loopback address keeps other machines out."""
     if secret is None and not is_loopback_host(host):
         raise ClusterConfigError(
-            f"refusing to listen for cluster peers on {host or '*'} without a cluster secret: any machine "
-            "that can reach it could join the cluster; set --cluster-secret-file (the same file on every "
-            "node) or use a loopback --cluster address"
+            f"refusing to listen for cluster peers on {host or '*'} without a cluster secret or cluster TLS: any machine "
+            "that can reach it could join the cluster; set cluster.tls.cert_file, key_file and ca_file "
+            "(moorline certs dev --nodes writes a dev set) or use loopback cluster addresses"
+        )
+
+
+def require_tls_or_loopback(hosts: list[str]) -> None:
+    """Raise ClusterConfigError unless every cluster address (the listener's and every peer's) is
+    loopback: the shared-secret mode authenticates only the handshake and binds no node name to the
+    secret, so it is fit only for a cluster whose links never leave this machine."""
+    off = [h or "*" for h in hosts if not is_loopback_host(h)]
+    if off:
+        raise ClusterConfigError(
+            f"refusing to run the cluster link without TLS: {off[0]} is not a loopback address, and the "
+            "shared-secret mode is only for clusters on one machine (it authenticates the handshake, not "
+            "the frames after it, and any holder of the secret could act as any node); use cluster TLS: "
+            "set cluster.tls.cert_file, key_file and ca_file on every node (moorline certs dev --nodes "
+            "n1,n2,n3 writes a dev set)"
         )

@@ -1,19 +1,25 @@
-"""The connection handshake over a ByteStream: preambles, Hello / Challenge / Proof / Proof.
+"""The connection handshake over a ByteStream: TLS (when configured), then preambles,
+Hello / Challenge / Proof / Proof.
 
 Both sides run under the caller's handshake timeout; nothing here reads a clock. On any failure
 the side that noticed sends ``Refused(reason)`` (best effort) and raises, so both logs name the
-same cause.
+same cause. With cluster TLS the peer's node name is the one its certificate proves
+(``moorline.cluster.tls``): a Hello or Challenge naming another node is refused. Every value read
+from the peer goes into messages with ``!r`` (escaped): it is unauthenticated input.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from moorline.cluster import auth
-from moorline.cluster.net import ByteStream
+from moorline.cluster.net import AsyncioStream, ByteStream
+from moorline.cluster.stats import escape
+from moorline.cluster.tls import ClusterTls, peer_node_name
 from moorline.cluster.wire import (
     PROTOCOL_VERSION,
     Challenge,
@@ -99,7 +105,7 @@ async def _expect(reader: FrameReader, kind: type, what: str) -> Frame:
     if frame is None:
         raise HandshakeError(f"connection closed during the handshake (waiting for {what})")
     if isinstance(frame, Refused):
-        raise PeerRefused(frame.reason)
+        raise PeerRefused(escape(frame.reason))
     if not isinstance(frame, kind):
         raise HandshakeError(f"protocol error: expected {what}, got {type(frame).__name__}")
     return frame
@@ -111,12 +117,35 @@ class Identity:
     cluster_id: str
     secret: bytes | None
     nonce_source: Callable[[int], bytes]
+    tls: ClusterTls | None = None  # cluster TLS: the peer is who its certificate names
+
+
+async def secure(stream: ByteStream, me: Identity, server_side: bool) -> str | None:
+    """With cluster TLS: upgrade ``stream`` and return the node name the peer's certificate proves
+    (HandshakeError when the TLS handshake fails or the certificate names no node). Without: None."""
+    if me.tls is None:
+        return None
+    if not isinstance(stream, AsyncioStream):
+        raise HandshakeError("cluster TLS needs the TCP network")
+    try:
+        await stream.start_tls(me.tls.server if server_side else me.tls.client)
+    except ssl.SSLError as exc:
+        raise HandshakeError(f"TLS handshake failed: {exc.reason or exc}") from None
+    name = peer_node_name(stream.peer_certificate())
+    if name is None:
+        raise HandshakeError("the peer's certificate names no node (a subject alternative name "
+                             "URI:urn:moorline:node:<name> is required)")
+    return name
 
 
 async def dial(stream: ByteStream, reader: FrameReader, me: Identity, peer: str, kind: Stream) -> None:
-    """Dialer side. Returns when both sides have proven the secret; raises HandshakeError otherwise,
-    after telling the listener why."""
+    """Dialer side. Returns when both sides have proven the secret (and, with TLS, the listener's
+    certificate names ``peer``); raises HandshakeError otherwise, after telling the listener why."""
+    proven = await secure(stream, me, server_side=False)
     try:
+        if proven is not None and proven != peer:
+            raise HandshakeError(f"the address of {peer} presented the certificate of node {proven!r}; check "
+                                 "the cluster configuration (--initial-cluster) and certificates")
         await _dial(stream, reader, me, peer, kind)
     except PeerRefused:
         raise
@@ -132,9 +161,11 @@ async def accept(
     stream: ByteStream, reader: FrameReader, me: Identity, is_peer: Callable[[str], bool]
 ) -> Hello:
     """Listener side. Returns the dialer's (authenticated) Hello; raises HandshakeError otherwise,
-    after telling the dialer why."""
+    after telling the dialer why. With cluster TLS the Hello must name the node the dialer's
+    certificate names."""
+    proven = await secure(stream, me, server_side=True)
     try:
-        return await _accept(stream, reader, me, is_peer)
+        return await _accept(stream, reader, me, is_peer, proven)
     except PeerRefused:
         raise
     except ProtocolError as exc:
@@ -169,12 +200,14 @@ async def _dial(stream: ByteStream, reader: FrameReader, me: Identity, peer: str
 
 
 async def _accept(
-    stream: ByteStream, reader: FrameReader, me: Identity, is_peer: Callable[[str], bool]
+    stream: ByteStream, reader: FrameReader, me: Identity, is_peer: Callable[[str], bool], proven: str | None
 ) -> Hello:
     stream.write(preamble())
     hello = await _expect(reader, Hello, "Hello")
     assert isinstance(hello, Hello)
     try:
+        if proven is not None and hello.node != proven:
+            raise HandshakeError(f"the Hello claims node {hello.node!r}, but the certificate names {proven!r}")
         return await _challenge(stream, reader, me, is_peer, hello)
     except HandshakeError as exc:
         exc.peer = hello.node
@@ -194,7 +227,7 @@ async def _challenge(
     assert isinstance(proof, Proof)
     t = auth.transcript(me.cluster_id, hello.stream, hello.node, me.node, hello.nonce, nonce)
     if not auth.check_proof(me.secret, t, auth.DIALER, proof.mac):
-        raise HandshakeError(f"authentication failed: {hello.node} did not prove the cluster secret (do both "
+        raise HandshakeError(f"authentication failed: {hello.node!r} did not prove the cluster secret (do both "
                              "nodes use the same --cluster-secret-file?)")
     send_frames(stream, Proof(auth.make_proof(me.secret, t, auth.LISTENER)))
     await stream.drain()
@@ -203,9 +236,9 @@ async def _challenge(
 
 def _hello_problem(hello: Hello, me: Identity, is_peer: Callable[[str], bool]) -> str | None:
     if hello.version != PROTOCOL_VERSION:
-        return f"protocol version {hello.version} in Hello; this node speaks {PROTOCOL_VERSION}"
+        return f"protocol version {hello.version!r} in Hello; this node speaks {PROTOCOL_VERSION}"
     if hello.cluster_id != me.cluster_id:
-        return (f"wrong cluster: {hello.node} belongs to cluster {hello.cluster_id!r}, {me.node} to "
+        return (f"wrong cluster: {hello.node!r} belongs to cluster {hello.cluster_id!r}, {me.node} to "
                 f"{me.cluster_id!r}")
     if hello.node == me.node:
         return f"a node named {hello.node!r} connected to itself (two nodes with the same --node-id?)"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from moorline.cluster import handshake
 from moorline.cluster.links import LinkEnv, stop_tasks
 from moorline.cluster.net import Address, ByteStream
-from moorline.cluster.stats import STREAM_NAMES, PeerState, fmt_address
+from moorline.cluster.stats import STREAM_NAMES, PeerState, escape, fmt_address
 from moorline.cluster.wire import (
     DATA_FRAMES,
     DataFrame,
@@ -59,27 +59,56 @@ class Acceptor:
         self.connections: dict[tuple[str, Stream], IncomingConn] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.streams: set[ByteStream] = set()
-        self.pending_handshakes = 0
+        self.pending_handshakes = 0  # from hosts that are not a member's
+        self.pending_by_host: dict[str, int] = {}
         self.refused = 0
         self.last_refusal: str | None = None
         self._logged_refusals: dict[str, float] = {}
         self.closed = False
 
     def on_stream(self, stream: ByteStream) -> None:
-        """Network.listen callback: must not block, so the work goes to a task."""
+        """Network.listen callback: must not block, so the work goes to a task.
+
+        Slots for connections not yet authenticated: at most max_pending_handshakes_per_address
+        from any one host, and at most max_pending_handshakes from hosts that are not a member's
+        cluster host; a member's host is never refused for the global bound (a restarted peer
+        always gets in, however many idle sockets others hold)."""
         if self.closed:
             stream.close()
             return
-        if self.pending_handshakes >= self.env.limits.max_pending_handshakes:
+        limits = self.env.limits
+        host = stream.remote_address[0]
+        member = host in self._member_hosts()
+        if self.pending_by_host.get(host, 0) >= limits.max_pending_handshakes_per_address:
             stream.close()
-            self._refusal(f"{fmt_address(stream.remote_address)}: too many connections in the handshake "
-                          f"(max_pending_handshakes = {self.env.limits.max_pending_handshakes})", None)
+            self._refusal(stream.remote_address, "too many connections in the handshake from "
+                          f"this address (max_pending_handshakes_per_address = "
+                          f"{limits.max_pending_handshakes_per_address})", None)
             return
-        self.pending_handshakes += 1
+        if not member and self.pending_handshakes >= limits.max_pending_handshakes:
+            stream.close()
+            self._refusal(stream.remote_address, "too many connections in the handshake "
+                          f"(max_pending_handshakes = {limits.max_pending_handshakes})", None)
+            return
+        if not member:
+            self.pending_handshakes += 1
+        self.pending_by_host[host] = self.pending_by_host.get(host, 0) + 1
         self.streams.add(stream)
-        task = asyncio.get_running_loop().create_task(self._serve(stream))
+        task = asyncio.get_running_loop().create_task(self._serve(stream, member))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    def _member_hosts(self) -> set[str]:
+        return {p.address[0] for p in self.peers.values()}
+
+    def _release_slot(self, host: str, member: bool) -> None:
+        if not member:
+            self.pending_handshakes -= 1
+        left = self.pending_by_host.get(host, 0) - 1
+        if left > 0:
+            self.pending_by_host[host] = left
+        else:
+            self.pending_by_host.pop(host, None)
 
     def close_peer(self, name: str) -> None:
         for (peer, _), conn in list(self.connections.items()):
@@ -100,28 +129,29 @@ class Acceptor:
         for task in list(self.tasks):
             task.cancel()
 
-    async def _serve(self, stream: ByteStream) -> None:
+    async def _serve(self, stream: ByteStream, member: bool) -> None:
         try:
-            conn = await self._authenticate(stream)
+            conn = await self._authenticate(stream, member)
             if conn is not None:
                 await self._receive(conn)
         finally:
             stream.close()
             self.streams.discard(stream)
 
-    async def _authenticate(self, stream: ByteStream) -> IncomingConn | None:
+    async def _authenticate(self, stream: ByteStream, member: bool) -> IncomingConn | None:
         env = self.env
         reader = handshake.FrameReader(stream, FrameDecoder(handshake.MAX_HANDSHAKE_FRAME_BYTES),
                                        env.limits.read_chunk_bytes)
         try:
-            async with asyncio.timeout(env.limits.handshake_timeout_s):
+            async with asyncio.timeout(env.limits.preauth_timeout_s):
                 hello = await handshake.accept(stream, reader, env.me, lambda name: name in self.peers)
-        except (handshake.HandshakeError, OSError, TimeoutError) as exc:
+        except (handshake.HandshakeError, OSError, TimeoutError, ValueError) as exc:
+            # (ValueError: asyncio's TLS upgrade of a stream that a peer reset at once)
             what = "timed out" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
-            self._refusal(f"from {fmt_address(stream.remote_address)}: {what}", getattr(exc, "peer", None))
+            self._refusal(stream.remote_address, what, getattr(exc, "peer", None))
             return None
         finally:
-            self.pending_handshakes -= 1
+            self._release_slot(stream.remote_address[0], member)
         peer = self.peers.get(hello.node)
         if peer is None:  # removed while we were talking
             return None
@@ -166,7 +196,7 @@ class Acceptor:
                             log.exception("cluster: the frame handler failed on a %s from %s",
                                           type(f).__name__, conn.peer)
                     elif isinstance(f, Refused):
-                        reason = f"{conn.peer} closed its {STREAM_NAMES[conn.kind]} stream: {f.reason}"
+                        reason = f"{conn.peer} closed its {STREAM_NAMES[conn.kind]} stream: {escape(f.reason)}"
                         return
                     elif not isinstance(f, Ping):
                         raise ProtocolError(f"unexpected {type(f).__name__} after the handshake")
@@ -211,7 +241,8 @@ class Acceptor:
         except (OSError, TimeoutError):
             conn.stream.close()
 
-    def _refusal(self, message: str, peer_name: str | None) -> None:
+    def _refusal(self, source: Address, reason: str, peer_name: str | None = None) -> None:
+        message = f"from {fmt_address(source)}: {reason}"
         self.refused += 1
         self.last_refusal = message
         now = self.env.clock()
@@ -220,11 +251,12 @@ class Acceptor:
             peer.note_error(f"refused an incoming connection {message}", now)
             if "authentication failed" in message:
                 peer.auth_failures += 1
-        key = message.split(": ", 1)[-1]  # the reason without the ever-changing source port
+        # At most one line per source host per interval: a hostile dialer chooses the text (every
+        # variant would be logged), not the address it connects from.
+        key = source[0]
         last = self._logged_refusals.get(key)
         if last is None or now - last >= _REFUSAL_LOG_INTERVAL_S:
             if len(self._logged_refusals) > 1000:
                 self._logged_refusals.clear()
             self._logged_refusals[key] = now
             log.warning("cluster: refused a peer connection %s", message)
-

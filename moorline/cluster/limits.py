@@ -32,9 +32,17 @@ class TransportLimits:
     keepalive_interval_s: float = 1.0
     idle_timeout_s: float = 5.0
     write_stall_timeout_s: float = 10.0
-    # Incoming connections that have not finished the handshake: beyond this, new ones are closed
-    # at once, so unauthenticated sockets cannot pile up.
+    # Incoming connections that have not finished the handshake (TLS and Hello/Proof): beyond
+    # max_pending_handshakes from addresses that are not a member's cluster host, or beyond
+    # max_pending_handshakes_per_address from any one address, new ones are closed at once, so
+    # unauthenticated sockets cannot pile up. Connections from a member's cluster host (an IP
+    # address in --initial-cluster) never count against the global bound: a restarted peer always
+    # finds a slot, however many idle sockets other hosts hold. The listener closes a connection
+    # that has not authenticated within preauth_timeout_s (the dialer's own bound is
+    # handshake_timeout_s).
     max_pending_handshakes: int = 64
+    max_pending_handshakes_per_address: int = 8
+    preauth_timeout_s: float = 2.0
     # close() waits at most this long for its tasks to end.
     close_timeout_s: float = 2.0
 
@@ -53,6 +61,8 @@ class TransportLimits:
             "idle_timeout_s": self.idle_timeout_s,
             "write_stall_timeout_s": self.write_stall_timeout_s,
             "max_pending_handshakes": self.max_pending_handshakes,
+            "max_pending_handshakes_per_address": self.max_pending_handshakes_per_address,
+            "preauth_timeout_s": self.preauth_timeout_s,
             "close_timeout_s": self.close_timeout_s,
         }
         for name, value in positive.items():

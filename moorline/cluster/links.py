@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from moorline.cluster import handshake
 from moorline.cluster.limits import TransportLimits
 from moorline.cluster.net import ByteStream, Network
-from moorline.cluster.stats import STREAM_NAMES, PeerState, StreamCounters, fmt_address
+from moorline.cluster.stats import STREAM_NAMES, PeerState, StreamCounters, escape, fmt_address
 from moorline.cluster.wire import DataFrame, FrameDecoder, Ping, Pong, ProtocolError, Refused, encode_frame
 from moorline.raft.types import Stream
 
@@ -311,7 +311,7 @@ class OutgoingLink:
             self.peer.last_contact_at = self.env.clock()
             for f in frames:
                 if isinstance(f, Refused):
-                    raise LinkBroken(f"{self.name} closed the connection: {f.reason}")
+                    raise LinkBroken(f"{self.name} closed the connection: {escape(f.reason)}")
                 if not isinstance(f, Pong):
                     raise ProtocolError(f"unexpected {type(f).__name__} from the listener")
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 Address = tuple[str, int]
 
@@ -84,6 +85,16 @@ class AsyncioStream:
 
     async def read(self, max_bytes: int) -> bytes:
         return await self._reader.read(max_bytes)
+
+    async def start_tls(self, context: ssl.SSLContext) -> None:
+        """Upgrade to TLS in place (the side follows who opened the connection); raises ssl.SSLError
+        or OSError when the handshake fails. Nothing may have been read or written before."""
+        await self._writer.start_tls(context)
+
+    def peer_certificate(self) -> dict[str, Any] | None:
+        """The peer's verified certificate once TLS is up (None before, or without one)."""
+        ssl_object = self._writer.get_extra_info("ssl_object")
+        return ssl_object.getpeercert() if ssl_object is not None else None
 
     def write(self, data: bytes | memoryview) -> None:
         self._writer.write(data)

@@ -85,6 +85,13 @@ class TransportStats(msgspec.Struct, kw_only=True):
     dropped_unknown_peer: int  # frames sent to a name that is not a peer
 
 
+def escape(text: str, limit: int = 300) -> str:
+    """Text that came from the network, fit for one log line: control and non-ASCII characters
+    escaped (no forged line breaks or terminal sequences), at most ``limit`` characters kept."""
+    out = text[:limit].encode("unicode_escape", "backslashreplace").decode("ascii")
+    return out + "..." if len(text) > limit else out
+
+
 def fmt_address(address: Address) -> str:
     host, port = address
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -42,6 +42,7 @@ from moorline.cluster.stats import (
     TransportStats,
     fmt_address,
 )
+from moorline.cluster.tls import ClusterTls
 from moorline.cluster.wire import (
     LENGTH_BYTES,
     DataFrame,
@@ -74,11 +75,14 @@ class ClusterTransport:
         clock: Callable[[], float] | None = None,
         nonce_source: Callable[[int], bytes] = os.urandom,
         on_undelivered: UndeliveredCallback | None = None,
+        tls: ClusterTls | None = None,
     ) -> None:
         """``peers`` maps every other node's name to its --cluster address; ``handler(from node,
         frame)`` receives each authenticated data frame (RaftMessages, Heartbeats or Payload) on
         the event loop and must not block. ``on_undelivered(peer, stream, frame)`` hears of every
-        frame dropped before it reached a socket (e.g. to call ``RaftNode.report_unreachable``)."""
+        frame dropped before it reached a socket (e.g. to call ``RaftNode.report_unreachable``).
+        ``tls``: cluster TLS (``moorline.cluster.tls``); without it, on the TCP network, every
+        cluster address must be loopback (``auth.require_tls_or_loopback``)."""
         if node_name in peers:
             raise ValueError(f"{node_name!r} is this node; it cannot also be a peer")
         self.limits = limits or TransportLimits()
@@ -92,7 +96,7 @@ class ClusterTransport:
         # any link between two nodes by address. A wildcard listener has no single address to use.
         bind_host = None if host in _WILDCARD_HOSTS else host
         self._env = LinkEnv(
-            me=Identity(node=node_name, cluster_id=cluster_id, secret=secret, nonce_source=nonce_source),
+            me=Identity(node=node_name, cluster_id=cluster_id, secret=secret, nonce_source=nonce_source, tls=tls),
             limits=self.limits,
             net=net or AsyncioNetwork(),
             rng=rng,
@@ -116,7 +120,10 @@ class ClusterTransport:
         if self._started:
             raise RuntimeError("transport already started")
         host, port = self.cluster_address
-        auth.require_secret_or_loopback(host, self.secret)
+        if self._env.me.tls is None:
+            auth.require_secret_or_loopback(host, self.secret)
+            if isinstance(self._env.net, AsyncioNetwork):  # a virtual network never leaves the process
+                auth.require_tls_or_loopback([host] + [p.address[0] for p in self._peers.values()])
         if self._clock_arg is None:
             self._env.clock = asyncio.get_running_loop().time
         self._listener = await self._env.net.listen(host, port, self._acceptor.on_stream)

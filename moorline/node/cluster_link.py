@@ -31,8 +31,17 @@ from typing import Any
 
 import msgspec
 
-from moorline.cluster import ClusterTransport, Heartbeats, Payload, RaftMessages, read_secret_file
-from moorline.cluster.auth import require_secret_or_loopback
+from moorline.cluster import (
+    ClusterTransport,
+    Heartbeats,
+    Payload,
+    RaftMessages,
+    TransportLimits,
+    read_secret_file,
+)
+from moorline.cluster.auth import ClusterConfigError, require_secret_or_loopback, require_tls_or_loopback
+from moorline.cluster.stats import escape
+from moorline.cluster.tls import ClusterTls, cert_node_name, load_cluster_tls
 from moorline.config import ClusterConfig, ConfigError
 from moorline.node.aio import cancel_all
 from moorline.node.seams import PRODUCTION, Seams
@@ -43,9 +52,40 @@ from moorline.raft import Message, MessageType, Stream, coalesce, expand
 log = logging.getLogger("moorline.cluster.link")
 
 ANNOUNCE_INTERVAL_S = 1.0  # storage-id announcements to peers, until and after bootstrap
+REFUSAL_LOG_INTERVAL_S = 60.0  # a peer's refused frames are logged at most this often (and counted always)
 _fwd_enc = msgspec.msgpack.Encoder()
 _fwd_dec = msgspec.msgpack.Decoder(tuple[int, list[bytes]])
 _member_dec = msgspec.msgpack.Decoder(dict[str, Any])
+
+
+class _EntryOrigin(msgspec.Struct, array_like=True, frozen=True):
+    """A forwarded entry's proposal id (commands.EntryBatch), read without its commands."""
+
+    version: int
+    commands: msgspec.Raw
+    origin: int = 0
+    boot: int = 0
+    seq: int = 0
+
+
+_origin_dec = msgspec.msgpack.Decoder(_EntryOrigin)
+
+
+class ForgedSender(ValueError):
+    """A frame names another sender than the peer its connection authenticated."""
+
+
+def load_node_tls(cfg: ClusterConfig, me: str) -> ClusterTls | None:
+    """Cluster TLS from cluster.tls.* (None when not configured); the certificate must name ``me``."""
+    t = cfg.tls
+    if not (t.cert_file and t.key_file and t.ca_file):
+        return None
+    tls = load_cluster_tls(t.cert_file, t.key_file, t.ca_file, t.crl_file)
+    named = cert_node_name(t.cert_file)
+    if named != me:
+        raise ClusterConfigError(f"cluster.tls.cert_file {t.cert_file} is the certificate of node {named!r}, "
+                                 f"not of this node ({me!r}): each node needs its own certificate")
+    return tls
 
 
 class StorageMismatch(Exception):
@@ -120,11 +160,24 @@ class ClusterLink:
         self._members_complete = asyncio.Event()
         self._mismatch: StorageMismatch | LayoutMismatch | None = None
         secret = read_secret_file(cfg.secret_file) if cfg.secret_file else None
-        require_secret_or_loopback(spec.listen[0], secret)
+        tls = load_node_tls(cfg, spec.me)
+        if tls is None:
+            require_secret_or_loopback(spec.listen[0], secret)
+            if seams.cluster_network is None:  # real sockets (a simulator's network never leaves the process)
+                require_tls_or_loopback([spec.listen[0], *(a[0] for a in spec.addresses.values())])
         peers = {n: a for n, a in spec.addresses.items() if n != spec.me}
+        limits = TransportLimits(max_pending_handshakes=cfg.max_pending_handshakes,
+                                 max_pending_handshakes_per_address=cfg.max_pending_handshakes_per_address,
+                                 preauth_timeout_s=cfg.preauth_timeout_s)
         self.transport = ClusterTransport(spec.me, spec.listen, peers, secret, self._on_frame, rng,
-                                          cluster_id=cfg.cluster_id, net=seams.cluster_network,
-                                          clock=seams.clock.monotonic, nonce_source=seams.random_bytes)
+                                          cluster_id=cfg.cluster_id, net=seams.cluster_network, limits=limits,
+                                          clock=seams.clock.monotonic, nonce_source=seams.random_bytes, tls=tls)
+        # Frames whose claimed sender (a Raft message's from, a heartbeat batch's source, a forwarded
+        # entry's origin, an announcement's name) is not the authenticated peer: refused, counted
+        # per peer, logged at most once per peer per interval.
+        self.frames_refused: dict[str, int] = {}
+        self._refusal_logged_at: dict[str, float] = {}
+        self._clock = seams.clock.monotonic
         self._out: list[tuple[int, Message]] = []
         self._flush_scheduled = False
         self._tasks: list[asyncio.Task[Any]] = []
@@ -208,30 +261,66 @@ class ClusterLink:
     def _on_frame(self, peer: str, frame: Any) -> None:
         self.frames_in += 1
         try:
+            peer_id = self.spec.node_id(peer)
             if type(frame) is RaftMessages:
+                for _, m in frame.messages:
+                    self._check_from(peer, peer_id, m)
                 if self.on_raft is not None:
                     for group, m in frame.messages:
                         if m.type != MessageType.SNAP:  # only a whole transfer reaches a core (module doc)
                             self.on_raft(int(group), m)
             elif type(frame) is Heartbeats:
+                if frame.batch.src != peer_id:
+                    raise ForgedSender(f"a heartbeat batch from node {frame.batch.src!r}")
+                msgs = expand(frame.batch)
+                for _, m in msgs:
+                    self._check_from(peer, peer_id, m)
                 if self.on_raft is not None:
-                    for group, m in expand(frame.batch):
+                    for group, m in msgs:
                         self.on_raft(int(group), m)
             elif type(frame) is Payload:
                 if frame.kind == "fwd":
+                    shard, entries = _fwd_dec.decode(frame.data)
+                    # Only a node's own proposals are forwarded (ShardHost.check_leader): an entry
+                    # naming another origin would move that node's admission (ShardState.admit).
+                    for data in entries:
+                        origin = _origin_dec.decode(data).origin
+                        if origin != peer_id:
+                            raise ForgedSender(f"a forwarded entry of origin {origin!r}")
                     if self.on_forward is not None:
-                        shard, entries = _fwd_dec.decode(frame.data)
                         self.on_forward(shard, entries)
                 elif frame.kind == "member":
-                    self._on_member(peer, _member_dec.decode(frame.data))
+                    body = _member_dec.decode(frame.data)
+                    if body.get("name") != peer:
+                        raise ForgedSender(f"a membership announcement of {escape(str(body.get('name')), 80)}")
+                    self._on_member(peer, body)
                 elif frame.kind == SNAP_PAYLOAD:
                     self.snapshots.on_payload(peer, frame.data)
-        except (msgspec.DecodeError, ValueError, TypeError, KeyError) as exc:
-            log.warning("dropping a malformed frame from %s: %s", peer, exc)
+        except ForgedSender as exc:
+            self._refuse_frame(peer, str(exc))
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, KeyError, IndexError,
+                OverflowError) as exc:
+            self._refuse_frame(peer, f"malformed: {exc}", forged=False)
+
+    def _check_from(self, peer: str, peer_id: int, m: Message) -> None:
+        from_ = m.from_
+        if not isinstance(from_, tuple | list) or len(from_) != 2 or from_[0] != peer_id:
+            raise ForgedSender(f"a raft {m.type.name} from {escape(repr(from_), 120)}")
+
+    def _refuse_frame(self, peer: str, what: str, forged: bool = True) -> None:
+        """Count, and log at most once per peer per REFUSAL_LOG_INTERVAL_S (escaped)."""
+        self.frames_refused[peer] = self.frames_refused.get(peer, 0) + 1
+        now = self._clock()
+        last = self._refusal_logged_at.get(peer)
+        if last is None or now - last >= REFUSAL_LOG_INTERVAL_S:
+            self._refusal_logged_at[peer] = now
+            why = "it claims another sender than the authenticated peer" if forged else "it is malformed"
+            log.warning("cluster: refused a frame from %s (%s): %s; %d refused from it so far", peer, why,
+                        escape(what), self.frames_refused[peer])
 
     def _on_member(self, peer: str, body: dict[str, Any]) -> None:
         sid = body.get("storage_id")
-        if body.get("name") != peer or not isinstance(sid, str):
+        if not isinstance(sid, str):
             return
         theirs_layout = body.get("layout")
         if isinstance(theirs_layout, str) and theirs_layout != self.layout:
@@ -265,4 +354,7 @@ class ClusterLink:
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = msgspec.to_builtins(self.transport.stats())
         out["snapshot_transfers"] = self.snapshots.snapshot_stats()
+        out["frames_refused"] = dict(self.frames_refused)
+        for name, peer in out.get("peers", {}).items():
+            peer["frames_refused"] = self.frames_refused.get(name, 0)
         return out
