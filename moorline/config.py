@@ -184,6 +184,18 @@ class RaftConfig:
 
 
 @dataclass
+class ClusterTlsConfig:
+    """The cluster link over TLS with mutual certificates (docs/cluster-transport.md): required
+    whenever any cluster address is not loopback. Each node's certificate names it by the subject
+    alternative name URI ``urn:moorline:node:<node_id>``; ca_file is the cluster's own CA."""
+
+    cert_file: str | None = None  # PEM: this node's certificate (then any intermediates)
+    key_file: str | None = None  # PEM private key
+    ca_file: str | None = None  # PEM CA(s) that sign node certificates (use a CA only for nodes)
+    crl_file: str | None = None  # optional PEM CRL: revoked node certificates are refused
+
+
+@dataclass
 class ClusterConfig:
     """Cluster mode (all unset: one node, zero configuration). Static bootstrap, etcd-style: every
     node is started with the same initial_cluster."""
@@ -191,7 +203,17 @@ class ClusterConfig:
     node_id: str | None = None  # this node's name in initial_cluster, e.g. "n1"
     listen: str | None = None  # HOST:PORT for peers; outgoing connections leave from this host
     initial_cluster: str | None = None  # "n1=HOST:PORT,n2=HOST:PORT,n3=HOST:PORT" (1, 3 or 5 nodes)
-    secret_file: str | None = None  # shared secret; without one the listener must be on loopback
+    # Shared secret: only for clusters whose every address is loopback (without cluster.tls the node
+    # refuses any other address); without one the listener must be on loopback.
+    secret_file: str | None = None
+    tls: ClusterTlsConfig = field(default_factory=ClusterTlsConfig)
+    # Connections to the cluster port not yet authenticated: at most max_pending_handshakes from
+    # hosts that are not a member's cluster host, at most max_pending_handshakes_per_address from any
+    # one host (members' hosts never wait for the global bound); each must authenticate within
+    # preauth_timeout_s.
+    max_pending_handshakes: int = 64
+    max_pending_handshakes_per_address: int = 8
+    preauth_timeout_s: float = 2.0
     cluster_id: str = "moorline"  # nodes of different clusters refuse each other
     # Waiting at first start for every initial member to announce its storage id (a member is
     # (node, storage id): a node whose storage is wiped is refused as a voter).
@@ -350,6 +372,15 @@ class NodeConfig:
             raise ConfigError("cluster.snapshot_window_chunks must be 1..64, cluster.max_snapshot_transfers 1 or more")
         if not cl.snapshot_stall_timeout_s > 0:
             raise ConfigError("cluster.snapshot_stall_timeout_s must be positive")
+        if cl.max_pending_handshakes < 1 or cl.max_pending_handshakes_per_address < 1 or not cl.preauth_timeout_s > 0:
+            raise ConfigError("cluster.max_pending_handshakes and max_pending_handshakes_per_address must be 1 or "
+                              "more, cluster.preauth_timeout_s positive")
+        ct = cl.tls
+        given = [k for k in ("cert_file", "key_file", "ca_file") if getattr(ct, k)]
+        if (given or ct.crl_file) and len(given) != 3:
+            missing = [k for k in ("cert_file", "key_file", "ca_file") if not getattr(ct, k)]
+            raise ConfigError(f"cluster TLS needs cluster.tls.cert_file, key_file and ca_file (missing: "
+                              f"{', '.join('cluster.tls.' + k for k in missing)})")
         m, li = self.mqtt, self.listeners
         if not 1 <= m.max_topic_levels <= 65536 or not 1 <= m.max_topic_length <= 65535:
             raise ConfigError("mqtt.max_topic_levels must be 1..65536 and mqtt.max_topic_length 1..65535")
