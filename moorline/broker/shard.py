@@ -33,6 +33,11 @@ from moorline.broker.topic_state import (
 SNAPSHOT_VERSION = 3  # 2: message index and GUID history as columns; 3: $share incarnations
 
 
+# How far ahead of a node's last admitted boot (ShardState.admit) a new boot may be: a node starts
+# that many times without one proposal to a shard only in a crash loop of months.
+MAX_BOOT_JUMP = 1 << 20
+
+
 class ShardState:
     def __init__(self, shard: int, incarnation: str, limits: TopicLimits, max_session_expiry_s: int) -> None:
         self.shard = shard
@@ -49,10 +54,17 @@ class ShardState:
         self.proposals: dict[int, tuple[int, int]] = {}
 
     def admit(self, origin: int, boot: int, seq: int) -> bool:
-        """Whether the entry proposed as (origin, boot, seq) is applied now, or skipped."""
+        """Whether the entry proposed as (origin, boot, seq) is applied now, or skipped.
+
+        A boot more than MAX_BOOT_JUMP above the origin's last one (0 when none) is skipped too: one
+        entry (a bug, or a frame a peer forged) must not move a node's admission past every boot it
+        will ever have. A node whose admission is nevertheless ahead of its boot, or too far behind
+        it, proposes under a boot that follows the admitted one (ShardHost.check_admission)."""
         if origin == 0:
             return True  # entries from before proposal ids
         last = self.proposals.get(origin)
+        if boot > (last[0] if last is not None else 0) + MAX_BOOT_JUMP:
+            return False
         if last is None or boot > last[0]:
             if seq != 1:
                 return False  # a new boot starts at 1: an earlier proposal of it is missing

@@ -226,6 +226,7 @@ class Node:
             host = ShardHost(shard, state, raft, raft_log, store, self.snapshots, hooks,
                              self.cfg.shard.snapshot_every_entries, self.cfg.raft.max_entry_bytes, self.recent)
             host.node_id, host.boot = self.member[0], self.boot
+            host.check_admission()  # a snapshot whose admission of this node is past this boot
             host.max_pending_proposals = self.cfg.raft.max_pending_proposals
             host.snapshot_settings = self.snapshot_settings
             host.faults = self.faults

@@ -40,7 +40,7 @@ import msgspec
 from moorline.broker import commands as c
 from moorline.broker.effects import Effects
 from moorline.broker.messages import StoredMessage, decode_message
-from moorline.broker.shard import ShardState
+from moorline.broker.shard import MAX_BOOT_JUMP, ShardState
 from moorline.broker.topic_state import PublishResult, TopicLimits
 from moorline.invariant import invariant
 from moorline.node import snapshot_install
@@ -466,6 +466,34 @@ class ShardHost:
         self.check_leader()
         self._propose_held()
 
+    def check_admission(self) -> None:
+        """The shard applies this node's proposals only under a boot after the last one it admitted
+        from it, at most MAX_BOOT_JUMP after (ShardState.admit). When the admitted boot is at or
+        beyond ours (an entry forged for this node, or a data directory restored from an old copy)
+        or more than MAX_BOOT_JUMP behind (a crash loop), every proposal of ours would be skipped
+        forever: we propose under the boot after the admitted one from then on, renumbering what
+        waits (nothing of it was applied: its boot is refused), and hand it all over again."""
+        last = self.state.proposals.get(self.node_id)
+        floor = last[0] if last is not None else 0
+        if floor < self.boot <= floor + MAX_BOOT_JUMP or (last is not None and last[0] == self.boot):
+            return
+        boot = floor + 1
+        log.error("shard %d: this node's proposals are admitted only under a boot after %d, but it runs as boot "
+                  "%d (an entry forged for this node, or restored data?): it proposes as boot %d from now on",
+                  self.shard, floor, self.boot, boot)
+        self.boot = boot
+        owns = list(self._own.values())
+        self._own = {}
+        self._seq = 0
+        for own in owns:
+            self._seq += 1
+            own.seq = self._seq
+            own.data = c.encode_entry(own.commands, self.node_id, boot, own.seq)
+            self._own[own.seq] = own
+        self._held_from = None
+        if owns:
+            self.check_leader(force=True)
+
     def check_leader(self, force: bool = False) -> None:
         """Hands every proposal not applied yet, in original order, to a new leader; or again to
         the same one when the oldest waited ``resend_after_ticks`` (it, or a frame carrying it, may
@@ -601,7 +629,11 @@ class ShardHost:
         head = _head_decoder.decode(e.data)
         if not self.state.admit(head.origin, head.boot, head.seq):
             self.state.applied_index = e.index  # a proposal resent to a new leader, applied before
+            if head.origin == self.node_id:
+                self.check_admission()  # (ours refused for a too-large boot jump?)
             return
+        if head.origin == self.node_id and head.boot != self.boot:
+            self.check_admission()  # (admission moved past our boot?)
         own = (self._own.pop(head.seq, None) or self._forgotten.pop(head.seq, None)
                if head.origin == self.node_id and head.boot == self.boot else None)
         if own is not None:

@@ -128,7 +128,8 @@ class ClusterNode:
                "--data-dir", str(self.data_dir),
                "--mqtt", f"127.0.0.1:{self.mqtt_port}", "--http", f"127.0.0.1:{self.http_port}"]
         if config_text is not None:
-            self.config_path.write_text(config_text)
+            # "@NODE@" stands for the node's name (per-node files, e.g. its cluster TLS certificate)
+            self.config_path.write_text(config_text.replace("@NODE@", self.name))
             cmd += ["--config", str(self.config_path)]
         cmd += extra_args
         env = dict(os.environ)
