@@ -43,6 +43,8 @@ DROP_REASONS: tuple[str, ...] = (
     "shard_cap",
     "subscribe_failed",
 )
+NO_GUID = "no_guid"  # publish invoke detail: sent without a guid user property
+RETAINED = "retained"  # deliver detail: a PUBLISH received with RETAIN=1 (for a new subscription)
 ANOMALY_COLUMNS: tuple[str, ...] = ("run", "kind", "guid", "subscriber", "topic", "detail")
 NS_PER_MS = 1_000_000
 
@@ -106,7 +108,7 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
     sev = (
         ev.where(
             F.col("session").isNotNull()
-            & F.col("op").isin("deliver", "ack", "subscribe", "unsubscribe", "connect", "disconnect")
+            & F.col("op").isin("deliver", "ack", "subscribe", "unsubscribe", "connect", "disconnect", "publish")
         )
         .withColumn("inc", F.sum(F.when(is_break, 1).otherwise(0)).over(w_sess))
         .withColumn("conn", F.sum(F.when(is_connack, 1).otherwise(0)).over(w_sess))
@@ -129,15 +131,37 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
 
     # --- publishes: one row per (run, guid)
     pub = ev.where((F.col("op") == "publish") & F.col("guid").isNotNull())
+    # The publisher session's incarnation at each invoke (a message sent again on a new session
+    # cannot be de-duplicated by the broker without a guid).
+    pub_inc = sev.where((F.col("op") == "publish") & (F.col("type") == "invoke")).select(
+        "run", "guid", "inc"
+    )
+    is_invoke = F.col("type") == "invoke"
     msgs = (
         pub.groupBy("run", "guid")
         .agg(
-            F.min(F.when(F.col("type") == "invoke", F.col("mono_ns"))).alias("invoke_ns"),
-            F.min(F.when(F.col("type") == "ok", F.col("mono_ns"))).alias("ok_ns"),
+            F.min(F.when(is_invoke, F.col("mono_ns"))).alias("invoke_ns"),
+            F.min(F.when(F.col("type") == "ok", F.struct("mono_ns", "index"))).alias("ok_first"),
             F.max(F.when(F.col("type") == "fail", 1).otherwise(0)).alias("failed"),
             F.max("topic").alias("topic"),
             F.max("qos").alias("pub_qos"),
             F.max("session").alias("pub_session"),
+            F.max(is_invoke & (F.coalesce(F.col("detail"), F.lit("")) == NO_GUID)).alias("no_guid"),
+            F.sum(F.when(is_invoke, 1).otherwise(0)).alias("invokes"),
+        )
+        .join(pub_inc.groupBy("run", "guid").agg(F.countDistinct("inc").alias("pub_incs")), ["run", "guid"], "left")
+        .withColumn("ok_ns", F.col("ok_first.mono_ns"))
+        .withColumn("ok_index", F.col("ok_first.index"))
+        # Sent without a guid and more than once where the broker cannot de-duplicate it (QoS 1,
+        # or QoS 2 on a new publisher session): it may be stored, and delivered, twice.
+        .withColumn(
+            "may_repeat",
+            F.coalesce(
+                F.col("no_guid")
+                & (F.col("invokes") > 1)
+                & ((F.col("pub_qos") == 1) | (F.coalesce(F.col("pub_incs"), F.lit(0)) > 1)),
+                F.lit(False),
+            ),
         )
         .withColumn(
             "status",
@@ -151,11 +175,17 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
 
     # --- deliveries and packet ids
     pid_cols = ("run", "session", "sub", "conn", "guid", "topic", "qos", "packet_id")
+    is_retained = F.coalesce(F.col("detail") == RETAINED, F.lit(False))
     dl = sev.where((F.col("op") == "deliver") & (F.col("type") == "ok")).select(
-        *pid_cols, F.coalesce(F.col("dup"), F.lit(False)).alias("dup"), "mono_ns", "index", F.lit("d").alias("kind")
+        *pid_cols,
+        F.coalesce(F.col("dup"), F.lit(False)).alias("dup"),
+        is_retained.alias("retained"),
+        "mono_ns",
+        "index",
+        F.lit("d").alias("kind"),
     )
     acks = sev.where(F.col("op") == "ack").select(
-        *pid_cols, F.lit(False).alias("dup"), "mono_ns", "index", F.lit("a").alias("kind")
+        *pid_cols, F.lit(False).alias("dup"), F.lit(False).alias("retained"), "mono_ns", "index", F.lit("a").alias("kind")
     )
     w_pid = W.partitionBy("run", "sub", "packet_id").orderBy("mono_ns", "index")
     pid_stream = (
@@ -163,22 +193,51 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         .unionByName(acks.where(F.col("packet_id").isNotNull()))
         .withColumn("prev_kind", F.lag("kind").over(w_pid))
         .withColumn("prev_guid", F.lag("guid").over(w_pid))
+        .withColumn("held_conn", F.lag("conn").over(w_pid))
+        .withColumn("held_ns", F.lag("mono_ns").over(w_pid))
         .where(F.col("kind") == "d")
     )
     # Packet id reused for another message while the first still held it (not yet acknowledged).
     pid_reuse = pid_stream.where((F.col("prev_kind") == "d") & ~F.col("prev_guid").eqNullSafe(F.col("guid")))
     # QoS 2 resend with the held packet id: the protocol's own retransmission, not a second delivery.
-    inflight_resend = pid_stream.where(
+    inflight_all = pid_stream.where(
         (F.col("qos") == 2) & (F.col("prev_kind") == "d") & F.col("prev_guid").eqNullSafe(F.col("guid"))
-    ).select("run", "sub", "mono_ns", "index")
+    ).localCheckpoint()
+    inflight_resend = inflight_all.select("run", "sub", "mono_ns", "index")
     app = dl.join(inflight_resend, ["run", "sub", "mono_ns", "index"], "left_anti")
 
+    # A retained copy sent for a new SUBSCRIBE (RETAIN=1, MQTT-3.3.1-6, once per matching filter:
+    # MQTT-3.8.4-4) is not a second delivery: a repeat is compared with the subscriber's previous
+    # live (non-retained) copy of the message, and one with only retained copies before it, or a
+    # retained copy itself, is a copy MQTT asks for.
     w_g = W.partitionBy("run", "sub", "guid").orderBy("mono_ns", "index")
+    w_before = w_g.rowsBetween(W.unboundedPreceding, -1)
     app = (
-        app.withColumn("k", F.row_number().over(w_g))
-        .withColumn("prev_conn", F.lag("conn").over(w_g))
-        .withColumn("prev_pid", F.lag("packet_id").over(w_g))
+        app.join(msgs.select("run", "guid", "may_repeat"), ["run", "guid"], "left")
+        .withColumn("may_repeat", F.coalesce(F.col("may_repeat"), F.lit(False)))
+        .withColumn("k", F.row_number().over(w_g))
+        .withColumn("live_before", F.sum(F.when(~F.col("retained"), 1).otherwise(0)).over(w_before))
+        .withColumn(
+            "prev_conn",
+            F.coalesce(
+                F.last(F.when(~F.col("retained"), F.col("conn")), ignorenulls=True).over(w_before),
+                F.lag("conn").over(w_g),
+            ),
+        )
+        .withColumn(
+            "prev_pid",
+            F.when(
+                F.coalesce(F.col("live_before"), F.lit(0)) > 0,
+                F.last(F.when(~F.col("retained"), F.col("packet_id")), ignorenulls=True).over(w_before),
+            ).otherwise(F.lag("packet_id").over(w_g)),
+        )
         .withColumn("orig_ns", F.first("mono_ns").over(w_g.rowsBetween(W.unboundedPreceding, 0)))
+        # A repeat the rules do not judge: a message without a guid the broker may have stored
+        # twice, a retained copy, or one whose earlier copies were all retained.
+        .withColumn(
+            "repeatable",
+            F.col("may_repeat") | F.col("retained") | (F.coalesce(F.col("live_before"), F.lit(0)) == 0),
+        )
         .localCheckpoint()
     )
     pid_changed = app.where(
@@ -186,12 +245,19 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         & (F.col("qos") > 0)
         & F.col("prev_pid").isNotNull()
         & (F.col("prev_pid") != F.col("packet_id"))
+        & ~F.col("repeatable")
     )
     repeats = app.where(F.col("k") > 1)
-    legit_repeat = (F.col("qos") == 1) & F.col("dup") & (F.col("conn") > F.col("prev_conn"))
+    legit_repeat = F.col("repeatable") | (
+        (F.col("qos") == 1) & F.col("dup") & (F.col("conn") > F.col("prev_conn"))
+    )
     dup_bad = repeats.where(~legit_repeat)
     dup_legit = repeats.where(legit_repeat)
-    first = app.where(F.col("k") == 1).drop("k", "prev_conn", "prev_pid", "orig_ns").localCheckpoint()
+    first = (
+        app.where(F.col("k") == 1)
+        .drop("k", "prev_conn", "prev_pid", "orig_ns", "live_before", "repeatable")
+        .localCheckpoint()
+    )
 
     # --- unexpected: delivered but never published (or without a guid), and refused-but-delivered
     known = pub.select("run", "guid").distinct()
@@ -219,8 +285,24 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         .groupBy("run", "sub", "filter", "share_group")
         .agg(F.max("mono_ns").alias("unsub_ns"))
     )
+    # Joined null-safe: a plain subscription's share_group is null, and null = null is not true
+    # in a join (an UNSUBACK of a plain subscription must end it, MQTT-3.10.4-2).
+    u = unsubscribed.select(
+        F.col("run").alias("u_run"),
+        F.col("sub").alias("u_sub"),
+        F.col("filter").alias("u_filter"),
+        F.col("share_group").alias("u_group"),
+        "unsub_ns",
+    )
+    on_unsub = (
+        (F.col("run") == F.col("u_run"))
+        & (F.col("sub") == F.col("u_sub"))
+        & F.col("filter").eqNullSafe(F.col("u_filter"))
+        & F.col("share_group").eqNullSafe(F.col("u_group"))
+    )
     subs = (
-        subscribed.join(unsubscribed, ["run", "sub", "filter", "share_group"], "left")
+        subscribed.join(u, on_unsub, "left")
+        .drop("u_run", "u_sub", "u_filter", "u_group")
         .join(final_inc, ["run", "session"], "left")
         .join(drained, ["run", "session"], "left")
         .withColumn(
@@ -259,8 +341,10 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         plain.join(acked, "run")
         .where((F.col("start_ns") < F.col("invoke_ns")) & match)
         .where(~(F.col("no_local") & (F.col("pub_session") == F.col("session"))))
-        .select("run", "sub", "session", "guid", "topic", "granted", "pub_qos")
-        .dropDuplicates(["run", "sub", "guid"])
+        # Overlapping filters: the broker delivers once, at the highest granted QoS (MQTT-3.3.4-2),
+        # so that QoS decides whether QoS 0 excuses a missing delivery.
+        .groupBy("run", "sub", "session", "guid")
+        .agg(F.max("topic").alias("topic"), F.max("granted").alias("granted"), F.max("pub_qos").alias("pub_qos"))
     )
     owed_undelivered = owed.join(first.select("run", "sub", "guid"), ["run", "sub", "guid"], "left_anti")
     qos0 = owed_undelivered.where((F.col("granted") == 0) | (F.col("pub_qos") == 0))
@@ -335,23 +419,31 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         first.join(members, ["run", "session"])
         .withColumn("prev_session", F.lag("session").over(w_share))
         .withColumn("prev_ns", F.lag("mono_ns").over(w_share))
+        .withColumn("prev_qos", F.lag("qos").over(w_share))
         .where(F.col("prev_session").isNotNull())
         .join(ends.withColumnRenamed("session", "prev_session"), ["run", "prev_session"], "left")
     )
-    share_legit = (F.col("qos") == 1) & F.col("end_ns").isNotNull() & (F.col("end_ns") > F.col("prev_ns"))
+    # The QoS the previous member received it at decides (MQTT-4.8.2-4/5): a QoS 1 claim goes back
+    # to the group when that member's session ends, a QoS 2 one never does.
+    share_legit = (F.col("prev_qos") == 1) & F.col("end_ns").isNotNull() & (F.col("end_ns") > F.col("prev_ns"))
     share_dup_bad = share_multi.where(~share_legit)
     share_dup_legit = share_multi.where(share_legit)
 
     # --- order of first deliveries: per (subscriber, topic, publisher) a subsequence of the
     # publisher's acknowledged order. Deliveries through non-sticky $share subscriptions are exempt.
     checked_subs = subs.where(F.col("share_group").isNull() | F.col("sticky")).select("run", "sub", "regex")
+    # A message that may have been stored twice (no guid) is left out: each copy has its own place
+    # in the log, and the history cannot tell which copy a delivery is.
     first_checked = (
-        first.join(checked_subs, ["run", "sub"])
+        first.where(~F.col("may_repeat"))
+        .join(checked_subs, ["run", "sub"])
         .where(match)
         .select("run", "sub", "guid", "topic", "mono_ns", "index")
         .dropDuplicates(["run", "sub", "guid"])
     )
-    w_prank = W.partitionBy("run", "pub_session", "topic").orderBy("ok_ns", "guid")
+    # The publisher's acknowledged order: ack time, ties (several acknowledgements read at once)
+    # by record order, the order the publisher saw them in.
+    w_prank = W.partitionBy("run", "pub_session", "topic").orderBy("ok_ns", "ok_index")
     ranked = acked.withColumn("prank", F.row_number().over(w_prank)).select(
         "run", "guid", "pub_session", "prank"
     )
@@ -371,7 +463,20 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         app.join(checked_subs, ["run", "sub"])
         .where(match)
         .select(
-            "run", "sub", "session", "guid", "topic", "conn", "prev_conn", "k", "orig_ns", "mono_ns", "index"
+            "run",
+            "sub",
+            "session",
+            "guid",
+            "topic",
+            "qos",
+            "conn",
+            "prev_conn",
+            "k",
+            "orig_ns",
+            "mono_ns",
+            "index",
+            "may_repeat",
+            "retained",
         )
         .dropDuplicates(["run", "sub", "mono_ns", "index"])
         .localCheckpoint()
@@ -381,8 +486,35 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         .orderBy("mono_ns", "index")
         .rowsBetween(W.unboundedPreceding, -1)
     )
-    # Resends after a reconnect (a repeat in the same connection is already a duplicate).
-    checked_reps = checked_app.where((F.col("k") > 1) & (F.col("conn") > F.col("prev_conn")))
+    # Resends after a reconnect (a repeat in the same connection is already a duplicate), not of a
+    # message that may be stored twice nor a retained copy; and the protocol's own QoS 2 resend with
+    # the held packet id on a later connection (MQTT-4.4.0-1), which keeps the original order too.
+    first_app_ns = app.where(F.col("k") == 1).select("run", "sub", "guid", F.col("mono_ns").alias("first_ns"))
+    inflight_reps = (
+        inflight_all.where(F.col("conn") > F.col("held_conn"))
+        .join(checked_subs, ["run", "sub"])
+        .where(match)
+        .join(first_app_ns, ["run", "sub", "guid"], "left")
+        .select(
+            "run",
+            "sub",
+            "session",
+            "guid",
+            "topic",
+            "conn",
+            F.coalesce(F.col("first_ns"), F.col("held_ns")).alias("orig_ns"),
+            "mono_ns",
+            "index",
+        )
+        .dropDuplicates(["run", "sub", "mono_ns", "index"])
+    )
+    checked_reps = (
+        checked_app.where(
+            (F.col("k") > 1) & (F.col("conn") > F.col("prev_conn")) & ~F.col("may_repeat") & ~F.col("retained")
+        )
+        .select("run", "sub", "session", "guid", "topic", "conn", "orig_ns", "mono_ns", "index")
+        .unionByName(inflight_reps)
+    )
     resend_misordered = checked_reps.withColumn("prev_orig", F.max("orig_ns").over(w_conn)).where(
         F.col("orig_ns") < F.col("prev_orig")
     )
@@ -401,8 +533,10 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         .join(conn_start, ["run", "session", "conn"])
     )
     first_acks = acks.groupBy("run", "sub", "guid").agg(F.min("mono_ns").alias("ack_ns"))
+    # Older unacknowledged messages: a QoS 0 delivery has no acknowledgement and is never resent
+    # (MQTT-4.3.1), so only QoS > 0 deliveries are owed a resend (MQTT-4.4.0-1).
     older = (
-        checked_app.where(F.col("k") == 1)
+        checked_app.where((F.col("k") == 1) & (F.col("qos") > 0))
         .select(
             "run",
             "sub",
@@ -419,10 +553,9 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
             & (F.col("ack_ns").isNull() | (F.col("ack_ns") > F.col("conn_ns")))
         )
     )
-    # Continued on this connection: resent, or (QoS 2 past PUBREC) released by PUBREL -> PUBCOMP.
-    continued = checked_reps.select("run", "sub", "guid", "conn").unionByName(
-        acks.select("run", "sub", "guid", "conn")
-    )
+    # Continued on this connection: delivered on it again (also a QoS 2 resend with the held packet
+    # id), or (QoS 2 past PUBREC) released by PUBREL -> PUBCOMP.
+    continued = dl.select("run", "sub", "guid", "conn").unionByName(acks.select("run", "sub", "guid", "conn"))
     skipped = older.join(continued, ["run", "sub", "guid", "conn"], "left_anti")
     skipped_excused = excused_by_drop(skipped, "session").select("run", "sub", "guid", "conn")
     skipped = skipped.join(skipped_excused, ["run", "sub", "guid", "conn"], "left_anti")

@@ -83,8 +83,8 @@ class Hist:
             no_local=no_local,
         )
 
-    def unsubscribe(self, session: str, filter: str) -> Hist:
-        return self.ev("ok", "unsubscribe", session=session, filter=filter)
+    def unsubscribe(self, session: str, filter: str, group: str | None = None) -> Hist:
+        return self.ev("ok", "unsubscribe", session=session, filter=filter, share_group=group)
 
     def publish(
         self,
@@ -109,8 +109,11 @@ class Hist:
         pid: int = 1,
         dup: bool = False,
         ack: bool = True,
+        detail: str | None = None,
     ) -> Hist:
-        self.ev("ok", "deliver", session=session, guid=guid, topic=topic, qos=qos, packet_id=pid, dup=dup)
+        self.ev(
+            "ok", "deliver", session=session, guid=guid, topic=topic, qos=qos, packet_id=pid, dup=dup, detail=detail
+        )
         if ack and qos > 0:
             self.ack(session, guid, pid, qos)
         return self
