@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import importlib
+from typing import Annotated
 
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="moorline: a durable, replicated MQTT broker.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from moorline import __version__
+
+        typer.echo(f"moorline {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """moorline: a durable, replicated MQTT broker."""
 
 # (command name, module, function): each module defines a typer-annotated function.
 _COMMANDS: list[tuple[str, str, str]] = [

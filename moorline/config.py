@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 class ConfigError(ValueError):
     """The configuration file or a command-line option is invalid."""
@@ -315,6 +317,15 @@ class SupervisorConfig:
 
 
 @dataclass
+class LogConfig:
+    """What ``moorline run`` logs (stderr). ``--log-level`` overrides ``level``."""
+
+    level: str = "info"  # debug, info, warning, error
+    format: str = "text"  # text: one line per record; json: one JSON object per line (ts, level, logger, msg)
+    failed_login_interval_s: float = 10.0  # failed logins: one line per this interval, the rest counted in it
+
+
+@dataclass
 class NodeConfig:
     data_dir: str = "./moorline-data"
     loop_lag_threshold_ms: float = 500.0
@@ -335,8 +346,15 @@ class NodeConfig:
     pins: PinConfig = field(default_factory=PinConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def validate(self) -> None:
+        if self.log.level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"log.level must be one of {', '.join(LOG_LEVELS)}, not {self.log.level!r}")
+        if self.log.format not in ("text", "json"):
+            raise ConfigError(f"log.format must be 'text' or 'json', not {self.log.format!r}")
+        if self.log.failed_login_interval_s < 0:
+            raise ConfigError("log.failed_login_interval_s must be 0 or more")
         if self.mqtt.max_packet_size > self.raft.max_entry_bytes:
             raise ConfigError("mqtt.max_packet_size must not exceed raft.max_entry_bytes")
         if not 1 <= self.shard.count <= 4096:

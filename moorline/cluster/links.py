@@ -53,6 +53,9 @@ class LinkEnv:
     clock: Callable[[], float]
     bind_host: str | None  # local side of outgoing connections (the host of our --cluster address)
     on_undelivered: UndeliveredCallback | None
+    # Until then (clock()) a peer never heard from that cannot be reached is logged at INFO: at a
+    # cluster's start peers are still starting (cluster.bootstrap_timeout_s), no cause for a warning.
+    quiet_until: float = float("-inf")
 
 
 async def stop_tasks(*tasks: asyncio.Task[None]) -> None:
@@ -317,6 +320,9 @@ class OutgoingLink:
 
     def _fail(self, message: str) -> None:
         self.peer.note_error(message, self.env.clock())
+        if self.peer.last_contact_at is None and self.env.clock() < self.env.quiet_until:
+            log.info("cluster: %s (peer not started yet?)", message)  # the first failure after it is a warning
+            return
         # The same failure repeating (a peer down for hours) is logged once, not at every attempt.
         if message != self._last_logged_error:
             log.warning("cluster: %s", message)

@@ -112,6 +112,11 @@ class ClusterTransport:
         self._closed = False
         self.dropped_unknown_peer = 0
 
+    def quiet_failures_until(self, when: float) -> None:
+        """Until ``when`` (this transport's clock), failures to reach a peer never heard from are
+        logged at INFO, not WARNING (peers still starting)."""
+        self._env.quiet_until = when
+
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from moorline.config import ConfigError, load_config
+from moorline.config import LOG_LEVELS, ConfigError, load_config
 from moorline.testing.faults import NO_FAULTS, Faults
 
 # Set only by the test entry point (moorline/testing/faulty_node.py), never from the environment.
@@ -23,13 +26,42 @@ def inject_faults(faults: Faults) -> None:
     _injected_faults = faults
 
 
+class JsonFormatter(logging.Formatter):
+    """log.format = "json": one JSON object per line (ts, level, logger, msg; exc when there is one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+                 "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=True)
+
+
+def _stopped_before_start(signum: int, _frame: object) -> None:
+    """SIGTERM or SIGINT before the node opens anything: a clean exit (0) that says so."""
+    print(f"moorline: stopped by {signal.Signals(signum).name} during start-up", file=sys.stderr, flush=True)
+    raise SystemExit(0)
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    """The process's logging (stderr): log.level and log.format (text or json), times in UTC."""
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        formatter: logging.Formatter = JsonFormatter()
+    else:
+        formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    formatter.converter = time.gmtime
+    handler.setFormatter(formatter)
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
 def run(
     data_dir: Annotated[Path | None, typer.Option(help="data directory [default: ./moorline-data]")] = None,
     mqtt: Annotated[str | None, typer.Option(help="MQTT listener HOST:PORT [default: 127.0.0.1:1883]")] = None,
     http: Annotated[str | None, typer.Option(help="HTTP (admin/fetch) listener HOST:PORT [default: 127.0.0.1:8888]")] = None,
     config: Annotated[Path | None, typer.Option(help="TOML configuration file")] = None,
     shards: Annotated[int | None, typer.Option(help="shard count (fixed when the data dir is created)")] = None,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
+    log_level: Annotated[str | None, typer.Option(help="debug, info, warning, error [default: log.level, info]")] = None,
     node_id: Annotated[str | None, typer.Option(help="cluster: this node's name in --initial-cluster")] = None,
     cluster: Annotated[str | None, typer.Option(help="cluster: HOST:PORT for peers (outgoing traffic leaves from HOST)")] = None,
     initial_cluster: Annotated[str | None, typer.Option(help="cluster: n1=HOST:PORT,n2=HOST:PORT,n3=HOST:PORT")] = None,
@@ -37,9 +69,14 @@ def run(
 ) -> None:
     """Start a moorline node: one node with no cluster flags (the embedded default), else a member
     of the cluster named by --initial-cluster."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # until the event loop takes them over (server.serve)
+        signal.signal(sig, _stopped_before_start)
     overrides: dict[str, object] = {}
+    if log_level is not None:
+        if log_level.lower() not in LOG_LEVELS:
+            raise typer.BadParameter(f"must be one of {', '.join(LOG_LEVELS)}, not {log_level!r}",
+                                     param_hint="--log-level")
+        overrides["log.level"] = log_level.lower()
     for key, value in (("cluster.node_id", node_id), ("cluster.listen", cluster),
                        ("cluster.initial_cluster", initial_cluster),
                        ("cluster.secret_file", str(cluster_secret_file) if cluster_secret_file else None)):
@@ -58,6 +95,7 @@ def run(
     except ConfigError as exc:
         typer.echo(f"moorline: configuration error: {exc}", err=True)
         raise typer.Exit(2) from exc
+    setup_logging(cfg.log.level, cfg.log.format)
     try:
         import uvloop
 

@@ -172,6 +172,7 @@ class ClusterLink:
         self.transport = ClusterTransport(spec.me, spec.listen, peers, secret, self._on_frame, rng,
                                           cluster_id=cfg.cluster_id, net=seams.cluster_network, limits=limits,
                                           clock=seams.clock.monotonic, nonce_source=seams.random_bytes, tls=tls)
+        self.transport.quiet_failures_until(seams.clock.monotonic() + cfg.bootstrap_timeout_s)
         # Frames whose claimed sender (a Raft message's from, a heartbeat batch's source, a forwarded
         # entry's origin, an announcement's name) is not the authenticated peer: refused, counted
         # per peer, logged at most once per peer per interval.

@@ -41,6 +41,29 @@ if TYPE_CHECKING:
 log = logging.getLogger("moorline.conn")
 
 
+class FailedLoginLog:
+    """Failed logins, logged at INFO: the first at once, then at most one line per ``interval_s``
+    (log.failed_login_interval_s), which counts the ones not logged since, so a password-guessing
+    flood cannot flood the log. Network-derived values are logged with %r."""
+
+    def __init__(self, interval_s: float, clock: Any) -> None:
+        self.interval_s = interval_s
+        self.clock = clock  # monotonic seconds
+        self.last_logged: float | None = None
+        self.unlogged = 0
+
+    def note(self, username: str | None, client_id: str, peer: str, reason: int) -> None:
+        now = self.clock()
+        if self.last_logged is not None and now - self.last_logged < self.interval_s:
+            self.unlogged += 1
+            return
+        more = f" ({self.unlogged} more failed logins not logged in the last {now - self.last_logged:.0f} s)" \
+            if self.unlogged and self.last_logged is not None else ""
+        log.info("login failed: user %r client %r from %s: CONNACK 0x%02x%s", username, client_id, peer, reason, more)
+        self.last_logged = now
+        self.unlogged = 0
+
+
 # A User Property ("guid", 32 hex digits), so histories can match deliveries to publishes.
 _GUID_PROPERTY_HEAD = b"\x26\x00\x04guid\x00\x20"
 # A connection timer that fires this much later than due says the event loop stalled; it then
@@ -99,6 +122,8 @@ class Connection(asyncio.Protocol):
         self.version = 4
         self.live: LiveSession | None = None
         self.principal = Principal(None, "")
+        self.user: str | None = None  # the CONNECT's username, for the log
+        self.close_reason = ""  # why this side closed the connection, for the disconnect log line
         self.will_on_close = True
         self.session_expiry_override: int | None = None
         self._queue: deque[p.Packet] = deque()
@@ -200,6 +225,8 @@ class Connection(asyncio.Protocol):
         if self.live is not None:
             live = self.live
             self.live = None
+            reason = self.close_reason or (f"connection lost: {exc}" if exc is not None else "connection closed")
+            log.info("disconnect: client %r user %r from %s: %s", self.client_id, self.user, self.peer, reason)
             if self.node.connections.get(self.client_id) is self:
                 del self.node.connections[self.client_id]
             self._end_now(live)
@@ -242,6 +269,7 @@ class Connection(asyncio.Protocol):
             log.info("%s %s: disconnected: not reading (write buffer past mqtt.max_write_buffer_bytes)",
                      self.peer, self.client_id)
             self._closing = True
+            self.close_reason = "not reading (write buffer past mqtt.max_write_buffer_bytes)"
             sock = self.transport.get_extra_info("socket")
             if sock is not None:
                 try:  # and the kernel's buffer too: linger 0 makes the close a reset
@@ -269,6 +297,7 @@ class Connection(asyncio.Protocol):
         if self._closing:
             return
         self._closing = True
+        self.close_reason = why
         log.debug("closing %s (%s): %s", self.peer, self.client_id, why)
         if self.transport is not None:
             self._flush()
@@ -517,6 +546,7 @@ class Connection(asyncio.Protocol):
         if self._closing:
             return
         if refusal is not None:
+            self.server.failed_logins.note(pk.username, client_id, self.peer, refusal)
             self._connack_refuse(refusal)
             return
         self.client_id = client_id
@@ -547,8 +577,11 @@ class Connection(asyncio.Protocol):
             return
         old = self.node.connections.get(client_id)
         if old is not None and old is not self:
+            log.info("takeover: client %r user %r from %s takes its session over from the connection from %s",
+                     client_id, pk.username, self.peer, old.peer)
             old.disconnect(RC.SESSION_TAKEN_OVER, "session taken over")
             if old.live is not None:
+                log.info("disconnect: client %r user %r from %s: session taken over", client_id, old.user, old.peer)
                 live_old = old.live
                 old.live = None
                 await self.node.close_session(live_old, old.will_on_close, old.session_expiry_override)
@@ -608,6 +641,11 @@ class Connection(asyncio.Protocol):
                 if expiry > self.node.cfg.session.max_expiry_s else None,
             )
         self._write(encode(p.Connack(present, 0, ack_props), self.version))
+        log.info("connect: client %r user %r from %s, MQTT %s, %s, keepalive %d s", client_id, pk.username,
+                 self.peer, "5.0" if v5 else "3.1.1",
+                 ("clean" if expiry == 0 else f"persistent (expiry {expiry} s)")
+                 + (", session present" if present else ""), keep if keep is not None else pk.keepalive)
+        self.user = pk.username
         self.live.start()
         self._arm_timer(self._timer_interval())
 
@@ -912,7 +950,7 @@ class Connection(asyncio.Protocol):
                 self.protocol_error(RC.PROTOCOL_ERROR, "session expiry set on DISCONNECT after 0 in CONNECT")
                 return
             self.session_expiry_override = se
-        self.abort("client disconnected")
+        self.abort(f"client sent DISCONNECT (0x{pk.reason_code:02x})")
 
     # outbound (called by LiveSession)
     def _send_publishes(self, outs: list[OutboundPublish]) -> None:

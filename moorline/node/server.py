@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import signal
@@ -17,7 +18,7 @@ from moorline.mqtt.packets import Disconnect
 from moorline.mqtt.reasons import ReasonCode as RC
 from moorline.mqtt.topics import TopicBounds
 from moorline.node.auth import Authorizer
-from moorline.node.connection import Connection
+from moorline.node.connection import Connection, FailedLoginLog
 from moorline.node.listeners import BACKLOG, Listener, bind_all, close_all, configured
 from moorline.node.listeners import parse_hostport as parse_hostport
 from moorline.node.node import Node
@@ -125,6 +126,7 @@ class MqttServer:
         self._refusals_unlogged = 0
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
         self.sys_topics: SysTopics | None = None  # $SYS subscribers of this node (serve() sets it)
+        self.failed_logins = FailedLoginLog(node.cfg.log.failed_login_interval_s, node.clock.monotonic)
 
     def protocol_factory(self) -> Connection:
         return Connection(self)
@@ -212,8 +214,25 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
         return bound
 
     authorizer = Authorizer(cfg.auth, loopback_only=loopback)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals: list[str] = []  # the signals that asked us to stop, for the log
+
+    def on_signal(sig: signal.Signals) -> None:
+        signals.append(sig.name)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from the start: a stop during start-up is a clean exit
+        try:
+            loop.add_signal_handler(sig, on_signal, sig)
+        except NotImplementedError:  # pragma: no cover
+            pass
     node = Node(cfg, faults)
-    await node.open_async()  # a cluster node also connects to its peers and bootstraps here
+    if not await _open_unless_stopped(node, stop):  # a cluster node also connects to its peers and bootstraps here
+        log.info("stopped by %s during start-up (before the node was open): nothing to hand over, exit 0",
+                 signals[0] if signals else "a signal")
+        authorizer.close()
+        return 0
     await node.start()
     tune_gc(cfg.runtime)
     tune_allocator(cfg.runtime)
@@ -221,7 +240,6 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
     server.sys_topics = SysTopics(node, authorizer, cfg.sys.interval_s,
                                   open_to_all=not authorizer.rules and authorizer.allow_anonymous and loopback,
                                   max_filters_per_connection=cfg.session.max_subscriptions)
-    loop = asyncio.get_running_loop()
     handshake_s = cfg.mqtt.connect_timeout_s
     servers: list[asyncio.AbstractServer] = []
     servers.append(await loop.create_server(server.protocol_factory, sock=sock("mqtt"), backlog=BACKLOG))
@@ -248,12 +266,6 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
                 accepting.append(AdmittingListener(server, sock(key), ctx, ws.make_protocol, ws.on_expired))
     for listener in accepting:
         listener.start()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except NotImplementedError:  # pragma: no cover
-            pass
     if tls is not None:
         loop.add_signal_handler(signal.SIGHUP, _reload_tls, tls)
 
@@ -271,7 +283,7 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
     watcher.cancel()
     lag_watcher.cancel()
     sys_publisher.cancel()
-    log.info("stopping: closing listeners and connections")
+    log.info("stopping%s: closing listeners and connections", f" ({signals[0]})" if signals else "")
     for srv in servers:
         srv.close()
     for listener in accepting:
@@ -297,6 +309,34 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
         print(f"moorline: fatal: {node.fatal}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+async def _open_unless_stopped(node: Node, stop: asyncio.Event) -> bool:
+    """``node.open_async()``, abandoned when ``stop`` is set first (a cluster node waits up to
+    cluster.bootstrap_timeout_s for its peers): then what it opened is closed and False returned."""
+    opening = asyncio.ensure_future(node.open_async())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({opening, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if opening.done():
+        # Its errors (a data dir in use, a bootstrap timeout) end start-up as before. Opened (a stop
+        # that came meanwhile is served next): the node stops the ordinary way, final snapshots taken.
+        opening.result()
+        return True
+    opening.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await opening
+    if node.link is not None:
+        await node.link.close()
+    wal = getattr(node, "wal", None)
+    if wal is not None:
+        wal.close()
+    dir_lock = getattr(node, "dir_lock", None)
+    if dir_lock is not None:
+        dir_lock.release()
+    return False
 
 
 def _reload_tls(tls: TlsContexts) -> None:
