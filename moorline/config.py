@@ -103,7 +103,13 @@ class SessionConfig:
     # pass, with no timer. A timer that ends while the loop is idle wakes it (20-40 us of CPU on this
     # VM), but per-pass batches are smaller: W2 measured 5-8 % more CPU with 0 (bench/README.md).
     ack_commit_interval_ms: float = 2.0
-    max_subscriptions: int = 1000
+    max_subscriptions: int = 1000  # per session, whatever shards its filters reach (SUBACK 0x97)
+    # Persistent sessions (expiry above 0) one user may hold: a CONNECT that would open one more is
+    # refused with CONNACK 0x97 (3.1.1: return code 3). Checked against every session shard's
+    # replica on the node (cluster-wide up to CONNECTs racing on other nodes) and, exactly, by
+    # each session shard at apply: a user never holds more than this in one shard. Users with a
+    # name only; anonymous clients share no per-user bound. 0: no bound.
+    max_persistent_per_user: int = 1000
     delivery_batch_max: int = 256
     # The node serving a session holds a lease on it in the session's shard, renewed every third
     # of it. A node that cannot renew (cut off from the shard's majority) closes the client's
@@ -125,6 +131,10 @@ class ShardConfig:
     # Voters per shard in a cluster (1, 3 or 5; every node when there are fewer). Fixed when the
     # cluster is created; the other nodes keep the shard as learners.
     replicas: int = 3
+    # A client id is kept in its session, its registrations' keys in every shard a filter reaches,
+    # and every delivery batch: longer ids are refused at CONNECT (CONNACK 0x85; 3.1.1: return code
+    # 2). MQTT requires servers to take at least 23 bytes; the protocol's own limit is 65535.
+    max_client_id_bytes: int = 256
     max_bytes: int = 1 << 30
     reserved_headroom_bytes: int = 16 << 20  # publishes refused (0x97) before max_bytes - headroom
     snapshot_every_entries: int = 20_000
@@ -171,6 +181,14 @@ class StorageConfig:
 @dataclass
 class RaftConfig:
     # One entry holds one batch of commands; appends to followers carry at most this much too.
+@dataclass
+class ProducerConfig:
+    # A sequenced producer's sequence further than this past its highest applied one is refused
+    # (PUBACK 0x83), never applied: accepted, it would make every later sequence a duplicate. The
+    # Spark sink starts batch b at b << 32, so the default lets a producer skip 2**24 - 1 batches.
+    max_seq_gap: int = 1 << 56
+
+
     max_entry_bytes: int = 1 << 20
     # The logical clock of every group (cluster mode): heartbeats every tick, elections after
     # election_ticks..2*election_ticks ticks without a leader (100 ms x 10: 1-2 s).
@@ -381,6 +399,7 @@ class NodeConfig:
             raise ConfigError("storage.snapshot_inline_max_bytes must be 0 or more, "
                               "storage.max_parallel_snapshots 1 or more")
         if self.raft.follower_log_margin_entries < 0:
+    producer: ProducerConfig = field(default_factory=ProducerConfig)
             raise ConfigError("raft.follower_log_margin_entries must be 0 or more")
         cl = self.cluster
         if not 4096 <= cl.snapshot_chunk_bytes <= 16 << 20:
@@ -410,8 +429,14 @@ class NodeConfig:
         if li.connection_burst_per_address < 1 or li.rate_limit_tracked_addresses < 1:
             raise ConfigError("listeners.connection_burst_per_address and rate_limit_tracked_addresses must be 1 or more")
         rt = self.runtime
+        if not 1 <= self.producer.max_seq_gap < 1 << 64:
+            raise ConfigError("producer.max_seq_gap must be within 1..2**64-1")
         if rt.gc_young_threshold < 1 or min(rt.malloc_mmap_threshold_bytes, rt.malloc_trim_threshold_bytes,
                                              rt.malloc_top_pad_bytes) < 0:
+        if not 23 <= self.mqtt.max_client_id_bytes <= 65535:
+            raise ConfigError("mqtt.max_client_id_bytes must be within 23..65535 (MQTT requires 23 at least)")
+        if self.session.max_persistent_per_user < 0 or self.session.max_subscriptions < 1:
+            raise ConfigError("session.max_persistent_per_user must be 0 or more, session.max_subscriptions 1 or more")
             raise ConfigError("runtime.* must be positive")
         if rt.malloc_mmap_threshold_bytes > 32 << 20:
             raise ConfigError("runtime.malloc_mmap_threshold_bytes must not exceed 32 MiB (glibc's limit)")

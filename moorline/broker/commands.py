@@ -93,6 +93,17 @@ class ShareReturn(Cmd, tag="shr"):
     session_inc: int = LEGACY_INC  # only the claims made for this incarnation
 
 
+class ShareDecline(Cmd, tag="shd"):
+    """A member's node refuses claims its read ACL denies: they go back to the group, marked as
+    declined by that member, so the dispatcher offers them to the other members. Once every member
+    of the group has declined one, it is dropped and counted as ``acl_no_reader``."""
+
+    reg_key: str
+    member: str
+    offsets: tuple[int, ...]
+    session_inc: int  # only claims held by this incarnation of the member
+
+
 class DropOwed(Cmd, tag="drop"):
     """A counted limit removes owed messages of one registration (queue cap, expiry at delivery)."""
 
@@ -133,6 +144,10 @@ class SessionOpen(Cmd, tag="sopen"):
     # (entries from before leases).
     owner_node: int = 0
     lease_ms: int = 0
+    # session.max_persistent_per_user of the proposing node: a new persistent session of a
+    # principal that already has this many in the session's shard is refused. 0: unchecked (and in
+    # entries written before the bound: they replay as they applied then).
+    max_persistent: int = 0
 
 
 class LeaseRelease(Cmd, tag="srelease"):
@@ -265,6 +280,7 @@ Command = (
     | ShareMember
     | ShareClaim
     | ShareReturn
+    | ShareDecline
     | DropOwed
     | Housekeeping
     | SessionOpen

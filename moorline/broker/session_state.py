@@ -87,6 +87,9 @@ class OpenResult:
     incarnation: int
     ended: Session | None  # the previous session that a clean start discarded
     refused: bool = False  # the session belongs to another principal: nothing changed
+    # Refused (nothing changed): the principal already has SessionOpen.max_persistent persistent
+    # sessions in this shard (session.max_persistent_per_user).
+    over_quota: bool = False
     # Another node's lease on the previous connection of this client runs until this entry time:
     # the new owner serves only after it (promise: never two owners at once). 0: nothing to wait for.
     wait_until_ms: int = 0
@@ -117,6 +120,30 @@ class SessionState:
         self.epochs = 0  # shard-wide, so an epoch never repeats for a client id, even across incarnations
         self.max_expiry_s = max_expiry_s
         self.last_ts_ms = 0
+        # Derived (rebuilt on restore, never snapshotted): principal -> its sessions here with an
+        # expiry above 0, for session.max_persistent_per_user.
+        self.persistent: dict[str, int] = {}
+
+    def rebuild_counts(self) -> None:
+        self.persistent = {}
+        for sess in self.sessions.values():
+            self._count(sess)
+
+    def _count(self, sess: Session) -> None:
+        if sess.expiry_s > 0:
+            self.persistent[sess.principal] = self.persistent.get(sess.principal, 0) + 1
+
+    def _uncount(self, sess: Session) -> None:
+        if sess.expiry_s > 0:
+            n = self.persistent.get(sess.principal, 0) - 1
+            if n > 0:
+                self.persistent[sess.principal] = n
+            else:
+                self.persistent.pop(sess.principal, None)
+
+    def persistent_of(self, principal: str) -> int:
+        """Persistent sessions (expiry above 0, not yet ended) of ``principal`` in this shard."""
+        return self.persistent.get(principal, 0)
 
     def _current(self, client_id: str, epoch: int) -> Session | None:
         s = self.sessions.get(client_id)
@@ -143,13 +170,24 @@ class SessionState:
         if old is not None and (cmd.clean_start or old.expiry_s == 0 or self._expired(old, cmd.ts_ms)):
             ended = old
             old = None
+        if cmd.max_persistent > 0 and expiry > 0:
+            # session.max_persistent_per_user, decided here (every replica alike): a persistent
+            # session the principal does not hold yet needs room under the bound.
+            mine = old if old is not None else ended  # the session this open continues or replaces
+            holds = mine is not None and mine.principal == cmd.principal and mine.expiry_s > 0
+            if not holds and self.persistent_of(cmd.principal) >= cmd.max_persistent:
+                return OpenResult(False, 0, 0, None, refused=True, over_quota=True)
         self.epochs += 1
+        if ended is not None:
+            self._uncount(ended)
         if old is None:
             self.incarnations += 1
             sess = Session(cmd.client_id, self.incarnations, self.epochs, expiry, cmd.principal, will=cmd.will,
                            owner_node=cmd.owner_node, lease_until_ms=lease_until, prev_lease=prev)
             self.sessions[cmd.client_id] = sess
+            self._count(sess)
             return OpenResult(False, sess.epoch, sess.incarnation, ended, wait_until_ms=wait, ts_ms=cmd.ts_ms)
+        self._uncount(old)
         old.epoch = self.epochs
         old.connected = True
         old.expiry_s = expiry
@@ -157,6 +195,7 @@ class SessionState:
         old.will_due_ms = None  # a reconnect within the will delay cancels the will
         old.principal = cmd.principal
         old.owner_node, old.lease_until_ms, old.prev_lease = cmd.owner_node, lease_until, prev
+        self._count(old)
         return OpenResult(True, old.epoch, old.incarnation, None, wait_until_ms=wait, ts_ms=cmd.ts_ms)
 
     def apply_release(self, cmd: LeaseRelease, fx: Effects) -> bool:
@@ -279,7 +318,9 @@ class SessionState:
         s.disconnected_at_ms = cmd.ts_ms
         s.lease_until_ms = 0  # released: a new owner need not wait
         if cmd.expiry_s is not None:
+            self._uncount(s)
             s.expiry_s = min(cmd.expiry_s, self.max_expiry_s)
+            self._count(s)
         if cmd.send_will and s.will is not None:
             delay_ms = min(s.will.delay_s, s.expiry_s) * 1000
             s.will_due_ms = cmd.ts_ms + delay_ms
@@ -287,6 +328,7 @@ class SessionState:
             s.will = None
         if s.expiry_s == 0 and s.will_due_ms is None:
             del self.sessions[s.client_id]
+            self._uncount(s)
             return s
         return None
 
@@ -317,5 +359,6 @@ class SessionState:
                 s.will_due_ms = None
             if expired:
                 del self.sessions[cid]
+                self._uncount(s)
                 ended.append(s)
         return wills, ended

@@ -30,7 +30,9 @@ from moorline.broker.topic_state import (
     TopicState,
 )
 
-SNAPSHOT_VERSION = 3  # 2: message index and GUID history as columns; 3: $share incarnations
+# 2: message index and GUID history as columns; 3: $share incarnations; 4: sequenced producers keyed
+# by (principal, producer), registrations without a copy of the client id
+SNAPSHOT_VERSION = 4
 
 
 # How far ahead of a node's last admitted boot (ShardState.admit) a new boot may be: a node starts
@@ -95,6 +97,8 @@ class ShardState:
                 return t.apply_share_claim(cmd, fx)
             case c.ShareReturn():
                 return t.apply_share_return(cmd, fx)
+            case c.ShareDecline():
+                return t.apply_share_decline(cmd, fx)
             case c.DropOwed():
                 return t.apply_drop_owed(cmd, fx)
             case c.Housekeeping():
@@ -174,7 +178,8 @@ class ShardState:
             if msgspec.msgpack.decode(data, type=_Version).version != 2:
                 raise
             snap = msgspec.msgpack.decode(_upgrade_v2(data), type=_Snapshot)
-        if snap.version == 2:  # one without registrations fits version 3's types as it is
+        if snap.version in (2, 3):  # (a version 2 without registrations fits version 3's types as it is)
+            snap.producers = _attribute_producers(snap.producers, snap.dedup[0])
             snap.version = SNAPSHOT_VERSION
         if snap.version != SNAPSHOT_VERSION:
             raise ValueError(f"unsupported snapshot version {snap.version}")
@@ -204,10 +209,25 @@ class ShardState:
         st.sessions.incarnations = snap.incarnations
         st.sessions.epochs = snap.epochs
         st.sessions.last_ts_ms = snap.session_ts_ms
+        st.sessions.rebuild_counts()
         st.sink_markers = dict(snap.sink_markers)
         st.proposals = {o: (b, s) for o, b, s in snap.proposals}
         st.cluster = snap.cluster
         return st
+
+
+def _attribute_producers(producers: list[tuple[bytes, int, int, int]],
+                         history_keys: list[bytes]) -> list[tuple[bytes, int, int, int]]:
+    """Producers of a snapshot before version 4 (keyed by producer id alone) keyed by (principal,
+    producer): each goes to the principal whose GUID history holds its highest sequence's GUID
+    (producer ‖ seq), else to principal "" (its history entry expired: the GUID history no longer
+    knows whose it was)."""
+    owner = {k[:16]: k[16:] for k in history_keys if len(k) > 16}  # GUID -> principal (UTF-8)
+    out = []
+    for p, seq, o, ts in producers:
+        principal = owner.get(p + seq.to_bytes(8, "big"), b"") if 0 <= seq < 1 << 64 else b""
+        out.append((p + principal, seq, o, ts))
+    return sorted(out)
 
 
 class _Version(msgspec.Struct):

@@ -23,6 +23,7 @@ from moorline.broker.commands import (
     Publish,
     Register,
     ShareClaim,
+    ShareDecline,
     ShareMember,
     ShareReturn,
     Unregister,
@@ -39,8 +40,7 @@ from moorline.mqtt.topics import SubscriptionTrie
 
 @dataclass(slots=True)
 class Registration:
-    reg_key: str
-    client_id: str
+    reg_key: str  # client_id \0 filter, or "$share" \0 group \0 filter: the one copy of the client id
     session_inc: int
     filter: str
     qos: int
@@ -55,6 +55,25 @@ class Registration:
     # incarnation stays with it until that incarnation's ShareReturn, never passing to a newer one.
     claims: dict[int, tuple[str, int]] = field(default_factory=dict)
     sub_version: int = -1  # the latest Register's subscription version (plain registrations)
+    # $share: offset -> members (client ids) whose read ACL refused it (ShareDecline), in order; an
+    # offset every member declined is dropped ("acl_no_reader"). Gone with the offset's ownership.
+    declined: dict[int, list[str]] = field(default_factory=dict)
+
+    @property
+    def client_id(self) -> str:
+        """The owner's client id ("" for a $share group), read from the key: a registration keeps
+        no second copy of it (snapshots before version 4 did; decoding ignores that field)."""
+        return "" if self.share_group is not None else self.reg_key.partition("\0")[0]
+
+
+ACL_NO_READER = "acl_no_reader"  # the drop reason of a message no reader of its registration may read
+SEQ_JUMP_REASON_CODE = 0x83  # implementation specific error: never accepted, whenever resent
+
+
+def producer_key(principal: str, producer: bytes) -> bytes:
+    """The key of a sequenced producer's state: producer ids are 8 bytes, so producer + principal
+    is unambiguous (principal "" has the producer id itself, as snapshots before version 4 did)."""
+    return producer + principal.encode() if principal else producer
 
 
 def same_incarnation(a: int, b: int) -> bool:
@@ -97,6 +116,11 @@ class TopicLimits:
     dedup_window_ms: int = 3_600_000
     dedup_max_history: int = 250_000
     producer_ttl_ms: int = 7 * 24 * 3_600_000
+    # producer.max_seq_gap: a sequence further than this past its producer's highest is refused
+    # (SEQ_JUMP_REASON_CODE), not applied: accepted, it would make the producer's every later
+    # sequence a "duplicate". The Spark sink's first row of batch b is b << 32, so this allows a
+    # producer to skip 2**24 - 1 batches.
+    max_seq_gap: int = 1 << 56
     max_drop_records: int = 100_000
     max_release_per_housekeeping: int = 100_000
     # A deliberately broken build for tests (testing/faults.py, dedup_at_propose_only): apply
@@ -119,7 +143,8 @@ class TopicState:
         self.owed_count: dict[int, int] = {}
         self.retained: dict[str, StoredMessage] = {}
         self.dedup = GuidHistory()  # (principal, guid) -> offset, ts, crc
-        self.producers: dict[bytes, tuple[int, int, int]] = {}  # producer -> highest seq, its offset, ts
+        # producer_key(principal, producer) -> highest seq, its offset, ts
+        self.producers: dict[bytes, tuple[int, int, int]] = {}
         self.bytes_used = 0
         self.drops: deque[DropRecord] = deque(maxlen=limits.max_drop_records)
         self.drop_counts: dict[str, int] = {}
@@ -195,6 +220,7 @@ class TopicState:
         dedup_get = self.dedup.get_key
         key_of = GuidHistory.key_of
         producers = self.producers
+        max_seq_gap = limits.max_seq_gap
         appends = fx.appends
         owed_regs = fx.owed_regs
         owed_new = fx.owed_new
@@ -232,11 +258,22 @@ class TopicState:
                 matching = self._matching(topic)
             content = crc32c(msg.payload, topic_crc)  # no copy of the payload
             producer, seq = cmd.producer, cmd.seq
+            pkey = b""
             if producer is not None and seq is not None:
-                prev = producers.get(producer)
+                # A producer's sequence is its principal's, as GUIDs are: another user naming the
+                # same producer id has a sequence of its own and cannot touch this one.
+                pkey = producer_key(cmd.principal, producer)
+                prev = producers.get(pkey)
                 if prev is not None:
                     if seq <= prev[0]:
                         results.append(PublishResult("duplicate", prev[1] if seq == prev[0] else -1))
+                        continue
+                    if seq - prev[0] > max_seq_gap:
+                        # Accepted, it would make every later sequence of the producer a
+                        # "duplicate": refused, never applied, never counted as a duplicate.
+                        results.append(PublishResult("refused", reason_code=SEQ_JUMP_REASON_CODE,
+                                                     reason=f"sequence {seq} jumps more than "
+                                                            f"producer.max_seq_gap past {prev[0]}"))
                         continue
                     # The next sequence, or the first row of a later batch (high 32 bits: batch), is
                     # accepted; a gap means an earlier one is missing: refused, retriable, never applied.
@@ -277,8 +314,8 @@ class TopicState:
             expiries.append(NO_EXPIRY if exp is None else exp)
             crcs.append(content)
             self.bytes_used += size
-            if producer is not None and seq is not None:
-                producers[producer] = (seq, offset, ts_ms)
+            if pkey and seq is not None:
+                producers[pkey] = (seq, offset, ts_ms)
             if msg.retain:
                 self._retain(topic, msg)
             owed = 0
@@ -339,7 +376,7 @@ class TopicState:
             if reg is not None:
                 self._remove_registration(reg, "session_replaced", fx)
             reg = Registration(
-                cmd.reg_key, cmd.client_id, cmd.session_inc, cmd.filter, cmd.qos, cmd.no_local,
+                cmd.reg_key, cmd.session_inc, cmd.filter, cmd.qos, cmd.no_local,
                 cmd.share_group, self.next_offset, sub_version=cmd.sub_version,
             )
             self.regs[cmd.reg_key] = reg
@@ -396,11 +433,14 @@ class TopicState:
         owed, claims = reg.owed, reg.claims
         had_claims = bool(claims)
         acked: list[int] = []
+        declined = reg.declined
         for offset in cmd.offsets:  # once per acknowledged message: no call per offset
             if offset in owed:
                 del owed[offset]
                 if claims:
                     claims.pop(offset, None)
+                if declined:
+                    declined.pop(offset, None)
                 acked.append(offset)
         if acked:
             self._owed_gone(reg.reg_key, acked)
@@ -446,6 +486,7 @@ class TopicState:
             if offset in reg.owed:
                 del reg.owed[offset]
                 reg.claims.pop(offset, None)
+                reg.declined.pop(offset, None)
                 self._record_drop(offset, reg.reg_key, cmd.reason)
                 self._owed_gone(reg.reg_key, (offset,))
                 self._unowe(offset)
@@ -461,9 +502,15 @@ class TopicState:
             # of an older one than the member's, applied late, changes nothing.
             if current is None or cmd.session_inc > current:
                 reg.members[cmd.member] = cmd.session_inc
+                # A new session of the client id (perhaps another user's): its read rights are its own.
+                for who in reg.declined.values():
+                    if cmd.member in who:
+                        who.remove(cmd.member)
         elif current is not None and (same_incarnation(current, cmd.session_inc) or cmd.session_inc > current):
             # An ended incarnation's leave, applied after a newer one joined, leaves that one in.
             del reg.members[cmd.member]
+            if reg.declined:  # perhaps every member left now declined some
+                self._drop_unreadable(reg, list(reg.declined))
         fx.owed(cmd.reg_key)
 
     def apply_share_claim(self, cmd: ShareClaim, fx: Effects) -> tuple[int, ...]:
@@ -480,6 +527,47 @@ class TopicState:
         fx.claimed(cmd.reg_key, cmd.member, tuple(granted))
         return tuple(granted)
 
+    def apply_share_decline(self, cmd: ShareDecline, fx: Effects) -> tuple[int, ...]:
+        """Claims of the member's incarnation its read ACL refused go back to the group, declined
+        by it; returns the offsets dropped because no member of the group may read them."""
+        reg = self.regs.get(cmd.reg_key)
+        if reg is None:
+            return ()
+        back: list[int] = []
+        for offset in cmd.offsets:
+            holder = reg.claims.get(offset)
+            if holder is None or holder[0] != cmd.member or not same_incarnation(holder[1], cmd.session_inc):
+                continue
+            del reg.claims[offset]
+            who = reg.declined.setdefault(offset, [])
+            if cmd.member not in who:
+                who.append(cmd.member)
+            back.append(offset)
+        dropped = self._drop_unreadable(reg, back)
+        if back:
+            fx.owed(cmd.reg_key)  # the dispatcher offers them to another member
+        return dropped
+
+    def _drop_unreadable(self, reg: Registration, offsets: Iterable[int]) -> tuple[int, ...]:
+        """Drops (counted, "acl_no_reader") those of ``offsets`` still owed and unclaimed that every
+        member of the group declined. A group without members keeps them for the next member."""
+        members = reg.members
+        if not members:
+            return ()
+        dropped: list[int] = []
+        for offset in offsets:
+            who = reg.declined.get(offset)
+            if who is None or offset not in reg.owed or offset in reg.claims:
+                continue
+            if all(m in who for m in members):
+                del reg.owed[offset]
+                del reg.declined[offset]
+                self._record_drop(offset, reg.reg_key, ACL_NO_READER)
+                self._owed_gone(reg.reg_key, (offset,))
+                self._unowe(offset)
+                dropped.append(offset)
+        return tuple(dropped)
+
     def apply_share_return(self, cmd: ShareReturn, fx: Effects) -> None:
         reg = self.regs.get(cmd.reg_key)
         if reg is None:
@@ -491,6 +579,7 @@ class TopicState:
             del reg.claims[offset]
             if offset in dropped and offset in reg.owed:
                 del reg.owed[offset]
+                reg.declined.pop(offset, None)
                 self._record_drop(offset, reg.reg_key, "share_qos2_member_gone")
                 self._owed_gone(reg.reg_key, (offset,))
                 self._unowe(offset)
@@ -510,6 +599,7 @@ class TopicState:
                 if offset in reg.owed:
                     del reg.owed[offset]
                     reg.claims.pop(offset, None)
+                    reg.declined.pop(offset, None)
                     self._record_drop(offset, reg.reg_key, "message_expiry")
                     self._owed_gone(reg.reg_key, (offset,))
                     self._unowe(offset)

@@ -30,7 +30,7 @@ from moorline.mqtt.reasons import suback_v5_to_v3, v3_connack_applicable
 from moorline.mqtt.topics import parse_shared
 from moorline.node.auth import Principal
 from moorline.node.delivery import LiveSession, OutboundPublish, ReadFilter
-from moorline.node.node import NodeFailure, SessionOwnedByOther
+from moorline.node.node import NodeFailure, SessionOwnedByOther, SessionQuotaExceeded
 from moorline.node.shard_host import Callback, ShardUnavailable
 from moorline.node.sys_topics import is_sys_filter
 from moorline.node.tls import certificate_login
@@ -535,6 +535,10 @@ class Connection(asyncio.Protocol):
                 self._connack_refuse(RC.CLIENT_IDENTIFIER_NOT_VALID)
                 return
             client_id = assigned = f"auto-{uuid.uuid4().hex}"
+        if len(client_id.encode()) > self.node.cfg.mqtt.max_client_id_bytes:
+            # Kept per session, per registration key and per delivery batch, on every node.
+            self._connack_refuse(RC.CLIENT_IDENTIFIER_NOT_VALID)  # 3.1.1: return code 2
+            return
         cert_user = certificate_login(self.transport, self.node.cfg.tls)
         refusal: int | None
         if cert_user is not None:  # tls.use_identity_as_username: the verified certificate is the login
@@ -602,6 +606,11 @@ class Connection(asyncio.Protocol):
             self._connack_refuse(RC.SERVER_UNAVAILABLE)  # 3.1.1: return code 3
             return
         if self._closing:
+        except SessionQuotaExceeded:  # the session shard's own count (a race the early check missed)
+            if self.node.connections.get(client_id) is self:
+                del self.node.connections[client_id]
+            self._connack_refuse(RC.QUOTA_EXCEEDED)
+            return
             # The client went away while its CONNECT was being committed: this node owns a session
             # nobody is connected to. Hand it back (no will: the client never got a CONNACK).
             self.node.abandon_session(client_id, epoch)

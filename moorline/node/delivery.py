@@ -31,7 +31,7 @@ from moorline.broker.session_state import (
     SubscriptionState,
     packet_id_of,
 )
-from moorline.broker.topic_state import Registration, TopicState, same_incarnation
+from moorline.broker.topic_state import ACL_NO_READER, Registration, TopicState, same_incarnation
 from moorline.node.recent import SHARD_SHIFT
 from moorline.raft import ProposalDropped
 
@@ -61,8 +61,11 @@ class OutboundPublish(msgspec.Struct, gc=False):
 
 class ReadFilter:
     """The read ACL at delivery: a wildcard subscription may reach topics its principal may not
-    read; those messages are never sent and are released as if acknowledged. ``needs_check(filter)``
-    is asked once per registration (False: every topic it can match is readable, the hot path)."""
+    read; those messages are never sent to it. A plain subscription's are dropped, counted as
+    ``acl_no_reader``; a $share member's claims on them go back to the group, declined by the
+    member (ShareDecline), and reach another member, or are dropped as ``acl_no_reader`` once every
+    member declined them. ``needs_check(filter)`` is asked once per registration (False: every
+    topic it can match is readable, the hot path)."""
 
     def __init__(self, needs_check: Callable[[str], bool], can_read: Callable[[str], bool]) -> None:
         self._needs_check = needs_check
@@ -472,7 +475,7 @@ class LiveSession:
                         self.cursor[shard] = max(cursor, offset)
                     continue
                 if read_filter is not None and not read_filter.allowed(reg_keys, msg.topic):
-                    for rk in reg_keys:  # never sent; released as if acknowledged
+                    for rk in reg_keys:  # never sent: dropped (plain) or declined ($share), below
                         denied.setdefault(rk, []).append(offset)
                     if not share:
                         self.cursor[shard] = max(cursor, offset)
@@ -488,7 +491,11 @@ class LiveSession:
             for rk, offs in expired.items():
                 self.node.propose(shard, c.DropOwed(rk, tuple(offs), "message_expiry"), want=False)
             for rk, offs in denied.items():
-                self.node.propose_lazy(shard, c.AckReport(rk, tuple(offs)))
+                if rk.startswith(c.SHARE_PREFIX):
+                    self.node.propose(shard, c.ShareDecline(rk, self.client_id, tuple(offs), self.incarnation),
+                                      want=False)
+                else:
+                    self.node.propose(shard, c.DropOwed(rk, tuple(offs), ACL_NO_READER), want=False)
             if more:
                 break
         recent.count_hits(hits)

@@ -89,6 +89,11 @@ class SessionOwnedByOther(Exception):
 
 
 @dataclass(slots=True)
+class SessionQuotaExceeded(Exception):
+    """A CONNECT would give its user more than session.max_persistent_per_user persistent sessions:
+    refused, nothing changed."""
+
+
 class _SessionViews:
     incarnation: int
     sub_version: int
@@ -978,16 +983,33 @@ class Node:
     async def open_session(
         self, client_id: str, clean_start: bool, expiry_s: int, will: c.WillSpec | None, principal: str
     ) -> tuple[bool, int, int]:
-        """Raises SessionOwnedByOther when the session belongs to another principal."""
+        """Raises SessionOwnedByOther when the session belongs to another principal, and
+        SessionQuotaExceeded when it would be one persistent session too many for the principal."""
         shard = self.session_shard(client_id)
         lease_s = self.cfg.session.owner_lease_s
+    def persistent_quota_exceeded(self, client_id: str, principal: str, expiry_s: int) -> bool:
+        """Whether a CONNECT of ``principal`` with this expiry would open one persistent session
+        more than session.max_persistent_per_user, counted over this node's replica of every
+        session shard (the whole cluster's, up to what has not reached this replica yet; each
+        session shard enforces the bound exactly for itself at apply)."""
+        cap = self.cfg.session.max_persistent_per_user
+        if cap <= 0 or expiry_s <= 0 or not principal:
+            return False
+        now = self.now_ms()
+        sessions = self.hosts[self.session_shard(client_id)].state.sessions
+        sess = sessions.sessions.get(client_id)
+        if sess is not None and sess.principal == principal and sess.expiry_s > 0 and sessions.owner_of(client_id, now):
+            return False  # resumed (or replaced by a clean start): no session more
+        return sum(h.state.sessions.persistent_of(principal) for h in self.hosts) >= cap
+
         proposed_at = self.clock.monotonic()
         fut = self.propose(shard, c.SessionOpen(self.now_ms(), client_id, clean_start, expiry_s, will, principal,
                                                 not self.takeover_across_users(), self.member[0],
-                                                int(lease_s * 1000)))
+                                                int(lease_s * 1000), cap))
         assert fut is not None
         reason = "session_expired" if not clean_start else "clean_start"
         try:
+        cap = self.cfg.session.max_persistent_per_user if principal else 0
             res = await self.bounded(fut, shard)
         except ShardUnavailable:
             # Outcome unknown: the open may still commit. If it does, nobody is served by it, but
@@ -996,7 +1018,7 @@ class Node:
             fut.add_done_callback(lambda f: self._open_applied_unserved(client_id, f, reason))
             raise
         if res.refused:
-            raise SessionOwnedByOther(client_id)
+            raise SessionQuotaExceeded(client_id) if res.over_quota else SessionOwnedByOther(client_id)
         # Our lease counts from when we proposed it, shortened by the clock-drift bound.
         self._lease_deadline[(client_id, res.epoch)] = proposed_at + lease_s * (1 - self.cfg.session.owner_lease_drift)
         try:
@@ -1260,19 +1282,26 @@ class Node:
             if sticky:
                 meta = host.state.topics.meta.get(offset)
                 topic = meta.topic if meta is not None else ""
-                member = order[shard_of(topic, len(order))]
+                able = [m for m in order if m not in refused] if refused else order
+                if not able:
+                    continue
+                member = able[shard_of(topic, len(able))]
                 if member not in room or room[member] <= 0:
                     continue
             else:
                 member = ""
+        declined = reg.declined  # offset -> members whose read ACL refused it: offered to the others
                 for _ in range(len(online)):
+            refused = declined.get(offset) if declined else None
                     cand = online[rr % len(online)]
                     rr += 1
-                    if room[cand] > 0:
+                    if room[cand] > 0 and not (refused and cand in refused):
                         member = cand
                         break
                 if not member:
-                    break
+                    if refused:
+                        continue  # no online member with room that has not declined it: the next offset
+                    break  # no room anywhere
             room[member] -= 1
             assigned.setdefault(member, []).append(offset)
         self._share_rr[reg_key] = rr

@@ -1123,3 +1123,4 @@ def default_limits(cfg: Any, dedup_at_propose_only: bool = False) -> TopicLimits
         dedup_at_propose_only=dedup_at_propose_only,  # a deliberately broken build (tests only)
     )
 
+        max_seq_gap=cfg.producer.max_seq_gap,
