@@ -136,3 +136,38 @@ def test_operator_log_lines_in_json(tmp_path: Path) -> None:
     failed = [m for m in msgs if m.startswith("login failed")]
     assert len(failed) == 1, failed  # rate-limited
     assert re.match(r"login failed: user 'alice' client 'guess\d' from 127\.0\.0\.1:\d+: CONNACK 0x86$", failed[0]), failed
+
+
+def test_cluster_status_says_unreachable_tries_the_next_and_fits_80_columns(tmp_path: Path) -> None:
+    mqtt_port, http_port, dead = free_port(), free_port(), free_port()
+    log = tmp_path / "node.log"
+    proc = _start(["--data-dir", str(tmp_path / "data"), "--mqtt", f"127.0.0.1:{mqtt_port}",
+                   "--http", f"127.0.0.1:{http_port}"], log)
+    env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
+
+    def status(http: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "moorline", "cluster", "status", "--http", http], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=60)
+
+    try:
+        _wait_for(log, "moorline ready", proc)
+        alone = status(f"127.0.0.1:{dead}")
+        both = status(f"127.0.0.1:{dead},127.0.0.1:{http_port}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        _stop(proc)
+    assert alone.returncode == 1
+    assert f"127.0.0.1:{dead}: unreachable (" in alone.stderr, alone.stderr
+    assert "no node answered" in alone.stderr
+    assert "Usage" not in alone.stderr + alone.stdout and "Invalid value" not in alone.stderr + alone.stdout
+    assert both.returncode == 0, both.stderr
+    assert f"127.0.0.1:{dead}: unreachable (" in both.stderr and f"trying 127.0.0.1:{http_port}" in both.stderr
+    lines = both.stdout.splitlines()
+    assert f"as 127.0.0.1:{http_port} sees it" in lines[0]
+    assert max(len(line) for line in lines) <= 80, both.stdout
+    header = next(line for line in lines if "shard " in line and "leader " in line and "replicas" in line)
+    assert all(col in header for col in ("shard", "leader", "commit", "replicas", "state")), header  # not cut
+    rows = [line for line in lines if line.startswith("│") and "n1: " in line]
+    assert len(rows) == 16, both.stdout  # one line per shard: no row wraps
+    assert "MATCH/APPLIED" in both.stdout and "does not lead this shard" in " ".join(both.stdout.split())

@@ -12,40 +12,105 @@ import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Inspect a moorline cluster.")
 
+NARROW_BELOW_COLUMNS = 120  # a terminal narrower than this gets the compact shard table
+REPLICAS_NOTE = (
+    "replicas: NODE: MATCH/APPLIED. MATCH is the last log index the shard's leader knows that "
+    "replica holds; only the leader knows it, so it is '-' on a node that does not lead the shard. "
+    "APPLIED (shown for the node answering only) is the last index it has applied. "
+    "'n1: -/7' = n1 answered, does not lead this shard, and has applied up to index 7."
+)
 
-def _get(base: str, path: str, auth: str | None) -> Any:
+
+class Unreachable(Exception):
+    """The node did not answer (refused, timed out, no route): another may."""
+
+
+class Refused(Exception):
+    """The node answered with an error (401, 403, ...): asking another would not help."""
+
+
+def _get(base: str, path: str, auth: str | None, timeout_s: float) -> Any:
     req = urllib.request.Request(base.rstrip("/") + path, headers={"Authorization": auth} if auth else {})
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as exc:
         body = exc.read().decode(errors="replace")[:300]
-        raise typer.BadParameter(f"{base}{path}: HTTP {exc.code} {body}") from exc
-    except (urllib.error.URLError, OSError) as exc:
-        raise typer.BadParameter(f"cannot reach {base}{path}: {exc}") from exc
+        raise Refused(f"{base}{path}: HTTP {exc.code} {body}") from exc
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        raise Unreachable(reason.strerror if isinstance(reason, OSError) and reason.strerror else str(reason)) from exc
+    except (OSError, ValueError) as exc:  # a timeout, a reset, an answer that is not JSON
+        raise Unreachable(str(exc)) from exc
+
+
+def _addresses(http: str) -> list[str]:
+    out = []
+    for item in http.split(","):
+        item = item.strip()
+        if item:
+            out.append(item if item.startswith(("http://", "https://")) else f"http://{item}")
+    return out
 
 
 @app.command()
 def status(
-    http: Annotated[str, typer.Option(help="a node's HTTP listener HOST:PORT")] = "127.0.0.1:8888",
+    http: Annotated[str, typer.Option(
+        help="a node's HTTP listener HOST:PORT, or several separated by commas: the first that answers "
+             "is asked")] = "127.0.0.1:8888",
     user: Annotated[str | None, typer.Option(help="HTTP Basic user (an admin)")] = None,
     password: Annotated[str | None, typer.Option(help="HTTP Basic password")] = None,
     token: Annotated[str | None, typer.Option(help="bearer token (instead of user/password)")] = None,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for each node")] = 5.0,
+    wide: Annotated[bool | None, typer.Option(
+        "--wide/--narrow", help="the shard table's layout [default: by the terminal's width]")] = None,
 ) -> None:
     """Nodes (addresses, storage ids, reachability, groups led) and shards (leader, voters, term,
-    commit and applied positions per replica), as the node at --http sees them."""
+    commit and applied positions per replica), as the first node of --http that answers sees them."""
     from rich.console import Console
-    from rich.table import Table
 
     auth = None
     if token:
         auth = f"Bearer {token}"
     elif user is not None:
         auth = "Basic " + base64.b64encode(f"{user}:{password or ''}".encode()).decode()
-    base = http if http.startswith("http") else f"http://{http}"
-    cluster = _get(base, "/v1/cluster", auth)
-    shards = _get(base, "/v1/shards", auth)
+    bases = _addresses(http)
+    if not bases:
+        raise typer.BadParameter("give at least one HOST:PORT", param_hint="--http")
     console = Console()
+    err = Console(stderr=True)
+    for i, base in enumerate(bases):
+        try:
+            cluster = _get(base, "/v1/cluster", auth, timeout)
+            shards = _get(base, "/v1/shards", auth, timeout)
+        except Unreachable as exc:
+            more = f"; trying {bases[i + 1].removeprefix('http://')}" if i + 1 < len(bases) else ""
+            err.print(f"{base.removeprefix('http://')}: unreachable ({exc}){more}", markup=False, highlight=False, soft_wrap=True)
+            continue
+        except Refused as exc:
+            err.print(f"moorline cluster status: {exc}", markup=False, highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        _print(console, base, cluster, shards, wide)
+        return
+    hint = "" if len(bases) > 1 else (
+        " (give the others too: --http HOST:PORT,HOST:PORT,...; the HTTP listeners of a cluster's nodes "
+        "are not announced to each other)")
+    err.print(f"moorline cluster status: no node answered{hint}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def _replicas(s: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{name}: {r.get('match') if r.get('match') is not None else '-'}"
+        + (f"/{r['applied']}" if "applied" in r else "")
+        for name, r in sorted(s.get("replicas", {}).items()))
+
+
+def _print(console: Any, base: str, cluster: dict[str, Any], shards: dict[str, Any], wide: bool | None) -> None:
+    from rich.table import Table
+
+    narrow = not wide if wide is not None else console.width < NARROW_BELOW_COLUMNS
+    console.print(f"as {base.removeprefix('http://')} sees it", highlight=False)
     nodes = Table(title="nodes")
     for col in ("node", "cluster address", "storage id", "reachable", "leads"):
         nodes.add_column(col)
@@ -60,17 +125,24 @@ def status(
         console.print(f"metadata group: leader {meta.get('leader') or '[red]none[/red]'}, voters "
                       f"{','.join(meta.get('voters', []))}, term {meta.get('term')}, commit {meta.get('commit')}; "
                       f"{record.get('shard_count', '?')} shards x {record.get('replicas', '?')} voters")
-    table = Table(title=f"shards ({shards['shard_count']})")
-    for col in ("shard", "leader", "voters", "learners", "term", "commit", "replicas (match / applied)", "offsets",
-                "state"):
-        table.add_column(col)
-    for s in shards["shards"]:
-        replicas = ", ".join(
-            f"{name}: {r.get('match') if r.get('match') is not None else '-'}"
-            + (f"/{r['applied']}" if "applied" in r else "")
-            for name, r in sorted(s.get("replicas", {}).items()))
-        table.add_row(str(s["shard"]), s.get("leader") or "[red]none[/red]", ",".join(s.get("voters", [])),
-                      ",".join(s.get("learners", [])) or "-", str(s.get("term", "-")), str(s.get("commit", "-")), replicas,
-                      f"{s['low_water']}..{s['next_offset']}",
-                      "ok" if s.get("available", True) else f"[red]{s.get('error', 'failed')}[/red]")
+    if narrow:
+        # Five short columns fit 80: learners, term and the offsets' low-water mark go; voters are
+        # the replicas' names.
+        table = Table(title=f"shards ({shards['shard_count']})")
+        for col in ("shard", "leader", "commit", "replicas", "state"):
+            table.add_column(col, no_wrap=col != "replicas")
+        for s in shards["shards"]:
+            table.add_row(str(s["shard"]), s.get("leader") or "[red]none[/red]", str(s.get("commit", "-")),
+                          _replicas(s), "ok" if s.get("available", True) else f"[red]{s.get('error', 'failed')}[/red]")
+    else:
+        table = Table(title=f"shards ({shards['shard_count']})")
+        for col in ("shard", "leader", "voters", "learners", "term", "commit", "replicas (match / applied)",
+                    "offsets", "state"):
+            table.add_column(col)
+        for s in shards["shards"]:
+            table.add_row(str(s["shard"]), s.get("leader") or "[red]none[/red]", ",".join(s.get("voters", [])),
+                          ",".join(s.get("learners", [])) or "-", str(s.get("term", "-")), str(s.get("commit", "-")),
+                          _replicas(s), f"{s['low_water']}..{s['next_offset']}",
+                          "ok" if s.get("available", True) else f"[red]{s.get('error', 'failed')}[/red]")
     console.print(table)
+    console.print(REPLICAS_NOTE, highlight=False, style="dim")
