@@ -92,6 +92,10 @@ class MqttConfig:
     # sending a byte now and then cannot hold a connection and its partial buffer for ever). Long
     # enough for a 1 MiB packet over a ~150 kbit/s link.
     packet_read_timeout_s: float = 60.0
+    # A client id is kept in its session, its registrations' keys in every shard a filter reaches,
+    # and every delivery batch: longer ids are refused at CONNECT (CONNACK 0x85; 3.1.1: return code
+    # 2). MQTT requires servers to take at least 23 bytes; the protocol's own limit is 65535.
+    max_client_id_bytes: int = 256
 
 
 @dataclass
@@ -131,10 +135,6 @@ class ShardConfig:
     # Voters per shard in a cluster (1, 3 or 5; every node when there are fewer). Fixed when the
     # cluster is created; the other nodes keep the shard as learners.
     replicas: int = 3
-    # A client id is kept in its session, its registrations' keys in every shard a filter reaches,
-    # and every delivery batch: longer ids are refused at CONNECT (CONNACK 0x85; 3.1.1: return code
-    # 2). MQTT requires servers to take at least 23 bytes; the protocol's own limit is 65535.
-    max_client_id_bytes: int = 256
     max_bytes: int = 1 << 30
     reserved_headroom_bytes: int = 16 << 20  # publishes refused (0x97) before max_bytes - headroom
     snapshot_every_entries: int = 20_000
@@ -146,6 +146,14 @@ class DedupConfig:
     history_window_s: float = 3600.0
     max_history: int = 250_000  # per shard; about 150 bytes an entry
     producer_ttl_s: float = 7 * 24 * 3600.0
+
+
+@dataclass
+class ProducerConfig:
+    # A sequenced producer's sequence further than this past its highest applied one is refused
+    # (PUBACK 0x83), never applied: accepted, it would make every later sequence a duplicate. The
+    # Spark sink starts batch b at b << 32, so the default lets a producer skip 2**24 - 1 batches.
+    max_seq_gap: int = 1 << 56
 
 
 @dataclass
@@ -181,14 +189,6 @@ class StorageConfig:
 @dataclass
 class RaftConfig:
     # One entry holds one batch of commands; appends to followers carry at most this much too.
-@dataclass
-class ProducerConfig:
-    # A sequenced producer's sequence further than this past its highest applied one is refused
-    # (PUBACK 0x83), never applied: accepted, it would make every later sequence a duplicate. The
-    # Spark sink starts batch b at b << 32, so the default lets a producer skip 2**24 - 1 batches.
-    max_seq_gap: int = 1 << 56
-
-
     max_entry_bytes: int = 1 << 20
     # The logical clock of every group (cluster mode): heartbeats every tick, elections after
     # election_ticks..2*election_ticks ticks without a leader (100 ms x 10: 1-2 s).
@@ -354,6 +354,7 @@ class NodeConfig:
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
+    producer: ProducerConfig = field(default_factory=ProducerConfig)
     share: ShareConfig = field(default_factory=ShareConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     raft: RaftConfig = field(default_factory=RaftConfig)
@@ -383,8 +384,14 @@ class NodeConfig:
             raise ConfigError("raft.max_pending_proposals must be 1 or more")
         if self.shard.replicas not in (1, 3, 5):
             raise ConfigError("shard.replicas must be 1, 3 or 5 (an even number of voters tolerates no more failures)")
+        if not 1 <= self.producer.max_seq_gap < 1 << 64:
+            raise ConfigError("producer.max_seq_gap must be within 1..2**64-1")
         if self.share.dispatch not in ("round_robin", "sticky_topic"):
             raise ConfigError("share.dispatch must be 'round_robin' or 'sticky_topic'")
+        if not 23 <= self.mqtt.max_client_id_bytes <= 65535:
+            raise ConfigError("mqtt.max_client_id_bytes must be within 23..65535 (MQTT requires 23 at least)")
+        if self.session.max_persistent_per_user < 0 or self.session.max_subscriptions < 1:
+            raise ConfigError("session.max_persistent_per_user must be 0 or more, session.max_subscriptions 1 or more")
         if not 1 <= self.mqtt.receive_maximum <= 65535:
             raise ConfigError("mqtt.receive_maximum must be within 1..65535")
         if self.shard.reserved_headroom_bytes >= self.shard.max_bytes:
@@ -399,7 +406,6 @@ class NodeConfig:
             raise ConfigError("storage.snapshot_inline_max_bytes must be 0 or more, "
                               "storage.max_parallel_snapshots 1 or more")
         if self.raft.follower_log_margin_entries < 0:
-    producer: ProducerConfig = field(default_factory=ProducerConfig)
             raise ConfigError("raft.follower_log_margin_entries must be 0 or more")
         cl = self.cluster
         if not 4096 <= cl.snapshot_chunk_bytes <= 16 << 20:
@@ -429,14 +435,8 @@ class NodeConfig:
         if li.connection_burst_per_address < 1 or li.rate_limit_tracked_addresses < 1:
             raise ConfigError("listeners.connection_burst_per_address and rate_limit_tracked_addresses must be 1 or more")
         rt = self.runtime
-        if not 1 <= self.producer.max_seq_gap < 1 << 64:
-            raise ConfigError("producer.max_seq_gap must be within 1..2**64-1")
         if rt.gc_young_threshold < 1 or min(rt.malloc_mmap_threshold_bytes, rt.malloc_trim_threshold_bytes,
                                              rt.malloc_top_pad_bytes) < 0:
-        if not 23 <= self.mqtt.max_client_id_bytes <= 65535:
-            raise ConfigError("mqtt.max_client_id_bytes must be within 23..65535 (MQTT requires 23 at least)")
-        if self.session.max_persistent_per_user < 0 or self.session.max_subscriptions < 1:
-            raise ConfigError("session.max_persistent_per_user must be 0 or more, session.max_subscriptions 1 or more")
             raise ConfigError("runtime.* must be positive")
         if rt.malloc_mmap_threshold_bytes > 32 << 20:
             raise ConfigError("runtime.malloc_mmap_threshold_bytes must not exceed 32 MiB (glibc's limit)")

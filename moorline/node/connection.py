@@ -599,6 +599,11 @@ class Connection(asyncio.Protocol):
                 del self.node.connections[client_id]
             self._connack_refuse(RC.NOT_AUTHORIZED)
             return
+        except SessionQuotaExceeded:  # the session shard's own count (a race the early check missed)
+            if self.node.connections.get(client_id) is self:
+                del self.node.connections[client_id]
+            self._connack_refuse(RC.QUOTA_EXCEEDED)
+            return
         except ShardUnavailable as exc:  # the session's shard has no quorum (or failed)
             if self.node.connections.get(client_id) is self:
                 del self.node.connections[client_id]
@@ -606,11 +611,6 @@ class Connection(asyncio.Protocol):
             self._connack_refuse(RC.SERVER_UNAVAILABLE)  # 3.1.1: return code 3
             return
         if self._closing:
-        except SessionQuotaExceeded:  # the session shard's own count (a race the early check missed)
-            if self.node.connections.get(client_id) is self:
-                del self.node.connections[client_id]
-            self._connack_refuse(RC.QUOTA_EXCEEDED)
-            return
             # The client went away while its CONNECT was being committed: this node owns a session
             # nobody is connected to. Hand it back (no will: the client never got a CONNACK).
             self.node.abandon_session(client_id, epoch)

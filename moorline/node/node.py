@@ -88,12 +88,12 @@ class SessionOwnedByOther(Exception):
     """A CONNECT found its client id's session owned by another principal: refused, nothing changed."""
 
 
-@dataclass(slots=True)
 class SessionQuotaExceeded(Exception):
     """A CONNECT would give its user more than session.max_persistent_per_user persistent sessions:
     refused, nothing changed."""
 
 
+@dataclass(slots=True)
 class _SessionViews:
     incarnation: int
     sub_version: int
@@ -980,13 +980,6 @@ class Node:
         owner = self.hosts[self.session_shard(client_id)].state.sessions.owner_of(client_id, self.now_ms())
         return owner is not None and owner != principal
 
-    async def open_session(
-        self, client_id: str, clean_start: bool, expiry_s: int, will: c.WillSpec | None, principal: str
-    ) -> tuple[bool, int, int]:
-        """Raises SessionOwnedByOther when the session belongs to another principal, and
-        SessionQuotaExceeded when it would be one persistent session too many for the principal."""
-        shard = self.session_shard(client_id)
-        lease_s = self.cfg.session.owner_lease_s
     def persistent_quota_exceeded(self, client_id: str, principal: str, expiry_s: int) -> bool:
         """Whether a CONNECT of ``principal`` with this expiry would open one persistent session
         more than session.max_persistent_per_user, counted over this node's replica of every
@@ -1002,14 +995,21 @@ class Node:
             return False  # resumed (or replaced by a clean start): no session more
         return sum(h.state.sessions.persistent_of(principal) for h in self.hosts) >= cap
 
+    async def open_session(
+        self, client_id: str, clean_start: bool, expiry_s: int, will: c.WillSpec | None, principal: str
+    ) -> tuple[bool, int, int]:
+        """Raises SessionOwnedByOther when the session belongs to another principal, and
+        SessionQuotaExceeded when it would be one persistent session too many for the principal."""
+        shard = self.session_shard(client_id)
+        lease_s = self.cfg.session.owner_lease_s
         proposed_at = self.clock.monotonic()
+        cap = self.cfg.session.max_persistent_per_user if principal else 0
         fut = self.propose(shard, c.SessionOpen(self.now_ms(), client_id, clean_start, expiry_s, will, principal,
                                                 not self.takeover_across_users(), self.member[0],
                                                 int(lease_s * 1000), cap))
         assert fut is not None
         reason = "session_expired" if not clean_start else "clean_start"
         try:
-        cap = self.cfg.session.max_persistent_per_user if principal else 0
             res = await self.bounded(fut, shard)
         except ShardUnavailable:
             # Outcome unknown: the open may still commit. If it does, nobody is served by it, but
@@ -1278,7 +1278,9 @@ class Node:
         order = list(members)
         assigned: dict[str, list[int]] = {}
         rr = self._share_rr.get(reg_key, 0)
+        declined = reg.declined  # offset -> members whose read ACL refused it: offered to the others
         for offset in unclaimed:
+            refused = declined.get(offset) if declined else None
             if sticky:
                 meta = host.state.topics.meta.get(offset)
                 topic = meta.topic if meta is not None else ""
@@ -1290,9 +1292,7 @@ class Node:
                     continue
             else:
                 member = ""
-        declined = reg.declined  # offset -> members whose read ACL refused it: offered to the others
                 for _ in range(len(online)):
-            refused = declined.get(offset) if declined else None
                     cand = online[rr % len(online)]
                     rr += 1
                     if room[cand] > 0 and not (refused and cand in refused):

@@ -1120,7 +1120,7 @@ def default_limits(cfg: Any, dedup_at_propose_only: bool = False) -> TopicLimits
         dedup_window_ms=int(cfg.dedup.history_window_s * 1000),
         dedup_max_history=cfg.dedup.max_history,
         producer_ttl_ms=int(cfg.dedup.producer_ttl_s * 1000),
+        max_seq_gap=cfg.producer.max_seq_gap,
         dedup_at_propose_only=dedup_at_propose_only,  # a deliberately broken build (tests only)
     )
 
-        max_seq_gap=cfg.producer.max_seq_gap,
