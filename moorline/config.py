@@ -55,6 +55,31 @@ class ListenerConfig:
     wss: str | None = None
     # After the broker's WebSocket close frame, the client's is awaited this long before the socket is dropped.
     ws_close_timeout_s: float = 2.0
+    # Origins (``scheme://host[:port]``) whose web pages may open MQTT over WebSocket; a browser's
+    # upgrade from any other Origin is refused (403). Empty: only pages served by the same host and
+    # port as the listener. "*" allows every Origin. A client that sends no Origin (not a browser) is
+    # not affected.
+    ws_allowed_origins: list[str] = field(default_factory=list)
+
+
+@dataclass
+class HttpConfig:
+    """Bounds of the HTTP API (moorline/node/http_api.py, docs/security.md)."""
+
+    max_body_bytes: int = 8 << 20  # a larger request body is refused with 413 before it is read
+    # A fetch looks at at most this many offsets per call (matching or not) and answers with
+    # ``scanned_to``, where the next call continues: a filter that matches nothing never scans a
+    # whole shard in one request.
+    max_scan_per_fetch: int = 100_000
+    scan_slice: int = 2_000  # offsets scanned between yields to the event loop
+    max_answer_bytes: int = 8 << 20  # a fetch stops adding messages once its answer holds about this much
+    # Host header names (besides the listener's own address, localhost and loopback addresses) a
+    # request may carry: a name that resolves to this node by DNS rebinding is refused (421).
+    allowed_hosts: list[str] = field(default_factory=list)
+    # Origins whose pages may make state-changing requests (POST, PUT, DELETE); "*" allows all. A
+    # request without Origin (curl, the Spark sink) is not affected; state-changing requests must
+    # carry Content-Type: application/json either way (a page cannot send that cross-site unasked).
+    allowed_origins: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -184,6 +209,10 @@ class StorageConfig:
     # costs more than encoding those on the loop. Writing and syncing always go to a thread.
     snapshot_inline_max_bytes: int = 512 << 10
     max_parallel_snapshots: int = 2  # snapshots being encoded / written at once, node-wide
+    # The data directory is created 0700 and its files 0600 (messages are in them); a node refuses a
+    # data directory that other users can read or enter, unless this is set (then group access is
+    # accepted, never access by others).
+    allow_group_read: bool = False
 
 
 @dataclass
@@ -264,8 +293,9 @@ class AuthConfig:
     acl: list[AclRule] = field(default_factory=list)
     # A session belongs to the principal (username) that created it; a CONNECT with its client id
     # by anyone else is refused. True lets any client take a session over by client id, as plain
-    # MQTT does: only for setups without a password file, where a username proves nothing (None:
-    # on exactly then; true together with auth.password_file is refused).
+    # MQTT does: only for setups that prove no identity, where a username proves nothing (None: on
+    # exactly when there is no password file, no token file and no tls.use_identity_as_username;
+    # true together with a password file or certificate identities is refused).
     session_takeover_across_users: bool | None = None
     # HTTP bearer tokens: lines ``user:sha256$<hex>`` written by ``moorline token FILE USER``.
     token_file: str | None = None
@@ -285,6 +315,9 @@ class AuthConfig:
     # reconnect storm costs no scrypt per client; 0 verifies every login.
     login_cache_entries: int = 10_000
     acl_cache_entries: int = 100_000  # cached ACL decisions (principal, topic); all dropped when full
+    # The password and token files are read again on SIGHUP, and when a change is seen (checked this
+    # often, seconds; 0 = on SIGHUP only): a removed user or token stops working without a restart.
+    credentials_poll_s: float = 2.0
 
 
 @dataclass
@@ -295,6 +328,9 @@ class TlsConfig:
     key_file: str | None = None  # PEM private key
     ca_file: str | None = None  # PEM CAs that sign client certificates
     require_client_cert: bool = False  # refuse a handshake without a client certificate from ca_file
+    # PEM certificate revocation list(s) of the CA in ca_file: a revoked client certificate is refused
+    # at the handshake. Re-read with the certificates on SIGHUP.
+    crl_file: str | None = None
     # The MQTT username is the client certificate's subject CN (Mosquitto's use_identity_as_username):
     # the certificate is the login (no password checked); ACLs apply to that username.
     use_identity_as_username: bool = False
@@ -349,6 +385,7 @@ class NodeConfig:
     loop_lag_threshold_ms: float = 500.0
     shutdown_drain_s: float = 5.0
     listeners: ListenerConfig = field(default_factory=ListenerConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
     mqtt: MqttConfig = field(default_factory=MqttConfig)
     session: SessionConfig = field(default_factory=SessionConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
@@ -444,6 +481,8 @@ class NodeConfig:
         tls_listeners = [k for k in ("mqtts", "https", "wss") if getattr(li, k)]
         if tls_listeners and not (t.cert_file and t.key_file):
             raise ConfigError(f"listeners.{tls_listeners[0]} needs tls.cert_file and tls.key_file")
+        if t.crl_file and not t.ca_file:
+            raise ConfigError("tls.crl_file needs tls.ca_file (the CA whose revocations it lists)")
         if t.require_client_cert and not t.ca_file:
             raise ConfigError("tls.require_client_cert needs tls.ca_file (the CAs that sign client certificates)")
         if t.use_identity_as_username and not t.require_client_cert:
@@ -456,6 +495,15 @@ class NodeConfig:
         if self.auth.session_takeover_across_users and self.auth.password_file:
             raise ConfigError("auth.session_takeover_across_users cannot be true with auth.password_file: "
                               "any user could then resume another user's session")
+        if self.auth.session_takeover_across_users and self.tls.use_identity_as_username:
+            raise ConfigError("auth.session_takeover_across_users cannot be true with tls.use_identity_as_username: "
+                              "any certificate holder could then resume another user's session")
+        if self.auth.credentials_poll_s < 0:
+            raise ConfigError("auth.credentials_poll_s must be 0 (on SIGHUP only) or more")
+        h = self.http
+        if h.max_body_bytes < 1024 or h.max_scan_per_fetch < 1 or h.scan_slice < 1 or h.max_answer_bytes < 1024:
+            raise ConfigError("http.max_body_bytes and http.max_answer_bytes must be 1024 or more, "
+                              "http.max_scan_per_fetch and http.scan_slice 1 or more")
         for rule in self.auth.acl:
             if rule.action not in ("publish", "subscribe", "all"):
                 raise ConfigError(f"acl action must be publish, subscribe or all, not {rule.action!r}")

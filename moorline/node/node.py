@@ -970,7 +970,11 @@ class Node:
     def takeover_across_users(self) -> bool:
         auth = self.cfg.auth
         allowed = auth.session_takeover_across_users
-        return allowed if allowed is not None else not auth.password_file
+        if allowed is not None:
+            return allowed
+        from moorline.node.auth import identities_proven  # unset: on only where no identity is proven
+
+        return not identities_proven(auth, self.cfg.tls.use_identity_as_username)
 
     def session_owned_by_other(self, client_id: str, principal: str) -> bool:
         """A cheap early answer, before a CONNECT disturbs anything; the session shard's apply of

@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 from moorline.config import ConfigError, NodeConfig
@@ -183,7 +184,8 @@ class MqttServer:
 
 async def serve(cfg: NodeConfig, faults: Faults = NO_FAULTS) -> int:
     """Bind every listener, then open the node, serve until SIGINT/SIGTERM (or a fatal error), stop.
-    SIGHUP re-reads the TLS certificates: new handshakes use them, open connections stay."""
+    SIGHUP re-reads the TLS certificates (new handshakes use them, open connections stay) and the
+    password and token files (new logins use them)."""
     listeners = configured(cfg)
     loopback = all(is_loopback(li.host) for li in listeners)
     http_auth = False
@@ -192,6 +194,14 @@ async def serve(cfg: NodeConfig, faults: Faults = NO_FAULTS) -> int:
             http_auth = http_auth_required(cfg, li.host, loopback) or http_auth
     tls = TlsContexts(cfg.tls) if any(li.tls for li in listeners) else None  # unreadable certificates: stop here
     bind_all(listeners)  # a port in use stops us here, before the data directory is touched
+    try:
+        from moorline.storage.dirlock import check_private
+
+        if (changed := check_private(Path(cfg.data_dir), cfg.storage.allow_group_read)) is not None:
+            log.info("%s", changed)
+    except BaseException:
+        close_all(listeners)
+        raise
     try:
         return await _serve_bound(cfg, faults, listeners, loopback, http_auth, tls)
     finally:
@@ -213,7 +223,7 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
         assert bound is not None
         return bound
 
-    authorizer = Authorizer(cfg.auth, loopback_only=loopback)
+    authorizer = Authorizer(cfg.auth, loopback_only=loopback, certificate_identities=cfg.tls.use_identity_as_username)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals: list[str] = []  # the signals that asked us to stop, for the log
@@ -266,8 +276,10 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
                 accepting.append(AdmittingListener(server, sock(key), ctx, ws.make_protocol, ws.on_expired))
     for listener in accepting:
         listener.start()
-    if tls is not None:
-        loop.add_signal_handler(signal.SIGHUP, _reload_tls, tls)
+    # SIGHUP re-reads the TLS certificates (if any) and the password and token files; never stops the node.
+    loop.add_signal_handler(signal.SIGHUP, _on_sighup, tls, authorizer)
+    creds_watcher = (asyncio.create_task(authorizer.watch_credentials(cfg.auth.credentials_poll_s))
+                     if cfg.auth.credentials_poll_s > 0 and (cfg.auth.password_file or cfg.auth.token_file) else None)
 
     async def watch_fatal() -> None:
         await node.stopping.wait()
@@ -281,6 +293,8 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
     log.info("data dir %s, %d shards", cfg.data_dir, node.shard_count)
     await stop.wait()
     watcher.cancel()
+    if creds_watcher is not None:
+        creds_watcher.cancel()
     lag_watcher.cancel()
     sys_publisher.cancel()
     log.info("stopping%s: closing listeners and connections", f" ({signals[0]})" if signals else "")
@@ -337,6 +351,15 @@ async def _open_unless_stopped(node: Node, stop: asyncio.Event) -> bool:
     if dir_lock is not None:
         dir_lock.release()
     return False
+
+
+def _on_sighup(tls: TlsContexts | None, authorizer: Authorizer) -> None:
+    if authorizer.cfg.password_file or authorizer.cfg.token_file:
+        authorizer.reload("SIGHUP")
+    if tls is not None:
+        _reload_tls(tls)
+    else:
+        log.info("SIGHUP: no TLS listener, no certificates to reload")
 
 
 def _reload_tls(tls: TlsContexts) -> None:

@@ -1,0 +1,526 @@
+"""The web console and the admin API behind it, on the node's HTTP listener (docs/console.md).
+
+Registered by ``http_api.make_app`` on the same aiohttp application, so the listener's rules apply
+to every route here too: the Host and Origin checks, the body limit, JSON errors, and the same
+authentication (HTTP Basic or Bearer). Access:
+
+- ``GET /`` and ``GET /console/{file}``: the console's static files (this package's ``console``
+  folder), for any caller the listener accepts. They hold no data.
+- ``GET /v1/me``: who the caller is and whether it has the admin role (the console hides admin
+  actions from the others).
+- ``GET /v1/sessions``, ``GET /v1/sessions/{id}``, ``GET /v1/clients``: the admin role sees every
+  session and client; any other caller only those of its own user name (none for an anonymous one).
+- Everything else (disconnect, session delete, retained messages, ``$share`` groups, the live
+  stream): the admin role only.
+
+What one node knows: sessions, retained messages and ``$share`` groups are replicated state (every
+node holds every shard, as voter or learner), so any node lists them all, as of its last apply.
+Connected clients are those of this node's own MQTT listeners; the console asks the node it was
+loaded from. Rates, uptime and disk use in the live stream are this node's, computed here.
+
+Lists are paged (``offset``, ``limit`` up to ``http.max_admin_page``) and filtered (``q``: a part
+of the client id, topic or group name; more per route).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from moorline.broker import commands as c
+from moorline.broker.messages import StoredMessage
+from moorline.broker.session_state import Session
+from moorline.mqtt.topics import TopicBounds, topic_filter_error
+from moorline.node.auth import Authorizer
+from moorline.node.http_api import CALLER, Caller, _err
+from moorline.node.node import Node, reg_key_for
+from moorline.node.shard_host import ShardUnavailable
+
+log = logging.getLogger(__name__)
+
+CONSOLE_DIR = Path(__file__).resolve().parent / "console"
+CONSOLE_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".svg": "image/svg+xml"}
+# The console loads nothing from elsewhere: scripts, styles and data come from this node only.
+CONSOLE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+    "Referrer-Policy": "no-referrer",
+}
+ADMINISTRATIVE_ACTION = 0x98  # MQTT 5 DISCONNECT reason: Administrative action
+DISK_EVERY_SAMPLES = 10  # the data directory is measured every this many samples
+SESSION_END_WAIT_S = 5.0  # DELETE /v1/sessions/{id} waits this long for the end to apply
+
+
+def load_console_files() -> dict[str, tuple[bytes, str]]:
+    """name -> (content, content type) of the console's static files (read once, when the app is built)."""
+    out: dict[str, tuple[bytes, str]] = {}
+    if CONSOLE_DIR.is_dir():
+        for path in sorted(CONSOLE_DIR.iterdir()):
+            kind = CONSOLE_TYPES.get(path.suffix)
+            if kind is not None and path.is_file():
+                out[path.name] = (path.read_bytes(), kind)
+    return out
+
+
+def dir_bytes(root: Path) -> int:
+    """Bytes of the regular files under ``root`` (0 when it cannot be read)."""
+    total = 0
+    for base, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(base, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+class Sampler:
+    """This node's traffic counters, sampled every ``http.console_update_interval_s`` on a loop
+    timer (no task: nothing for shutdown to wait for), kept for ``http.console_history_s``."""
+
+    def __init__(self, node: Node, interval_s: float, history_s: float) -> None:
+        self.node = node
+        self.interval_s = interval_s
+        self.samples: deque[tuple[float, int, int, int]] = deque(maxlen=max(2, int(history_s / interval_s) + 1))
+        self.points: deque[dict[str, float]] = deque(maxlen=self.samples.maxlen)
+        self.started_wall = time.time()
+        self.started_mono = time.monotonic()
+        self.disk_bytes = 0
+        self._handle: asyncio.TimerHandle | None = None
+        self._count = 0
+
+    def counters(self) -> tuple[int, int, int]:
+        """(publishes received, deliveries sent, publishes refused: the ACL's and those no shard took)
+        since the node started; accepted = received - refused."""
+        node = self.node
+        denied = sum(node.publish_denied.values())
+        refused = node.stats.get("refused", 0) + denied
+        return sum(node.published.values()) + denied, node.stats.get("delivered", 0), refused
+
+    def start(self) -> None:
+        self.started_mono = time.monotonic()
+        self._tick()
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _tick(self) -> None:
+        try:
+            self.sample()
+        except Exception:  # a sample must never stop the sampling
+            log.exception("console sampler")
+        self._handle = asyncio.get_running_loop().call_later(self.interval_s, self._tick)
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        pub, out, refused = self.counters()
+        if self._count % DISK_EVERY_SAMPLES == 0:
+            self.disk_bytes = dir_bytes(self.node.data_dir)
+        self._count += 1
+        if self.samples:
+            t0, p0, o0, r0 = self.samples[-1]
+            dt = max(now - t0, 1e-6)
+            self.points.append({"t": round(time.time() * 1000), "in": round((pub - p0) / dt, 1),
+                                "out": round((out - o0) / dt, 1), "refused": round((refused - r0) / dt, 1),
+                                "accepted": round(max(0, (pub - p0) - (refused - r0)) / dt, 1)})
+        self.samples.append((now, pub, out, refused))
+
+    def uptime_s(self) -> float:
+        return round(time.monotonic() - self.started_mono, 1)
+
+
+def _page(req: web.Request, max_page: int) -> tuple[int, int] | web.Response:
+    try:
+        offset = int(req.query.get("offset", "0"))
+        limit = int(req.query.get("limit", "100"))
+    except ValueError:
+        return _err(400, "offset and limit must be integers")
+    if offset < 0 or not 1 <= limit <= max_page:
+        return _err(400, f"offset must be 0 or more and limit 1..{max_page} (http.max_admin_page)")
+    return offset, limit
+
+
+def _paged(items: Iterable[dict[str, Any]], offset: int, limit: int) -> dict[str, Any]:
+    every = list(items)
+    return {"total": len(every), "offset": offset, "limit": limit, "items": every[offset:offset + limit]}
+
+
+def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> None:
+    """Adds the console and the admin routes to the node's HTTP application (``http_api.make_app``)."""
+    cfg = node.cfg
+    hcfg = cfg.http
+    max_page = hcfg.max_admin_page
+    bounds = TopicBounds(cfg.mqtt.max_topic_levels, cfg.mqtt.max_topic_length)
+    files = load_console_files()
+    sampler = Sampler(node, hcfg.console_update_interval_s, hcfg.console_history_s)
+    streams: set[web.StreamResponse] = set()
+    closing = asyncio.Event()
+    routes = web.RouteTableDef()
+
+    async def on_startup(_app: web.Application) -> None:
+        sampler.start()
+
+    async def on_shutdown(_app: web.Application) -> None:
+        closing.set()
+
+    async def on_cleanup(_app: web.Application) -> None:
+        sampler.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
+
+    def admin_only() -> web.Response | None:
+        if CALLER.get().admin:
+            return None
+        return _err(403, "this route needs the admin role (auth.admin_users)")
+
+    def owner_filter() -> Callable[[str], bool]:
+        """Whose sessions and clients the caller may see: every one (admin) or its own user name's."""
+        caller: Caller = CALLER.get()
+        if caller.admin:
+            return lambda _principal: True
+        mine = authorizer.owner_name(caller.principal)
+        return lambda principal: bool(mine) and principal == mine
+
+    def me_name() -> str:
+        return node.node_name(node.member[0])
+
+    # --- the console's files --------------------------------------------------------------------
+    def static(name: str) -> web.Response:
+        found = files.get(name)
+        if found is None:
+            return _err(404, f"no console file {name!r}")
+        body, kind = found
+        return web.Response(body=body, content_type=kind, charset="utf-8" if kind.startswith("text") else None,
+                            headers=CONSOLE_HEADERS)
+
+    @routes.get("/")
+    async def console_index(_req: web.Request) -> web.Response:
+        return static("index.html")
+
+    @routes.get("/console/{file}")
+    async def console_file(req: web.Request) -> web.Response:
+        return static(req.match_info["file"])
+
+    @routes.get("/v1/me")
+    async def me(_req: web.Request) -> web.Response:
+        caller: Caller = CALLER.get()
+        return web.json_response({"user": caller.principal.username, "admin": caller.admin, "node": me_name()})
+
+    # --- clients --------------------------------------------------------------------------------
+    def client_rows() -> Iterable[dict[str, Any]]:
+        now_wall, now_mono = time.time(), node.clock.monotonic()
+        for cid, conn in sorted(node.connections.items()):
+            principal = authorizer.owner_name(conn.principal)
+            yield {"client_id": cid, "user": conn.principal.username, "principal": principal,
+                   "node": me_name(), "address": conn.peer,
+                   "protocol": "MQTT 5" if conn.version == 5 else "MQTT 3.1.1" if conn.version == 4 else "MQTT 3.1",
+                   "since_ms": round((now_wall - (now_mono - conn.connected_at)) * 1000)}
+
+    @routes.get("/v1/clients")
+    async def clients(req: web.Request) -> web.Response:
+        page = _page(req, max_page)
+        if isinstance(page, web.Response):
+            return page
+        q, user = req.query.get("q", ""), req.query.get("user")
+        visible = owner_filter()
+        rows = (r for r in client_rows() if visible(r["principal"]) and q in r["client_id"]
+                and (user is None or r["user"] == user))
+        return web.json_response({"node": me_name(), **_paged(rows, *page)})
+
+    @routes.delete("/v1/clients/{client_id}")
+    async def disconnect(req: web.Request) -> web.Response:
+        if (refused := admin_only()) is not None:
+            return refused
+        cid = req.match_info["client_id"]
+        conn = node.connections.get(cid)
+        if conn is None:
+            return _err(404, f"client {cid!r} is not connected to this node ({me_name()}): GET /v1/sessions/{{id}} "
+                             "names the node that serves it", node=me_name())
+        conn.disconnect(ADMINISTRATIVE_ACTION, "administrative action")
+        log.info("client %r disconnected by an administrator (%s)", cid, CALLER.get().principal.username)
+        return web.json_response({"client_id": cid, "node": me_name(), "disconnected": True})
+
+    # --- sessions -------------------------------------------------------------------------------
+    def find_session(cid: str) -> Session | None:
+        return node.hosts[node.session_shard(cid)].state.sessions.sessions.get(cid)
+
+    def owed_of(sess: Session) -> tuple[int, int]:
+        """(messages, bytes) the topic shards hold for the session's own (not $share) subscriptions."""
+        count = size = 0
+        for flt in sess.subs:
+            reg_key, inner, group = reg_key_for(sess.client_id, flt)
+            if group is not None:
+                continue
+            for shard in node.shards_for_filter(inner):
+                topics = node.hosts[shard].state.topics
+                reg = topics.regs.get(reg_key)
+                if reg is not None:
+                    count += len(reg.owed)
+                    size += topics.owed_bytes.get(reg_key, 0)
+        return count, size
+
+    def inflight_of(sess: Session) -> int:
+        live = node.live.get(sess.client_id)
+        if live is not None and live.ephemeral and live.epoch == sess.epoch:
+            return len(live.local_inflight)
+        return len(sess.inflight)
+
+    def session_row(sess: Session) -> dict[str, Any]:
+        return {"client_id": sess.client_id, "user": sess.principal or None, "connected": sess.connected,
+                "owner_node": node.node_name(sess.owner_node) if sess.connected and sess.owner_node else None,
+                "epoch": sess.epoch, "expiry_s": sess.expiry_s, "subscriptions": len(sess.subs),
+                "inflight": inflight_of(sess),
+                "last_seen_ms": None if sess.connected else sess.disconnected_at_ms,
+                "will_pending": sess.will is not None and not sess.connected}
+
+    @routes.get("/v1/sessions")
+    async def sessions(req: web.Request) -> web.Response:
+        page = _page(req, max_page)
+        if isinstance(page, web.Response):
+            return page
+        q, user = req.query.get("q", ""), req.query.get("user")
+        connected = req.query.get("connected")
+        if connected not in (None, "true", "false"):
+            return _err(400, "connected must be true or false")
+        visible = owner_filter()
+        every: list[Session] = []
+        for h in node.hosts:
+            every.extend(s for s in h.state.sessions.sessions.values()
+                         if visible(s.principal) and q in s.client_id and (user is None or s.principal == user)
+                         and (connected is None or s.connected == (connected == "true")))
+        every.sort(key=lambda s: s.client_id)
+        offset, limit = page
+        return web.json_response({"total": len(every), "offset": offset, "limit": limit,
+                                  "items": [session_row(s) for s in every[offset:offset + limit]]})
+
+    @routes.get("/v1/sessions/{client_id}")
+    async def session(req: web.Request) -> web.Response:
+        cid = req.match_info["client_id"]
+        sess = find_session(cid)
+        if sess is None or not owner_filter()(sess.principal):
+            return _err(404, f"no session {cid!r}")
+        owed, owed_bytes = owed_of(sess)
+        return web.json_response({
+            **session_row(sess), "shard": node.session_shard(cid), "owed": owed, "owed_bytes": owed_bytes,
+            "inbound_qos2": len(sess.inbound_qos2),
+            "will": None if sess.will is None else {"topic": sess.will.topic, "qos": sess.will.qos,
+                                                    "delay_s": sess.will.delay_s, "due_ms": sess.will_due_ms},
+            "subscriptions_list": [{"filter": s.filter, "qos": s.qos, "no_local": s.no_local,
+                                    "retain_as_published": s.retain_as_published,
+                                    "retain_handling": s.retain_handling, "subscription_id": s.sub_id}
+                                   for s in sess.subs.values()],
+        })
+
+    async def wait_gone(cid: str, incarnation: int) -> bool:
+        deadline = time.monotonic() + SESSION_END_WAIT_S
+        while time.monotonic() < deadline:
+            s = find_session(cid)
+            if s is None or s.incarnation != incarnation:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    @routes.delete("/v1/sessions/{client_id}")
+    async def end_session(req: web.Request) -> web.Response:
+        """Ends the session as its expiry would: the will (if any) is published now, registrations
+        and $share claims go. Through the session shard's log, as the node's own close path."""
+        if (refused := admin_only()) is not None:
+            return refused
+        cid = req.match_info["client_id"]
+        sess = find_session(cid)
+        if sess is None:
+            return _err(404, f"no session {cid!r}")
+        incarnation = sess.incarnation
+        conn = node.connections.get(cid)
+        live = node.live.get(cid)
+        if sess.connected:
+            if conn is None or live is None or live.epoch != sess.epoch:
+                owner = node.node_name(sess.owner_node) if sess.owner_node else "another node"
+                return _err(409, f"session {cid!r} is connected to {owner}: end it through that node's HTTP API",
+                            owner_node=owner)
+            # Served here: the connection closes with 0x98 and its close path ends the session now
+            # (expiry 0), the will included.
+            conn.session_expiry_override = 0
+            conn.will_on_close = True
+            conn.disconnect(ADMINISTRATIVE_ACTION, "session ended by an administrator")
+        else:
+            shard = node.session_shard(cid)
+            try:
+                fut = node.propose(shard, c.SessionClose(node.now_ms(), cid, sess.epoch, True, 0))
+                assert fut is not None
+                ended = await node.bounded(fut, shard)
+                if isinstance(ended, Session):
+                    await node._end_session(ended, "session_expired")
+                else:  # a will is due now: housekeeping publishes it and ends the session
+                    await node._session_housekeeping(shard)
+            except ShardUnavailable as exc:
+                return _err(503, f"session shard unavailable: {exc}")
+        log.info("session %r ended by an administrator (%s)", cid, CALLER.get().principal.username)
+        gone = await wait_gone(cid, incarnation)
+        return web.json_response({"client_id": cid, "ended": gone}, status=200 if gone else 202)
+
+    # --- retained -------------------------------------------------------------------------------
+    def retained_filter(req: web.Request) -> str | web.Response:
+        flt = req.query.get("filter", "#")
+        if (why := topic_filter_error(flt, bounds)) is not None:
+            return _err(400, f"invalid topic filter: {why}")
+        return flt
+
+    def retained_matches(flt: str) -> list[tuple[int, str, StoredMessage]]:
+        out = []
+        for h in node.hosts:
+            topics = h.state.topics
+            for topic in topics.retained_index.match(flt):
+                msg = topics.retained.get(topic)
+                if msg is not None:
+                    out.append((h.shard, topic, msg))
+        out.sort(key=lambda r: r[1])
+        return out
+
+    @routes.get("/v1/retained")
+    async def retained(req: web.Request) -> web.Response:
+        if (refused := admin_only()) is not None:
+            return refused
+        flt = retained_filter(req)
+        if isinstance(flt, web.Response):
+            return flt
+        page = _page(req, max_page)
+        if isinstance(page, web.Response):
+            return page
+        rows = ({"topic": t, "shard": s, "bytes": len(m.payload), "qos": m.qos, "guid": m.guid.hex(),
+                 "timestamp_ms": m.ts_ms} for s, t, m in retained_matches(flt))
+        return web.json_response(_paged(rows, *page))
+
+    @routes.delete("/v1/retained")
+    async def clear_retained(req: web.Request) -> web.Response:
+        """A retained publish with an empty payload per matching topic (at most http.max_admin_page
+        per call; ``remaining`` says how many more matched)."""
+        if (refused := admin_only()) is not None:
+            return refused
+        if "filter" not in req.query:
+            return _err(400, "filter is required (e.g. filter=%23 clears every retained message)")
+        flt = retained_filter(req)
+        if isinstance(flt, web.Response):
+            return flt
+        found = retained_matches(flt)
+        now = node.now_ms()
+        key = CALLER.get().key
+        pending: list[tuple[str, asyncio.Future[Any]]] = []
+        failed: list[dict[str, str]] = []
+        for _shard, topic, _msg in found[:max_page]:
+            msg = StoredMessage(topic, b"", 1, True, node.new_guid(), now, None, None, "")
+            try:
+                fut = node.propose(node.topic_shard(topic), c.Publish(msg, key, None, None))
+            except ShardUnavailable as exc:
+                failed.append({"topic": topic, "error": str(exc)})
+                continue
+            assert fut is not None
+            pending.append((topic, fut))
+        if pending:
+            await asyncio.wait([f for _, f in pending], timeout=cfg.mqtt.publish_timeout_s)
+        cleared = 0
+        for topic, fut in pending:
+            if fut.done() and not fut.cancelled() and fut.exception() is None and fut.result().status != "refused":
+                cleared += 1
+            else:
+                failed.append({"topic": topic, "error": "no outcome in time (or refused): try again"})
+        return web.json_response({"filter": flt, "cleared": cleared, "failed": failed,
+                                  "remaining": max(0, len(found) - max_page)})
+
+    # --- $share groups --------------------------------------------------------------------------
+    @routes.get("/v1/groups")
+    async def groups(req: web.Request) -> web.Response:
+        if (refused := admin_only()) is not None:
+            return refused
+        page = _page(req, max_page)
+        if isinstance(page, web.Response):
+            return page
+        q = req.query.get("q", "")
+        agg: dict[tuple[str, str], dict[str, Any]] = {}
+        for h in node.hosts:
+            for reg in h.state.topics.regs.values():
+                if reg.share_group is None or q not in reg.share_group:
+                    continue
+                row = agg.setdefault((reg.share_group, reg.filter), {
+                    "group": reg.share_group, "filter": reg.filter, "members": [], "backlog": 0, "in_flight": 0,
+                    "shards": 0})
+                for m in reg.members:
+                    if m not in row["members"]:
+                        row["members"].append(m)
+                row["backlog"] += len(reg.owed) - len(reg.claims)
+                row["in_flight"] += len(reg.claims)
+                row["shards"] += 1
+        return web.json_response(_paged((agg[k] for k in sorted(agg)), *page))
+
+    # --- live stream ----------------------------------------------------------------------------
+    def snapshot(full: bool) -> dict[str, Any]:
+        status = node.cluster_status()
+        nodes = [{"id": n["id"], "self": n.get("self", False), "reachable": n.get("reachable", False),
+                  "address": n.get("cluster") or n.get("http"), "groups_led": n.get("groups_led", 0),
+                  **({"zone": n["zone"]} if n.get("zone") else {})} for n in status["nodes"]]
+        shards = []
+        for h in node.hosts:
+            t = h.state.topics
+            st = node.raft_status(h.shard)
+            shards.append({"shard": h.shard, "leader": st["leader"], "voters": st["voters"],
+                           "learners": st["learners"], "term": st["term"], "commit": st["commit"],
+                           "replicas": st["replicas"], "low_water": t.low_water, "next_offset": t.next_offset,
+                           "messages": len(t.meta), "bytes": t.bytes_used, "available": h.failed is None,
+                           "target": min(cfg.shard.replicas, len(nodes))})
+        out: dict[str, Any] = {
+            "t": round(time.time() * 1000), "node": me_name(), "uptime_s": sampler.uptime_s(),
+            "started_ms": round(sampler.started_wall * 1000), "disk_bytes": sampler.disk_bytes,
+            "connections": len(node.connections), "sessions_here": len(node.live),
+            "rates": sampler.points[-1] if sampler.points else None,
+            "p99_ack_ms": None,  # not measured by the node yet
+            "nodes": nodes, "metadata_leader": status["metadata"].get("leader"), "shards": shards,
+        }
+        if full:
+            out["history"] = list(sampler.points)
+            out["interval_s"] = sampler.interval_s
+        return out
+
+    @routes.get("/v1/console/stream")
+    async def stream(req: web.Request) -> web.StreamResponse:
+        """Server-sent events: a full snapshot first (with the rate history), then one every
+        http.console_update_interval_s; at most http.max_console_streams at once."""
+        if (refused := admin_only()) is not None:
+            return refused
+        if len(streams) >= hcfg.max_console_streams:
+            return _err(429, f"too many console streams open (http.max_console_streams = {hcfg.max_console_streams})",
+                        {"Retry-After": "5"})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        streams.add(resp)
+        try:
+            await resp.prepare(req)
+            full = True
+            while not closing.is_set() and not node.stopping.is_set() and not node._handing_over:
+                data = json.dumps(snapshot(full), separators=(",", ":"))
+                full = False
+                await resp.write(f"retry: 2000\nevent: snapshot\ndata: {data}\n\n".encode())
+                try:
+                    await asyncio.wait_for(closing.wait(), hcfg.console_update_interval_s)
+                except TimeoutError:
+                    pass
+        except ConnectionError:  # the console went away
+            pass
+        finally:
+            streams.discard(resp)
+        return resp
+
+    app.add_routes(routes)
