@@ -1,10 +1,21 @@
 """Authentication (password file, HTTP bearer tokens), failed-login rate limits, and topic ACLs.
 
-Password file lines: ``user:scrypt$N$r$p$<salt hex>$<hash hex>`` (``moorline passwd``); token file
-lines: ``user:sha256$<hex of sha256(token)>`` (``moorline token``). Plain-text secrets are never
-stored. scrypt runs on a small thread pool, never on the event loop, at most
+Password file lines: ``user:scrypt$N$r$p$<salt hex>$<hash hex>`` (``moorline passwd``), or a
+Mosquitto password file's lines (``mosquitto_passwd``: ``user:$7$<iterations>$<salt b64>$<hash b64>``,
+PBKDF2-HMAC-SHA512, and the older ``user:$6$<salt b64>$<hash b64>``, one SHA-512 of password + salt);
+token file lines: ``user:sha256$<hex of sha256(token)>`` (``moorline token``). Plain-text secrets are
+never stored. Both files are read again on SIGHUP and when they change (``auth.credentials_poll_s``);
+a file that no longer parses keeps the previous users and tokens (logged). scrypt runs on a small thread pool, never on the event loop, at most
 ``auth.max_parallel_hashes`` at a time; an unknown user is checked against a dummy hash of the same
 cost, so timing does not tell which users exist.
+
+**Proven identities.** A username is *proven* when a password file checked its password, a verified
+client certificate gave it (``tls.use_identity_as_username``), or an HTTP bearer token named it. On a
+node that accepts anonymous clients and has no password file, a CONNECT carrying a username (with or
+without a password) is accepted, but the username is only a label: it matches no ``user =`` ACL rule,
+substitutes into no ``%u`` pattern (the rule is void, as for anonymous clients), gives no admin role,
+and, where the node proves identities some other way (certificates), owns sessions and de-duplicates
+as the anonymous principal does, so it never reaches a proven user's sessions or messages.
 
 ACL rules (``[[auth.acl]]``) are topic filters; ``%u`` (username) and ``%c`` (client id) are
 substituted **literally**: a substituted value that is empty, contains ``/``, ``+`` or ``#``, or would
@@ -23,10 +34,13 @@ matching rule means deny once any rule exists, allow when there is none.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import enum
 import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 import re
 import secrets
@@ -41,6 +55,7 @@ from moorline.config import AclRule, AuthConfig, ConfigError
 from moorline.mqtt.reasons import ReasonCode as RC
 from moorline.mqtt.topics import is_wildcard, matches, validate_topic_filter
 
+log = logging.getLogger("moorline.auth")
 _SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 1 << 14, 8, 1
 _MAX_SCRYPT_N = 1 << 20  # a password file asking for more would let one login take seconds and GiBs
 
@@ -73,15 +88,72 @@ def parse_scrypt(encoded: str) -> tuple[int, int, int, bytes, bytes]:
     return ni, ri, pi, salt, digest
 
 
-def verify_password(password: str | bytes, encoded: str) -> bool:
-    """scrypt: call it off the event loop (``Authorizer.authenticate`` does)."""
+_MAX_PBKDF2_ITERATIONS = 10_000_000  # as _MAX_SCRYPT_N: no file line may make one login take minutes
+
+
+def parse_mosquitto(encoded: str) -> tuple[str, int, bytes, bytes]:
+    """``(scheme, iterations, salt, digest)`` of a ``mosquitto_passwd`` hash: ``$7$`` (PBKDF2-HMAC-SHA512)
+    or ``$6$`` (SHA-512 of password + salt, iterations 1); ValueError when it is not one."""
+    parts = encoded.split("$")
     try:
+        if len(parts) == 5 and parts[0] == "" and parts[1] == "7":
+            iterations = int(parts[2])
+            salt, digest = base64.b64decode(parts[3], validate=True), base64.b64decode(parts[4], validate=True)
+            if not 1 <= iterations <= _MAX_PBKDF2_ITERATIONS:
+                raise ValueError("PBKDF2 iterations out of range")
+            scheme = "7"
+        elif len(parts) == 4 and parts[0] == "" and parts[1] == "6":
+            iterations = 1
+            salt, digest = base64.b64decode(parts[2], validate=True), base64.b64decode(parts[3], validate=True)
+            scheme = "6"
+        else:
+            raise ValueError("not a mosquitto_passwd hash ($7$ or $6$)")
+    except binascii.Error as exc:
+        raise ValueError(f"bad base64: {exc}") from exc
+    if len(digest) != 64 or not salt:
+        raise ValueError("a SHA-512 hash is 64 bytes and the salt is not empty")
+    return scheme, iterations, salt, digest
+
+
+def parse_password_hash(encoded: str) -> None:
+    """ValueError unless ``encoded`` is one of the accepted hashes (scrypt, mosquitto's $7$ or $6$)."""
+    if encoded.startswith("$"):
+        parse_mosquitto(encoded)
+    else:
+        parse_scrypt(encoded)
+
+
+def verify_password(password: str | bytes, encoded: str) -> bool:
+    """scrypt or PBKDF2: call it off the event loop (``Authorizer.authenticate`` does)."""
+    secret = password.encode() if isinstance(password, str) else password
+    try:
+        if encoded.startswith("$"):
+            scheme, iterations, msalt, mdigest = parse_mosquitto(encoded)
+            if scheme == "7":
+                mgot = hashlib.pbkdf2_hmac("sha512", secret, msalt, iterations, len(mdigest))
+            else:
+                mgot = hashlib.sha512(secret + msalt).digest()
+            return hmac.compare_digest(mgot, mdigest)
         n, r, p, salt, digest = parse_scrypt(encoded)
     except ValueError:
         return False
-    secret = password.encode() if isinstance(password, str) else password
     got = hashlib.scrypt(secret, salt=salt, n=n, r=r, p=p, dklen=len(digest), maxmem=_maxmem(n, r))
     return hmac.compare_digest(got, digest)
+
+
+def dummy_hash_like(encoded: str) -> str:
+    """A hash of a random password with the cost ``encoded`` has: unknown users are checked against
+    it, so how long a login takes does not tell whether the user exists."""
+    secret = os.urandom(16)
+    if encoded.startswith("$"):
+        scheme, iterations, salt, _ = parse_mosquitto(encoded)
+        if scheme == "7":
+            digest = hashlib.pbkdf2_hmac("sha512", secret, salt, iterations, 64)
+            return f"$7${iterations}${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
+        digest = hashlib.sha512(secret + salt).digest()
+        return f"$6${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}"
+    n, r, p = parse_scrypt(encoded)[:3]
+    return hash_password(secret, n=n, r=r, p=p)
 
 
 def _read_lines(path: Path, what: str) -> list[tuple[int, str, str]]:
@@ -104,19 +176,40 @@ def read_password_file(path: Path) -> dict[str, str]:
         try:
             if not user:
                 raise ValueError("no user")
-            parse_scrypt(encoded)
+            parse_password_hash(encoded)
         except ValueError as exc:
-            raise ConfigError(f"{path}:{lineno}: expected 'user:scrypt$N$r$p$salt$hash' (use 'moorline passwd'): "
-                              f"{exc}") from exc
+            raise ConfigError(f"{path}:{lineno}: expected 'user:scrypt$N$r$p$salt$hash' (use 'moorline passwd') "
+                              f"or a mosquitto_passwd line ('user:$7$...' or 'user:$6$...'): {exc}") from exc
         users[user] = encoded
     return users
 
 
 def _write_secret_file(path: Path, entries: dict[str, str]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(f"{u}:{h}\n" for u, h in sorted(entries.items())))
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    """Replace ``path`` atomically. The temporary file is created with mode 0600 from the start and
+    ``O_EXCL | O_NOFOLLOW`` under a random name: a file or symlink planted at a predictable name
+    cannot receive the secrets, and no other user can read them while they are written."""
+    data = "".join(f"{u}:{h}\n" for u, h in sorted(entries.items())).encode()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(16):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise ConfigError(f"cannot write {path}: {exc}") from exc
+        break
+    else:  # pragma: no cover - 16 random names all taken
+        raise ConfigError(f"cannot create a temporary file beside {path}")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def set_password(path: Path, user: str, password: str) -> None:
@@ -213,6 +306,14 @@ def filters_overlap(a: str, b: str) -> bool:
 class Principal:
     username: str | None
     client_id: str
+    # The username was proven (password file, certificate, token); an unproven one is a label only
+    # (module docstring): it carries no user's rights.
+    proven: bool = True
+
+    @property
+    def rights_name(self) -> str | None:
+        """The username ACL rules and the admin role see: None for an unproven one."""
+        return self.username if self.proven else None
 
 
 class Login(enum.Enum):
@@ -338,11 +439,25 @@ def is_reserved_topic(topic: str) -> bool:
     return topic.startswith("$SYS") and (len(topic) == 4 or topic[4] == "/")
 
 
+def identities_proven(auth: AuthConfig, certificate_identities: bool) -> bool:
+    """Does this node prove who a user is (a password file, client certificates as logins, or bearer
+    tokens)? Then sessions belong to their user: ``auth.session_takeover_across_users`` defaults to
+    off (node.py), so one user never takes over another's session by client id."""
+    return bool(auth.password_file or auth.token_file or certificate_identities)
+
+
 class Authorizer:
-    def __init__(self, cfg: AuthConfig, loopback_only: bool, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cfg: AuthConfig, loopback_only: bool, clock: Callable[[], float] = time.monotonic,
+                 certificate_identities: bool = False) -> None:
+        self.cfg = cfg
         self.allow_anonymous = cfg.allow_anonymous if cfg.allow_anonymous is not None else loopback_only
-        self.users = read_password_file(Path(cfg.password_file)) if cfg.password_file else {}
-        self.tokens = read_token_file(Path(cfg.token_file)) if cfg.token_file else {}
+        self.users: dict[str, str] = {}
+        self.tokens: dict[str, str] = {}
+        self.dummy_hash = ""
+        self._file_stamps: dict[str, tuple[int, int, int] | None] = {}
+        self.reloads = 0
+        self._load_credentials()
+        self.proves_identities = identities_proven(cfg, certificate_identities)
         self.admin_users = frozenset(cfg.admin_users)
         self.rules: list[AclRule] = list(cfg.acl)
         for rule in self.rules:
@@ -361,11 +476,53 @@ class Authorizer:
         self._verified: OrderedDict[bytes, None] = OrderedDict()  # keyed hashes of (user, password) that passed
         self._verified_max = cfg.login_cache_entries
         self._cache_key = os.urandom(32)  # per process: the cache never holds anything a password could be read from
-        # Unknown users are checked against this, with the parameters the real hashes use.
-        params = parse_scrypt(next(iter(self.users.values())))[:3] if self.users else (_SCRYPT_N, _SCRYPT_R, _SCRYPT_P)
-        self.dummy_hash = hash_password(os.urandom(16), n=params[0], r=params[1], p=params[2]) if self.users else ""
-        self.hashes_run = 0  # scrypt verifications started (known and unknown users alike)
+        self.hashes_run = 0  # password verifications started (known and unknown users alike)
         self.refused: dict[str, int] = {}  # refused logins by Login.name (metrics)
+
+    # --- credentials files, reloaded -----------------------------------------------------------
+    @staticmethod
+    def _stamp(path: str) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def _load_credentials(self) -> None:
+        """Read the password and token files (ConfigError, nothing changed, when one does not parse)."""
+        cfg = self.cfg
+        stamps = {f: self._stamp(f) for f in (cfg.password_file, cfg.token_file) if f}
+        users = read_password_file(Path(cfg.password_file)) if cfg.password_file else {}
+        tokens = read_token_file(Path(cfg.token_file)) if cfg.token_file else {}
+        # Unknown users are checked against this, with the parameters the real hashes use.
+        dummy = dummy_hash_like(next(iter(users.values()))) if users else ""
+        self.users, self.tokens, self.dummy_hash = users, tokens, dummy
+        self._verified = OrderedDict()  # a changed or removed password no longer logs in from the cache
+        self._file_stamps = stamps
+
+    def credentials_changed(self) -> bool:
+        return any(self._stamp(f) != stamp for f, stamp in self._file_stamps.items())
+
+    def reload(self, why: str) -> bool:
+        """Read the password and token files again (SIGHUP, or a change seen by ``watch_credentials``).
+        A file that does not parse keeps the previous users and tokens and is logged; True when read."""
+        try:
+            self._load_credentials()
+        except ConfigError as exc:
+            # Not read again until it changes once more (a bad file is logged once, not every poll).
+            self._file_stamps = {f: self._stamp(f) for f in self._file_stamps}
+            log.error("%s: password/token files not reloaded, the previous ones stay in use: %s", why, exc)
+            return False
+        self.reloads += 1
+        log.info("%s: password/token files reloaded (%d users, %d tokens)", why, len(self.users), len(self.tokens))
+        return True
+
+    async def watch_credentials(self, interval_s: float) -> None:
+        """Reload the password and token files when one changes (checked every ``interval_s``)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if self._file_stamps and self.credentials_changed():
+                self.reload("file changed")
 
     def _limiter_for(self, peer_host: str) -> FailedLoginLimiter | _Unlimited:
         if self._limit_loopback or not is_loopback_address(peer_host):
@@ -383,46 +540,55 @@ class Authorizer:
         """Check a login (MQTT CONNECT or HTTP Basic). scrypt runs on a thread, bounded; a source
         address past its failed-login budget is refused without any check. ``still_wanted`` is asked
         once a hashing slot is free, so a client that went away costs no hash."""
-        login = await self._authenticate(username, password, peer_host, still_wanted)
+        return (await self.login(username, password, peer_host, still_wanted))[0]
+
+    async def login(self, username: str | None, password: bytes | None, peer_host: str,
+                    still_wanted: Callable[[], bool] | None = None) -> tuple[Login, bool]:
+        """``authenticate``, and whether the username is proven (checked against the password file)."""
+        login, proven = await self._authenticate(username, password, peer_host, still_wanted)
         if login is not Login.OK:
             self.refused[login.name] = self.refused.get(login.name, 0) + 1
-        return login
+        return login, proven
 
     async def _authenticate(self, username: str | None, password: bytes | None, peer_host: str,
-                            still_wanted: Callable[[], bool] | None) -> Login:
-        # Accepted without any secret: nothing to guess, so never rate-limited.
-        anonymous = username is None or (not self.users and password is None)
+                            still_wanted: Callable[[], bool] | None) -> tuple[Login, bool]:
+        # Accepted without checking any secret: nothing to guess, so never rate-limited. Without a
+        # password file a username (with or without a password) is a label, not a proven identity.
+        anonymous = username is None or not self.users
         if anonymous and self.allow_anonymous:
-            return Login.OK
+            return Login.OK, False
         limiter = self._limiter_for(peer_host)
         if limiter.blocked(peer_host):
-            return Login.RATE_LIMITED
-        encoded = self.users.get(username) if username is not None else None
-        if username is None or (encoded is None and not self.users):
+            return Login.RATE_LIMITED, False
+        users = self.users
+        encoded = users.get(username) if username is not None else None
+        if username is None or (encoded is None and not users):
             # Anonymous where it is not allowed, or a password without a password file to check it.
             limiter.take(peer_host)
-            return Login.BAD_CREDENTIALS
+            return Login.BAD_CREDENTIALS, False
         key = None
         if encoded is not None and password is not None and self._verified_max:
             key = hmac.new(self._cache_key, username.encode() + b"\x00" + password, hashlib.sha256).digest()
             if key in self._verified:
                 self._verified.move_to_end(key)
-                return Login.OK
+                return Login.OK, True
         if not limiter.take(peer_host):
-            return Login.RATE_LIMITED
+            return Login.RATE_LIMITED, False
         verified = await self._verify(password if password is not None else b"", encoded or self.dummy_hash,
                                       still_wanted)
         if verified is None:  # the client went away before its turn: nothing was checked
             limiter.give_back(peer_host)
-            return Login.BAD_CREDENTIALS
+            return Login.BAD_CREDENTIALS, False
         if not (verified and encoded is not None and password is not None):
-            return Login.BAD_CREDENTIALS
+            return Login.BAD_CREDENTIALS, False
+        if self.users.get(username) != encoded:  # the file was reloaded while hashing: that hash is gone
+            return Login.BAD_CREDENTIALS, False
         limiter.give_back(peer_host)
         if key is not None:
             self._verified[key] = None
             if len(self._verified) > self._verified_max:
                 self._verified.popitem(last=False)
-        return Login.OK
+        return Login.OK, True
 
     async def _verify(self, password: bytes, encoded: str, still_wanted: Callable[[], bool] | None) -> bool | None:
         if self._hash_slots is None:
@@ -454,18 +620,32 @@ class Authorizer:
 
     async def connack_refusal(self, username: str | None, password: bytes | None, peer_host: str, v5: bool,
                               still_wanted: Callable[[], bool] | None = None) -> int | None:
-        """The CONNACK reason code refusing this login, or None to accept it. v5: 0x86 bad user name or
-        password, 0x87 not authorized (anonymous), 0x9F connection rate exceeded; 3.1.1 has no rate
-        code, so a rate-limited login gets 0x87 there (return code 5, not authorized)."""
-        login = await self.authenticate(username, password, peer_host, still_wanted)
+        return (await self.connect_login(username, password, peer_host, v5, still_wanted))[0]
+
+    async def connect_login(self, username: str | None, password: bytes | None, peer_host: str, v5: bool,
+                            still_wanted: Callable[[], bool] | None = None) -> tuple[int | None, bool]:
+        """The CONNACK reason code refusing this login (None to accept it), and whether the username
+        is proven. v5: 0x86 bad user name or password, 0x87 not authorized (anonymous), 0x9F
+        connection rate exceeded; 3.1.1 has no rate code, so a rate-limited login gets 0x87 there
+        (return code 5, not authorized)."""
+        login, proven = await self.login(username, password, peer_host, still_wanted)
         if login is Login.OK:
-            return None
+            return None, proven
         if login is Login.RATE_LIMITED:
-            return RC.CONNECTION_RATE_EXCEEDED if v5 else RC.NOT_AUTHORIZED
-        return RC.BAD_USERNAME_OR_PASSWORD if username is not None else RC.NOT_AUTHORIZED
+            return (RC.CONNECTION_RATE_EXCEEDED if v5 else RC.NOT_AUTHORIZED), False
+        return (RC.BAD_USERNAME_OR_PASSWORD if username is not None else RC.NOT_AUTHORIZED), False
+
+    def owner_name(self, who: Principal) -> str:
+        """The name sessions belong to and publishes are de-duplicated under: the username; for an
+        unproven one on a node that proves identities, "" (the anonymous principal's), so a claimed
+        name never reaches the proven user's sessions or de-duplication keys."""
+        if who.username is None or (not who.proven and self.proves_identities):
+            return ""
+        return who.username
 
     def is_admin(self, who: Principal) -> bool:
-        return who.username is not None and who.username in self.admin_users
+        name = who.rights_name
+        return name is not None and name in self.admin_users
 
     # --- ACLs ---------------------------------------------------------------------------------
     def _acl(self, who: Principal) -> _PrincipalAcl:
@@ -473,12 +653,13 @@ class Authorizer:
         if acl is None:
             publish: list[_Rule] = []
             read: list[_Rule] = []
+            rights = who if who.proven else Principal(None, who.client_id)  # an unproven name is no user's
             for r in self.rules:
-                if r.user is not None and r.user != who.username:
+                if r.user is not None and r.user != rights.username:
                     continue
                 if r.client_id is not None and r.client_id != who.client_id:
                     continue
-                pattern = substitute(r.pattern, who)
+                pattern = substitute(r.pattern, rights)
                 if pattern is None:
                     continue  # void for this principal: matches nothing, allows and denies nothing
                 rule = _Rule(pattern, r.allow, r.pattern.startswith("$"))

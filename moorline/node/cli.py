@@ -96,6 +96,9 @@ def run(
         typer.echo(f"moorline: configuration error: {exc}", err=True)
         raise typer.Exit(2) from exc
     setup_logging(cfg.log.level, cfg.log.format)
+    # Everything the node creates (data directory, WAL, stores, snapshots) is private to its user:
+    # 0700 directories, 0600 files; 0750 / 0640 with storage.allow_group_read.
+    os.umask(0o027 if cfg.storage.allow_group_read else 0o077)
     try:
         import uvloop
 

@@ -460,7 +460,7 @@ class Connection(asyncio.Protocol):
         shard = node.topic_shard(topic)
         who = self.principal
         can_publish = self.server.authorizer.can_publish
-        principal = who.username or ""
+        principal = self.server.authorizer.owner_name(who)
         client_id = self.client_id
         ts_ms = node.now_ms()
         new_guid = node.new_guid
@@ -544,8 +544,9 @@ class Connection(asyncio.Protocol):
         if cert_user is not None:  # tls.use_identity_as_username: the verified certificate is the login
             pk = dataclasses.replace(pk, username=cert_user, password=None)
             refusal = None if cert_user else RC.NOT_AUTHORIZED  # a certificate without a CN names nobody
+            proven = True
         else:
-            refusal = await self.server.authorizer.connack_refusal(  # scrypt off the loop, rate-limited per address
+            refusal, proven = await self.server.authorizer.connect_login(  # scrypt off the loop, rate-limited
                 pk.username, pk.password, self.peer.rpartition(":")[0], v5, lambda: not self._closing)
         if self._closing:
             return
@@ -554,7 +555,8 @@ class Connection(asyncio.Protocol):
             self._connack_refuse(refusal)
             return
         self.client_id = client_id
-        self.principal = Principal(pk.username, client_id)
+        self.principal = Principal(pk.username, client_id, proven)  # unproven: a label (auth.py)
+        owner = self.server.authorizer.owner_name(self.principal)
         if v5:
             expiry = props.session_expiry_interval or 0
         else:
@@ -574,7 +576,7 @@ class Connection(asyncio.Protocol):
             if not self.server.authorizer.can_publish(self.principal, w.topic):
                 self._connack_refuse(RC.NOT_AUTHORIZED)
                 return
-        if self.node.session_owned_by_other(client_id, pk.username or ""):
+        if self.node.session_owned_by_other(client_id, owner):
             log.warning("%s: CONNECT as %r refused: session %r belongs to another user", self.peer,
                         pk.username, client_id)
             self._connack_refuse(RC.NOT_AUTHORIZED)  # 3.1.1: return code 5
@@ -592,7 +594,7 @@ class Connection(asyncio.Protocol):
         self.node.connections[client_id] = self
         try:
             present, epoch, inc = await self.node.open_session(client_id, pk.clean_start, expiry, will,
-                                                               pk.username or "")
+                                                               owner)
         except SessionOwnedByOther:
             # Lost a race with the owner's own CONNECT: the session shard refused; nothing changed.
             if self.node.connections.get(client_id) is self:
@@ -739,7 +741,7 @@ class Connection(asyncio.Protocol):
             self.client_id,
         )
         shard = self.node.topic_shard(pk.topic)
-        cmd = c.Publish(msg, self.principal.username or "", producer, seq)
+        cmd = c.Publish(msg, self.server.authorizer.owner_name(self.principal), producer, seq)
         self.node.published["mqtt"] += 1
         kind = "puback" if pk.qos == 1 else "pubrec"
         try:

@@ -11,7 +11,23 @@ the admin role (a loopback listener, open by configuration); credentials, when s
 Authorization follows the MQTT ACLs: fetching messages = reading their topics (messages on topics
 the caller may not read are left out, and nothing in the answer says they were there), publishing =
 the publish ACL and the ``$`` rule per item; shard listing, pins, sink markers and drops need the
-admin role (``auth.admin_users``).
+admin role (``auth.admin_users``). A Basic login of a username that no password file proves (an open
+node without one) is served without any user's rights (auth.py: proven identities).
+
+Web pages and the default open loopback node (docs/security.md):
+
+- ``Host`` must name this node: an IP address, ``localhost``, the listener's own host, or one of
+  ``http.allowed_hosts``; any other name is refused (421), so a page whose DNS name was rebound to
+  127.0.0.1 reads and writes nothing.
+- A state-changing request (POST, PUT, DELETE) with an ``Origin`` other than the request's own or one
+  of ``http.allowed_origins`` is refused (403); POST and PUT need ``Content-Type: application/json``
+  (415), which a cross-site page cannot send without a CORS preflight this node never grants.
+
+Bounds: a body over ``http.max_body_bytes`` is refused (413) before it is read; filters obey
+``mqtt.max_topic_levels`` / ``max_topic_length``; a fetch examines at most ``http.max_scan_per_fetch``
+offsets, yielding to the event loop every ``http.scan_slice``, and stops adding messages past
+``http.max_answer_bytes`` (the reader continues from ``scanned_to``). Every answer, unknown routes and
+methods included, is JSON (except ``/metrics``).
 """
 
 from __future__ import annotations
@@ -19,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import ipaddress
+import json
 import math
 import os
 from collections.abc import Awaitable, Callable
@@ -30,7 +48,13 @@ from aiohttp import web
 
 from moorline.broker import commands as c
 from moorline.broker.messages import MessageProps, StoredMessage, decode_message
-from moorline.mqtt.topics import matches, validate_topic_filter, validate_topic_name
+from moorline.mqtt.topics import (
+    TopicBounds,
+    matches,
+    topic_filter_error,
+    topic_name_error,
+    validate_topic_name,
+)
 from moorline.node.auth import Authorizer, Login, Principal
 from moorline.node.node import Node
 from moorline.node.openapi import openapi_document
@@ -39,6 +63,9 @@ from moorline.node.shard_host import ShardUnavailable
 MAX_FETCH = 10_000
 MAX_PUBLISH_BATCH = 10_000
 MAX_ID_CHARS = 200  # reader ids (pins) and query ids (sink markers)
+STATE_CHANGING = frozenset({"POST", "PUT", "DELETE", "PATCH"})
+NEEDS_JSON_BODY = frozenset({"POST", "PUT", "PATCH"})
+JSON_OFF_LOOP_BYTES = 256 << 10  # larger bodies are parsed on a thread
 OPEN_STATUS_PATHS = frozenset({"/metrics", "/v1/health"})
 # The Spark sink's client sends this User-Agent (moorline/spark/node_client.py): its publishes count
 # as source="spark" in the metrics. A label for operators, not a proof of who sent them.
@@ -67,6 +94,45 @@ def _err(status: int, text: str, headers: dict[str, str] | None = None, **extra:
     return web.json_response({"error": text, **extra}, status=status, headers=headers)
 
 
+class BodyError(Exception):
+    """A request body that cannot be taken: too large (413) or not JSON (400)."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(text)
+        self.status = status
+
+
+async def read_json(req: web.Request, max_body: int) -> Any:
+    """The request's JSON body, parsed on a thread when large; BodyError when it is over
+    ``http.max_body_bytes`` (aiohttp's client_max_size) or not JSON."""
+    try:
+        raw = await req.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise BodyError(413, f"request body larger than http.max_body_bytes ({max_body} bytes)") from exc
+    try:
+        if len(raw) > JSON_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(json.loads, raw)
+        return json.loads(raw)
+    except ValueError as exc:
+        raise BodyError(400, f"bad JSON body: {exc}") from exc
+
+
+def host_of(value: str) -> str:
+    """The host part of a Host header or an Origin's authority (no port, no IPv6 brackets), lower case."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value[1:]
+    return value.rpartition(":")[0] if value.count(":") == 1 else value
+
+
+def is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def _consume(fut: asyncio.Future[Any]) -> None:
     # An outcome nobody waits for any more (answered "unknown") must not be logged as never retrieved.
     if not fut.cancelled():
@@ -79,6 +145,60 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
     anonymous = Caller(ANONYMOUS, admin=not auth_required)
     pin_owner: dict[str, str] = {}  # reader -> Caller.key of the pin's holder
     markers_created: dict[str, int] = {}  # Caller.key -> query ids it created in this run
+    hcfg = cfg.http
+    bounds = TopicBounds(cfg.mqtt.max_topic_levels, cfg.mqtt.max_topic_length)
+    # Host names this node answers to (module docstring); IP literals always pass.
+    own_names = {"localhost"} | {host_of(h) for h in hcfg.allowed_hosts}
+    for listener in (cfg.listeners.http, cfg.listeners.https):
+        if listener:
+            own_names.add(host_of(listener.rpartition(":")[0].strip("[]") or "127.0.0.1"))
+    any_origin = "*" in hcfg.allowed_origins
+    allowed_origins = {o.strip().lower().rstrip("/") for o in hcfg.allowed_origins}
+
+    def host_allowed(host_header: str | None) -> bool:
+        if not host_header:
+            return True  # HTTP/1.0 without Host: no browser sends that
+        name = host_of(host_header)
+        return name in own_names or is_ip_literal(name)
+
+    def origin_allowed(req: web.Request) -> bool:
+        origin = req.headers.get("Origin")
+        if origin is None or any_origin:
+            return True  # not a browser's cross-site request (browsers send Origin on every POST/PUT/DELETE)
+        origin = origin.strip().lower().rstrip("/")
+        if origin in allowed_origins:
+            return True
+        scheme, sep, authority = origin.partition("://")
+        return bool(sep) and scheme == req.scheme and authority == (req.host or "").lower()
+
+    @web.middleware
+    async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every answer is JSON: aiohttp's own 404, 405 and 413 included."""
+        try:
+            return await handler(request)
+        except web.HTTPMethodNotAllowed as exc:
+            return _err(405, f"method {request.method} not allowed on {request.path}",
+                        {"Allow": ", ".join(sorted(exc.allowed_methods))})
+        except web.HTTPNotFound:
+            return _err(404, f"no route {request.method} {request.path} (GET /v1/openapi.json lists them)")
+        except web.HTTPRequestEntityTooLarge:
+            return _err(413, f"request body larger than http.max_body_bytes ({hcfg.max_body_bytes} bytes)")
+
+    @web.middleware
+    async def web_guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """DNS rebinding, cross-site requests, oversized bodies: refused before credentials are checked."""
+        if not host_allowed(request.headers.get("Host")):
+            return _err(421, "this node does not serve that Host name (http.allowed_hosts)")
+        if request.method in STATE_CHANGING:
+            if not origin_allowed(request):
+                return _err(403, "cross-origin request refused (http.allowed_origins)")
+            if request.method in NEEDS_JSON_BODY and request.content_type != "application/json":
+                return _err(415, "the body must be JSON, sent with Content-Type: application/json")
+        length = request.content_length
+        if length is not None and length > hcfg.max_body_bytes:
+            return _err(413, f"request body larger than http.max_body_bytes ({hcfg.max_body_bytes} bytes)",
+                        {"Connection": "close"})
+        return await handler(request)
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -98,10 +218,11 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
                 return _err(401, "malformed Basic credentials", CHALLENGE)
             if not sep or not user:
                 return _err(401, "malformed Basic credentials", CHALLENGE)
-            login = await authorizer.authenticate(user, password.encode(), peer)
+            login, proven = await authorizer.login(user, password.encode(), peer)
             name: str | None = user
         elif scheme == "bearer":
             login, name = authorizer.authenticate_token(value.strip(), peer)
+            proven = True
         else:
             return _err(401, f"unsupported authorization scheme {scheme!r}: use Basic or Bearer", CHALLENGE)
         if login is Login.RATE_LIMITED:
@@ -109,8 +230,9 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
             return _err(429, login.value, {"Retry-After": retry})
         if login is not Login.OK:
             return _err(401, "bad credentials", CHALLENGE)
-        who = Principal(name, "")
-        CALLER.set(Caller(who, authorizer.is_admin(who)))
+        who = Principal(name, "", proven)
+        # An unproven name (an open node without a password file) is served as the anonymous caller is.
+        CALLER.set(Caller(who, authorizer.is_admin(who) or (not proven and anonymous.admin)))
         return await handler(request)
 
     def admin_only() -> web.Response | None:
@@ -118,7 +240,7 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
             return None
         return _err(403, "this route needs the admin role (auth.admin_users)")
 
-    app = web.Application(client_max_size=64 << 20, middlewares=[authenticate])
+    app = web.Application(client_max_size=hcfg.max_body_bytes, middlewares=[json_errors, web_guard, authenticate])
     routes = web.RouteTableDef()
 
     @routes.get("/v1/shards")
@@ -151,8 +273,8 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
         if not 0 <= shard < node.shard_count:
             return _err(404, f"no shard {shard}", shard_count=node.shard_count)
         flt = req.query.get("filter")
-        if flt is not None and not validate_topic_filter(flt):
-            return _err(400, f"invalid topic filter {flt!r}")
+        if flt is not None and (why := topic_filter_error(flt, bounds)) is not None:
+            return _err(400, f"invalid topic filter: {why}")
         if flt is not None and not authorizer.can_subscribe(who, flt):
             return _err(403, f"not authorized to read {flt!r}")
         host = node.hosts[shard]
@@ -167,10 +289,19 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
         # Without a filter every topic comes back, $-topics too, so "#" would not describe the read.
         check = authorizer.read_check_needed(who, flt) if flt is not None else bool(authorizer.rules)
         can_read = authorizer.can_read
+        incarnation, low_water = t.incarnation, t.low_water
         out: list[dict[str, Any]] = []
-        end = t.next_offset
+        answer_bytes = 0
+        end = min(t.next_offset, start + hcfg.max_scan_per_fetch)  # at most this much is examined per call
+        next_offset = t.next_offset
         offset = start
-        while offset < end and len(out) < limit:
+        slice_end = offset + hcfg.scan_slice
+        while offset < end and len(out) < limit and answer_bytes < hcfg.max_answer_bytes:
+            if offset >= slice_end:
+                await asyncio.sleep(0)  # let the loop serve others between slices of a long scan
+                slice_end = offset + hcfg.scan_slice
+                if host.failed or host.state.topics is not t or t.incarnation != incarnation or t.low_water > offset:
+                    break  # the shard changed under the scan: answer what was read (the next call says how)
             meta = t.meta.get(offset)
             if (meta is not None and (flt is None or matches(flt, meta.topic))
                     and (not check or can_read(who, meta.topic))):
@@ -179,14 +310,26 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
                     return _err(500, f"message {shard}/{offset} is committed but unreadable from the store",
                                 offset=offset)
                 m = decode_message(rec)
+                ups = [list(kv) for kv in (m.props.user_properties if m.props else ())]
                 out.append({
                     "offset": offset, "topic": m.topic, "payload": base64.b64encode(m.payload).decode(),
                     "qos": m.qos, "retain": m.retain, "guid": m.guid.hex(), "timestamp_ms": m.ts_ms,
-                    "user_properties": [list(kv) for kv in (m.props.user_properties if m.props else ())],
+                    "user_properties": ups,
                 })
+                # About what the message adds to the answer: base64 payload, topic, properties, field names.
+                answer_bytes += (len(m.payload) * 4 // 3 + 2 * len(m.topic) + 200
+                                 + sum(2 * (len(k) + len(v)) + 8 for k, v in ups))
             offset += 1
-        return web.json_response({"shard": shard, "incarnation": t.incarnation, "low_water": t.low_water,
-                                  "next_offset": end, "scanned_to": offset, "messages": out})
+        return web.json_response({"shard": shard, "incarnation": incarnation, "low_water": low_water,
+                                  "next_offset": next_offset, "scanned_to": offset, "messages": out})
+
+    @routes.get("/v1/topics/{topic:.+}/shard")
+    async def topic_shard(req: web.Request) -> web.Response:
+        """Which shard a topic's messages are stored in (so a reader knows where to fetch them)."""
+        topic = req.match_info["topic"]
+        if (why := topic_name_error(topic, bounds)) is not None:
+            return _err(400, f"invalid topic name: {why}")
+        return web.json_response({"topic": topic, "shard": node.topic_shard(topic), "shard_count": node.shard_count})
 
     def parse_item(i: int, it: Any, now: int) -> tuple[StoredMessage, bytes | None, int | None, int] | str:
         """The message an item asks for, its producer and sequence, and its size; or what is wrong."""
@@ -196,6 +339,8 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
             topic = it["topic"]
             if not isinstance(topic, str) or not validate_topic_name(topic):
                 return f"item {i}: invalid topic {topic!r}"
+            if (why := topic_name_error(topic, bounds)) is not None:
+                return f"item {i}: invalid topic: {why}"
             payload = base64.b64decode(it.get("payload", ""), validate=True)
             qos = int(it.get("qos", 1))
             if qos not in (0, 1, 2):
@@ -232,8 +377,10 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
         caller: Caller = CALLER.get()
         source = "spark" if req.headers.get("User-Agent", "").startswith(SPARK_USER_AGENT_PREFIX) else "http"
         try:
-            body = await req.json()
+            body = await read_json(req, hcfg.max_body_bytes)
             items = body["messages"]
+        except BodyError as exc:
+            return _err(exc.status, str(exc))
         except Exception as exc:
             return _err(400, f"bad JSON body: {exc}")
         if not isinstance(items, list) or len(items) > MAX_PUBLISH_BATCH:
@@ -292,10 +439,12 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
             return refused
         key = CALLER.get().key
         try:
-            body = await req.json()
+            body = await read_json(req, hcfg.max_body_bytes)
             reader = body["reader"]
             offsets = {int(k): int(v) for k, v in body["offsets"].items()}
             ttl = float(body.get("ttl_ms", cfg.pins.reader_pin_ttl_s * 1000)) / 1000
+        except BodyError as exc:
+            return _err(exc.status, str(exc))
         except Exception as exc:
             return _err(400, f"bad pin: {exc}")
         if not valid_id(reader):
@@ -349,7 +498,9 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
         if not valid_id(qid):
             return _err(400, f"query id must be 1-{MAX_ID_CHARS} characters")
         try:
-            batch = int((await req.json())["batch_id"])
+            batch = int((await read_json(req, hcfg.max_body_bytes))["batch_id"])
+        except BodyError as exc:
+            return _err(exc.status, str(exc))
         except Exception as exc:
             return _err(400, f"bad marker: {exc}")
         new = node.sink_marker(qid) is None
@@ -434,7 +585,7 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
 
 async def start_http(node: Node, authorizer: Authorizer, auth_required: bool, host: str,
                      port: int) -> tuple[web.AppRunner, tuple[str, int]]:
-    runner = web.AppRunner(make_app(node, authorizer, auth_required), access_log=None)
+    runner = web.AppRunner(make_app(node, authorizer, auth_required), access_log=None)  # tests only
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -158,12 +158,14 @@ ROUTES: tuple[Route, ...] = (
     }, tags=("admin",)),
     Route("get", "/v1/shards/{shard}/messages", "Committed messages of a shard by offset (reading never consumes)",
           CALLER, {
-              200: ("a page of messages; continue from scanned_to", obj({
+              200: ("a page of messages; continue from scanned_to (a page examines at most http.max_scan_per_fetch "
+                    "offsets and holds about http.max_answer_bytes at most)", obj({
                   "shard": integer(), "incarnation": INCARNATION, "low_water": integer(), "next_offset": integer(),
                   "scanned_to": integer("the offset after the last one examined: the next page's from"),
                   "messages": array(MESSAGE),
               }, ("shard", "incarnation", "low_water", "next_offset", "scanned_to", "messages"))),
-              400: ("shard, from or max not an integer, or an invalid filter", ERROR),
+              400: ("shard, from or max not an integer, or an invalid filter (also: over mqtt.max_topic_levels "
+                    "or max_topic_length)", ERROR),
               403: ("the filter reaches no topic the caller may read", ERROR),
               404: ("no such shard (shard_count says how many there are)", ERROR),
               409: ("the shard's incarnation is not the one asked for (incarnation says the current one)", ERROR),
@@ -178,6 +180,12 @@ ROUTES: tuple[Route, ...] = (
               Param("filter", "query", string(), "an MQTT topic filter; only matching messages come back"),
               Param("incarnation", "query", string(), "fail with 409 unless the shard still has this incarnation"),
           ), tags=("fetch",)),
+    Route("get", "/v1/topics/{topic}/shard", "The shard a topic's messages are stored in", CALLER, {
+        200: ("the topic's shard", obj({"topic": string(), "shard": integer(), "shard_count": integer()},
+                                       ("topic", "shard", "shard_count"))),
+        400: ("not a valid topic name (wildcards, or over mqtt.max_topic_levels / max_topic_length)", ERROR),
+    }, params=(Param("topic", "path", string(), "the topic name; its slashes may be written as they are",
+                     required=True),), tags=("fetch",)),
     Route("post", "/v1/publish", "Publish messages; answered per item", CALLER, {
         200: ("one result per item, in order", obj({"results": array(PUBLISH_RESULT)}, ("results",))),
         400: ("the body is not JSON, messages is not a list of at most 10,000, or an item is malformed "
@@ -243,7 +251,8 @@ def _operation(route: Route) -> Schema:
     auth_errors = {"401": "credentials missing or wrong (when the listener requires them)",
                    "429": "too many failed logins from this address (Retry-After says when to try again)"}
     if route.access == ADMIN:
-        auth_errors["403"] = "the caller lacks the admin role (auth.admin_users)"
+        auth_errors["403"] = "the caller lacks the admin role (auth.admin_users)" + (
+            ", or a cross-origin request" if "403" in auth_errors else "")
     for code, text in auth_errors.items():
         responses.setdefault(code, {"description": text, "content": {"application/json": {"schema": ERROR}}})
     op: Schema = {
@@ -291,3 +300,10 @@ def openapi_document() -> Schema:
         "security": [{}, {"basic": []}, {"bearer": []}],
         "paths": paths,
     }
+                   "421": "the Host header names no name of this node (http.allowed_hosts)",
+    if route.method in ("post", "put", "delete"):
+        auth_errors["403"] = "a cross-origin request (Origin not allowed: http.allowed_origins)"
+    if route.body is not None:
+        auth_errors["413"] = "the body is larger than http.max_body_bytes"
+        auth_errors["415"] = "the body was not sent with Content-Type: application/json"
+                "An unknown route or method answers 404 or 405 with a JSON error. "

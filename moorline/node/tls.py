@@ -3,7 +3,8 @@ socket before its handshake.
 
 - **Contexts.** ``ssl.SSLContext(PROTOCOL_TLS_SERVER)``: Python's secure server defaults (no SSLv3, no
   compression, its cipher list), TLS 1.2 at least. Client certificates are checked against
-  ``tls.ca_file`` only, never the system's CAs (a certificate any public CA signed is no login).
+  ``tls.ca_file`` only, never the system's CAs (a certificate any public CA signed is no login), and
+  against ``tls.crl_file`` when set (a revoked certificate fails the handshake).
 - **Reload.** An asyncio server keeps the context it was created with, so every listener gets one
   context for good, whose SNI callback (called for every ClientHello, with or without SNI) points the
   handshake at the newest context. ``TlsContexts.reload`` builds a new one from the files; handshakes
@@ -13,7 +14,8 @@ socket before its handshake.
   itself: it makes the MQTT ``Connection`` and asks ``MqttServer.admit`` (per-address rate, the cap on
   connections without a completed CONNECT) before a byte is read, then has the handshake run within
   ``mqtt.connect_timeout_s``. The WebSocket listeners are served the same way: there the transport
-  goes to aiohttp's request handler and the connection is claimed at the upgrade.
+  goes to aiohttp's request handler and the connection is claimed at the upgrade. Until the upgrade,
+  the socket's reads are bounded by ``PRE_UPGRADE_BUFFER_BYTES`` (ws_transport.py).
 """
 
 from __future__ import annotations
@@ -54,6 +56,14 @@ def server_context(cfg: TlsConfig) -> ssl.SSLContext:
             raise ConfigError(f"tls: tls.ca_file {cfg.ca_file} is not a readable PEM file of CA certificates: "
                               f"{exc}") from exc
         ctx.verify_mode = ssl.CERT_REQUIRED if cfg.require_client_cert else ssl.CERT_OPTIONAL
+        if cfg.crl_file:
+            try:
+                ctx.load_verify_locations(cafile=cfg.crl_file)
+            except (ssl.SSLError, OSError) as exc:
+                raise ConfigError(f"tls: tls.crl_file {cfg.crl_file} is not a readable PEM certificate revocation "
+                                  f"list: {exc}") from exc
+            # Client certificates are checked against the CRL (a CA's CRL must be present for it).
+            ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
     return ctx
 
 

@@ -14,11 +14,22 @@ reading the socket. Text frames are refused (MQTT-6.0.0-1).
 
 Each socket of these listeners is admitted (rate, pending cap) before its HTTP request is read and
 must complete the upgrade within ``mqtt.connect_timeout_s`` (``moorline.node.tls.AdmittingListener``).
+Until its CONNECT is accepted a socket may send at most ``mqtt.max_connect_packet_bytes`` plus
+``UPGRADE_ALLOWANCE`` (the upgrade request and frame headers) in all: aiohttp reads a whole frame
+(up to twice ``mqtt.max_packet_size``) before handing it over, so the raw bytes are counted under it
+(``PreConnectLimit``) and a socket past the bound is dropped.
+
+The upgrade is refused (403) for a browser page of another site: an ``Origin`` header must be one of
+``listeners.ws_allowed_origins`` ("*": any) or, when that is empty, name the host the request was sent
+to; and the ``Host`` must be this node's (an IP address, ``localhost``, the listener's host or one of
+``http.allowed_hosts``), so DNS rebinding cannot make a page same-host. Clients that send no Origin
+(MQTT libraries, not browsers) are not affected.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -34,6 +45,66 @@ log = logging.getLogger("moorline.ws")
 WS_PATH = "/mqtt"
 SUBPROTOCOL = "mqtt"
 FRAME_BYTES = 256 << 10  # queued writes are joined into binary frames of at most about this size
+UPGRADE_ALLOWANCE = 16 << 10  # the HTTP upgrade request (aiohttp caps its headers at 8 KiB) and frame headers
+
+
+def _host_of(value: str) -> str:
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:value.find("]")] if "]" in value else value[1:]
+    return value.rpartition(":")[0] if value.count(":") == 1 else value
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class PreConnectLimit(asyncio.Protocol):
+    """Stands in front of aiohttp's request handler on one socket and counts the bytes read until the
+    MQTT connection's CONNECT is accepted; past ``limit`` the socket is dropped (module docstring)."""
+
+    def __init__(self, inner: asyncio.Protocol, conn: Connection, limit: int) -> None:
+        self.inner = inner
+        self.conn = conn
+        self.limit = limit
+        self.received = 0
+        self.transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.limit:
+            if self.conn.live is not None:
+                self.limit = 0  # CONNECT accepted: from here the MQTT limits rule
+            else:
+                self.received += len(data)
+                if self.received > self.limit:
+                    log.info("%s: %d bytes over WebSocket before CONNECT was accepted (limit %d): closing",
+                             self.conn.peer or "a socket", self.received, self.limit)
+                    self.limit = 0
+                    self.conn._closing = True
+                    if self.transport is not None:
+                        self.transport.abort()  # type: ignore[attr-defined]
+                    return
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
 
 
 class WebSocketTransport(asyncio.Transport):
@@ -188,6 +259,14 @@ class WebSocketListeners:
         # A frame may join packets: allow two of the largest packet, then close (1009) past that.
         self.max_frame_bytes = 2 * cfg.max_packet_size + 16
         self.close_timeout_s = server.node.cfg.listeners.ws_close_timeout_s
+        self.pre_connect_limit = cfg.max_connect_packet_bytes + UPGRADE_ALLOWANCE
+        ncfg = server.node.cfg
+        self.any_origin = "*" in ncfg.listeners.ws_allowed_origins
+        self.allowed_origins = {o.strip().lower().rstrip("/") for o in ncfg.listeners.ws_allowed_origins}
+        self.own_names = {"localhost"} | {_host_of(h) for h in ncfg.http.allowed_hosts}
+        for listener in (ncfg.listeners.ws, ncfg.listeners.wss):
+            if listener:
+                self.own_names.add(_host_of(listener.rpartition(":")[0].strip("[]") or "127.0.0.1"))
         # The MQTT connection admitted with each socket, by the socket's aiohttp request handler, until
         # the upgrade claims it (or the socket expires: AdmittingListener).
         self.admitted: dict[asyncio.BaseProtocol, Connection] = {}
@@ -196,9 +275,25 @@ class WebSocketListeners:
         self.handlers: Any = None  # the runner's web.Server, set once the runner is set up
 
     def make_protocol(self, conn: Connection) -> asyncio.BaseProtocol:
-        handler: asyncio.BaseProtocol = self.handlers()
+        handler: asyncio.Protocol = self.handlers()
         self.admitted[handler] = conn
-        return handler
+        return PreConnectLimit(handler, conn, self.pre_connect_limit)
+
+    def refusal(self, request: web.Request) -> str | None:
+        """Why a browser page may not open this WebSocket (module docstring), or None."""
+        host = request.headers.get("Host")
+        if host and not (_host_of(host) in self.own_names or _is_ip(_host_of(host))):
+            return "this node does not serve that Host name (http.allowed_hosts)"
+        origin = request.headers.get("Origin")
+        if origin is None or self.any_origin:
+            return None
+        origin = origin.strip().lower().rstrip("/")
+        if origin in self.allowed_origins:
+            return None
+        _, sep, authority = origin.partition("://")
+        if not self.allowed_origins and sep and host and _host_of(authority) == _host_of(host):
+            return None  # a page of the same host
+        return "Origin not allowed (listeners.ws_allowed_origins)"
 
     def on_expired(self, conn: Connection) -> None:
         for handler, c in list(self.admitted.items()):
@@ -211,6 +306,11 @@ class WebSocketListeners:
         if conn is None or conn._closing or raw is None:
             # A second request on a socket whose connection was used or expired.
             return web.Response(status=400, text="one MQTT connection per socket\n")
+        if (why := self.refusal(request)) is not None:
+            conn._closing = True
+            log.info("%s: WebSocket upgrade refused: %s (Origin %r)", conn.peer or request.remote,
+                     why, request.headers.get("Origin"))
+            return web.Response(status=403, text=why + "\n")
         ws = web.WebSocketResponse(protocols=(SUBPROTOCOL,), compress=False, max_msg_size=self.max_frame_bytes,
                                    timeout=self.close_timeout_s, autoping=True, heartbeat=None)
         ready = ws.can_prepare(request)

@@ -337,9 +337,9 @@ def test_logins_without_a_secret_are_never_rate_limited(password_file: Path) -> 
     anonymous_ok = Authorizer(AuthConfig(max_failed_logins=1), loopback_only=True)
 
     async def body() -> None:
-        assert await anonymous_ok.authenticate("x", b"a password, but no password file", "10.1.1.1") is (
-            Login.BAD_CREDENTIALS)
-        assert anonymous_ok.limiter.blocked("10.1.1.1")
+        # A password without a password file is accepted on an open node (issue 36 item 8), unproven.
+        assert await anonymous_ok.login("x", b"a password, but no password file", "10.1.1.1") == (Login.OK, False)
+        assert not anonymous_ok.limiter.blocked("10.1.1.1")
         assert await anonymous_ok.authenticate(None, None, "10.1.1.1") is Login.OK  # nothing to guess
         assert await anonymous_ok.authenticate("name-only", None, "10.1.1.1") is Login.OK
 
@@ -396,7 +396,8 @@ def test_anonymous_logins() -> None:
     async def body() -> None:
         assert await open_node.authenticate(None, None, "h") is Login.OK
         assert await open_node.authenticate("anyone", None, "h") is Login.OK  # no password file: just a name
-        assert await open_node.authenticate("anyone", b"pw", "h") is Login.BAD_CREDENTIALS
+        assert await open_node.login("anyone", b"pw", "h") == (Login.OK, False)  # issue 36.8: a name, unproven
+        assert await closed.authenticate("anyone", b"pw", "h") is Login.BAD_CREDENTIALS
         assert await closed.authenticate(None, None, "h") is Login.BAD_CREDENTIALS
         assert await closed.connack_refusal(None, None, "h", v5=True) == 0x87
 
