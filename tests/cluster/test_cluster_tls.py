@@ -10,16 +10,17 @@ import random
 import socket
 import ssl
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from moorline.certs import write_dev_certificates, write_node_certificates
+from moorline import certs as certs_module
+from moorline.certs import write_dev_certificates
 from moorline.cluster import ClusterConfigError, ClusterTransport, TransportLimits, handshake
 from moorline.cluster.net import AsyncioStream
-from moorline.cluster.tls import ClusterTls, load_cluster_tls
 from moorline.cluster.wire import FrameDecoder, Payload
 from moorline.raft.types import Stream
 from tests.cluster.helpers import (
@@ -46,20 +47,27 @@ def run(coro_fn, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-de
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cluster-certs")
-    write_node_certificates(out, ["n1", "n2", "n3"])
+    certs_module.write_node_certificates(out, ["n1", "n2", "n3"])
     return out
 
 
-def tls_of(certs: Path, name: str, crl: Path | None = None) -> ClusterTls:
+def load_cluster_tls(*args: str | None) -> Any:
+    from moorline.cluster.tls import load_cluster_tls as load  # (new in issue 30: imported where used)
+
+    return load(*args)  # type: ignore[arg-type]
+
+
+def tls_of(certs: Path, name: str, crl: Path | None = None) -> Any:
     return load_cluster_tls(str(certs / f"{name}.crt"), str(certs / f"{name}.key"), str(certs / "ca.crt"),
                             str(crl) if crl else None)
 
 
-async def start(name: str, host: str, tls: ClusterTls | None, peers: dict[str, tuple[str, int]] | None = None,
+async def start(name: str, host: str, tls: Any, peers: dict[str, tuple[str, int]] | None = None,
                 limits: TransportLimits = FAST, secret: bytes | None = None) -> tuple[ClusterTransport, Inbox]:
     inbox = Inbox()
+    kw: dict[str, Any] = {"tls": tls} if tls is not None else {}
     t = ClusterTransport(name, (host, 0), dict(peers or {}), secret, inbox, random.Random(1), cluster_id=CLUSTER_ID,
-                         limits=limits, tls=tls)
+                         limits=limits, **kw)
     await t.start()
     return t, inbox
 
@@ -86,7 +94,7 @@ def test_two_nodes_exchange_frames_over_tls(certs: Path) -> None:
 async def _raw_tls_dial(certs: Path, cert_name: str, address: tuple[str, int], claim: str,
                         source: str = HOSTS[3]) -> str:
     """Dial with ``cert_name``'s certificate, claim to be ``claim`` in the Hello: the outcome in words."""
-    me = handshake.Identity(claim, CLUSTER_ID, None, os.urandom, tls_of(certs, cert_name))
+    me = handshake.Identity(claim, CLUSTER_ID, None, os.urandom, tls_of(certs, cert_name))  # type: ignore[call-arg]
     reader, writer = await asyncio.open_connection(*address, local_addr=(source, 0))
     stream = AsyncioStream(reader, writer)
     fr = handshake.FrameReader(stream, FrameDecoder(handshake.MAX_HANDSHAKE_FRAME_BYTES), 65536)
@@ -146,8 +154,10 @@ def test_an_mqtt_client_certificate_of_the_same_ca_cannot_join_as_a_node(tmp_pat
             ctx.check_hostname = False
             ctx.load_verify_locations(str(certs / "ca.crt"))
             ctx.load_cert_chain(str(tmp_path / "client.crt"), str(tmp_path / "client.key"))
+            from moorline.cluster.tls import ClusterTls
+
             tls = ClusterTls(server=ctx, client=ctx)
-            me = handshake.Identity("n2", CLUSTER_ID, None, os.urandom, tls)
+            me = handshake.Identity("n2", CLUSTER_ID, None, os.urandom, tls)  # type: ignore[call-arg]
             reader, writer = await asyncio.open_connection(*a.listen_address, local_addr=(HOSTS[3], 0))
             stream = AsyncioStream(reader, writer)
             fr = handshake.FrameReader(stream, FrameDecoder(handshake.MAX_HANDSHAKE_FRAME_BYTES), 65536)
