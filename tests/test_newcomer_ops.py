@@ -171,3 +171,30 @@ def test_cluster_status_says_unreachable_tries_the_next_and_fits_80_columns(tmp_
     rows = [line for line in lines if line.startswith("│") and "n1: " in line]
     assert len(rows) == 16, both.stdout  # one line per shard: no row wraps
     assert "MATCH/APPLIED" in both.stdout and "does not lead this shard" in " ".join(both.stdout.split())
+
+
+def test_sim_prints_an_estimate_after_the_first_seed_of_a_long_run() -> None:
+    """Issue 36 item 6: 21 s a seed x the default 100 seeds is half an hour; say so at once."""
+    import io
+
+    from moorline.sim.cli import SeedProgress
+
+    now = [0.0]
+    out = io.StringIO()
+    p = SeedProgress(total=100, every_s=600.0, stream=out, clock=lambda: now[0])
+    now[0] = 21.0
+    p.seed_done(0)
+    now[0] = 42.0
+    p.seed_done(0)
+    lines = out.getvalue().splitlines()
+    assert lines == ["sim: the first seed took 21.0 s here: 100 seeds will take about 35 min (fewer: --seeds N)"]
+    out = io.StringIO()
+    p = SeedProgress(total=100, every_s=600.0, stream=out, clock=lambda: now[0], workers=4)
+    now[0] += 21.0
+    p.seed_done(0)
+    assert "100 seeds will take about 9 min on 4 workers" in out.getvalue()
+    out = io.StringIO()
+    p = SeedProgress(total=5, every_s=600.0, stream=out, clock=lambda: now[0])
+    now[0] += 3.0
+    p.seed_done(0)
+    assert out.getvalue() == ""  # a short run: nothing to warn about

@@ -18,6 +18,17 @@ TRACE_LINES = 40
 SIM_CLUSTER_SIZES = (1, 3, 5)  # what draw_faults models: odd voter counts a shard may have
 
 
+ESTIMATE_FROM_S = 60.0  # a run estimated shorter than this gets no estimate line
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 class SeedProgress:
     """Seeds done, violations so far and seeds per second, on stderr (stdout keeps the results).
 
@@ -30,8 +41,10 @@ class SeedProgress:
         every_s: float,
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
+        workers: int = 1,
     ) -> None:
         self.total = total
+        self.workers = workers  # seeds run at once (--jobs): the estimate divides by them
         self.every_s = every_s
         self.stream = stream if stream is not None else sys.stderr
         self.clock = clock
@@ -68,6 +81,8 @@ class SeedProgress:
     def seed_done(self, violations: int) -> None:
         self.done += 1
         self.violations += violations
+        if self.done == 1 and self.total > 1:
+            self._estimate()
         if self._bar is not None:
             self._bar.update(self._task, completed=self.done, violations=self.violations, rate=self.rate())
         elif self.clock() - self.last_line >= self.every_s and self.done < self.total:
@@ -78,6 +93,22 @@ class SeedProgress:
             self._bar.stop()
         elif self.done != self.shown_done or self.done == 0:
             self._line()
+
+    def _estimate(self) -> None:
+        """After the first seed, how long all of them will take, when that is a minute or more
+        (seeds differ, and so does a loaded machine: a rough figure, said once)."""
+        first = self.clock() - self.started
+        rounds = -(-self.total // max(1, self.workers))  # seeds one worker runs after the other
+        total_s = first * rounds
+        if total_s < ESTIMATE_FROM_S:
+            return
+        text = (f"sim: the first seed took {first:.1f} s here: {self.total} seeds will take about "
+                f"{_duration(total_s)}" + (f" on {self.workers} workers" if self.workers > 1 else "")
+                + " (fewer: --seeds N)")
+        if self._bar is not None:
+            self._bar.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=self.stream, flush=True)
 
     def _line(self) -> None:
         self.last_line = self.clock()

@@ -58,7 +58,7 @@ def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Pat
     from moorline.sim.cli import SeedProgress
 
     todo = [seed] if seed is not None else list(range(start, start + seeds))
-    progress = SeedProgress(len(todo), progress_every)
+    progress = SeedProgress(len(todo), progress_every, workers=jobs)
     results: list[SeedResult] = []
     failed: list[SeedResult] = []
     t0 = time.monotonic()
