@@ -581,6 +581,11 @@ class Connection(asyncio.Protocol):
                         pk.username, client_id)
             self._connack_refuse(RC.NOT_AUTHORIZED)  # 3.1.1: return code 5
             return
+        if self.node.persistent_quota_exceeded(client_id, owner, expiry):
+            log.warning("%s: CONNECT of %r refused: user %r holds session.max_persistent_per_user persistent "
+                        "sessions", self.peer, client_id, owner)
+            self._connack_refuse(RC.QUOTA_EXCEEDED)  # 3.1.1: return code 3
+            return
         old = self.node.connections.get(client_id)
         if old is not None and old is not self:
             log.info("takeover: client %r user %r from %s takes its session over from the connection from %s",
