@@ -236,8 +236,10 @@ class Client:
             raise ValueError("protocol must be 4 (MQTT 3.1.1) or 5")
         if not 1 <= receive_maximum <= 65535:
             raise ValueError("receive_maximum must be within 1..65535")
-        if publish_timeout <= 0 or connect_timeout <= 0 or max_inflight < 1:
-            raise ValueError("timeouts and max_inflight must be positive")
+        if publish_timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("publish_timeout and connect_timeout must be positive")
+        if not 1 <= max_inflight <= 65000:
+            raise ValueError("max_inflight must be within 1..65000 (MQTT packet identifiers)")
         self.client_id = client_id or "ml-" + os.urandom(8).hex()
         self.username = username
         self.password = password.encode() if isinstance(password, str) else password
@@ -339,7 +341,7 @@ class Client:
         lost without a spool (a warning says how much) and kept in it with one."""
         if self._closed:
             return
-        if self._loop is not None and self.buffer.messages and self.connected.is_set():
+        if self._loop is not None and self.buffer.messages and not self._closing:
             await self.flush(self.close_timeout)
         self._closing = True
         self._closed = True
@@ -762,7 +764,7 @@ class Client:
                 await self._connect(host, port)
             except (OSError, TimeoutError, _ConnectRefused, ProtocolError, EOFError) as exc:
                 self._server_idx += 1  # the next server in the list
-                log.warning("connecting to %s:%d failed: %s", host, port, exc or type(exc).__name__)
+                log.warning("connecting to %s:%d failed: %s", host, port, str(exc) or type(exc).__name__)
                 await asyncio.sleep(random.uniform(0, delay))  # full jitter
                 delay = min(self.backoff_max, delay * 2)
                 continue

@@ -19,8 +19,10 @@ from moorline.mqtt.codec import Decoder, encode
 class FakeBroker:
     """Accepts one client at a time; ``applied`` is what a moorline shard would have stored."""
 
-    def __init__(self, refuse: set[bytes]) -> None:
+    def __init__(self, refuse: set[bytes] = frozenset(), redirect: str | None = None) -> None:  # type: ignore[assignment]
         self.refuse = refuse
+        self.redirect = redirect
+        self.connects = 0
         self.applied: list[bytes] = []
         self.producers: dict[str, int] = {}
         self.gaps = 0
@@ -36,6 +38,12 @@ class FakeBroker:
         while data := await r.read(65536):
             for pk in dec.feed(data):
                 if isinstance(pk, P.Connect):
+                    self.connects += 1
+                    if self.redirect is not None:  # 0x9D Server moved, with a Server Reference
+                        w.write(encode(P.Connack(False, 0x9D, P.Properties(server_reference=self.redirect)), 5))
+                        await w.drain()
+                        w.close()
+                        return
                     w.write(encode(P.Connack(False, 0, P.Properties(receive_maximum=50)), 5))
                 elif isinstance(pk, P.Publish):
                     assert pk.packet_id is not None
@@ -89,6 +97,27 @@ def test_a_refused_message_does_not_block_the_ones_after_it() -> None:
     b = asyncio.run(run())
     assert b.applied == [f"m{i}".encode() for i in range(10) if i != 2]
     assert b.gaps > 0  # the path under test was taken: old copies in flight came back as gaps
+
+
+def test_server_reference_is_followed() -> None:
+    """The only server in the list answers CONNACK 0x9D naming another: the client goes there."""
+
+    async def run() -> tuple[FakeBroker, FakeBroker]:
+        target = FakeBroker()
+        await target.start()
+        mover = FakeBroker(redirect=f"127.0.0.1:{target.port}")
+        await mover.start()
+        try:
+            async with Client([f"127.0.0.1:{mover.port}"], publish_timeout=5) as c:
+                await c.publish("t/r", b"moved")
+                assert c.server == f"127.0.0.1:{target.port}"
+        finally:
+            mover.close()
+            target.close()
+        return mover, target
+
+    mover, target = asyncio.run(run())
+    assert mover.connects >= 1 and target.applied == [b"moved"]
 
 
 def test_buffer_full_raises_or_blocks_with_a_bound() -> None:
