@@ -64,6 +64,7 @@ class Acceptor:
         self.refused = 0
         self.last_refusal: str | None = None
         self._logged_refusals: dict[str, float] = {}
+        self._logged_protocol_errors: dict[str, float] = {}
         self.closed = False
 
     def on_stream(self, stream: ByteStream) -> None:
@@ -176,6 +177,7 @@ class Acceptor:
         pong = asyncio.get_running_loop().create_task(self._pong_loop(conn))
         seen = reader.received_bytes
         reason: str | None = None
+        protocol_error = False
         try:
             while True:
                 # Idleness is _pong_loop's to notice (a timer per read cost more than the read).
@@ -201,7 +203,8 @@ class Acceptor:
                     elif not isinstance(f, Ping):
                         raise ProtocolError(f"unexpected {type(f).__name__} after the handshake")
         except ProtocolError as exc:
-            reason = f"closed the {STREAM_NAMES[conn.kind]} stream from {conn.peer}: {exc}"
+            reason = f"closed the {STREAM_NAMES[conn.kind]} stream from {conn.peer}: {escape(str(exc))}"
+            protocol_error = True
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(env.limits.handshake_timeout_s):
                     await handshake.refuse(conn.stream, str(exc))
@@ -214,8 +217,16 @@ class Acceptor:
             if self.connections.get((conn.peer, conn.kind)) is conn:
                 del self.connections[(conn.peer, conn.kind)]
             if reason is not None:
-                peer.note_error(reason, env.clock())
-                log.warning("cluster: %s", reason)
+                now = env.clock()
+                peer.note_error(reason, now)
+                # A peer breaking the protocol again and again is logged once per interval.
+                last = self._logged_protocol_errors.get(conn.peer)
+                if not protocol_error or last is None or now - last >= _REFUSAL_LOG_INTERVAL_S:
+                    if protocol_error:
+                        self._logged_protocol_errors[conn.peer] = now
+                    log.warning("cluster: %s", reason)
+                else:
+                    log.debug("cluster: %s", reason)
             await stop_tasks(pong)
 
     async def _pong_loop(self, conn: IncomingConn) -> None:

@@ -52,6 +52,7 @@ from moorline.raft import Message, MessageType, Stream, coalesce, expand
 log = logging.getLogger("moorline.cluster.link")
 
 ANNOUNCE_INTERVAL_S = 1.0  # storage-id announcements to peers, until and after bootstrap
+MAX_RAFT_NUMBER = (1 << 62) - 1  # terms, indexes, commits: a peer's larger (or negative) one is refused
 REFUSAL_LOG_INTERVAL_S = 60.0  # a peer's refused frames are logged at most this often (and counted always)
 _fwd_enc = msgspec.msgpack.Encoder()
 _fwd_dec = msgspec.msgpack.Decoder(tuple[int, list[bytes]])
@@ -304,9 +305,21 @@ class ClusterLink:
             self._refuse_frame(peer, f"malformed: {exc}", forged=False)
 
     def _check_from(self, peer: str, peer_id: int, m: Message) -> None:
+        """The message's sender must be the peer; its numbers must be ones a Raft core can hold
+        (a negative or 2^64 index is refused here, not left to the core)."""
         from_ = m.from_
         if not isinstance(from_, tuple | list) or len(from_) != 2 or from_[0] != peer_id:
             raise ForgedSender(f"a raft {m.type.name} from {escape(repr(from_), 120)}")
+        to = m.to
+        if not isinstance(to, tuple | list) or len(to) != 2 or to[0] != self.spec.my_id:
+            raise ValueError(f"a raft {m.type.name} addressed to {escape(repr(to), 120)}")
+        if not (0 <= m.term <= MAX_RAFT_NUMBER and 0 <= m.log_term <= MAX_RAFT_NUMBER
+                and 0 <= m.index <= MAX_RAFT_NUMBER and 0 <= m.commit <= MAX_RAFT_NUMBER
+                and 0 <= m.reject_hint <= MAX_RAFT_NUMBER):
+            raise ValueError(f"a raft {m.type.name} with a term, index or commit out of range")
+        for e in m.entries:
+            if not (0 <= e.term <= MAX_RAFT_NUMBER and 0 <= e.index <= MAX_RAFT_NUMBER):
+                raise ValueError(f"a raft {m.type.name} carrying an entry with a term or index out of range")
 
     def _refuse_frame(self, peer: str, what: str, forged: bool = True) -> None:
         """Count, and log at most once per peer per REFUSAL_LOG_INTERVAL_S (escaped)."""
