@@ -41,6 +41,9 @@ _COMMANDS: list[tuple[str, str, str]] = [
 _GROUPS: list[tuple[str, str, str]] = [
     ("certs", "moorline.certs", "app"),
     ("cluster", "moorline.node.cluster_cli", "app"),
+    ("clients", "moorline.node.console_cli", "clients_app"),
+    ("sessions", "moorline.node.console_cli", "sessions_app"),
+    ("retained", "moorline.node.console_cli", "retained_app"),
 ]
 
 for _name, _module, _func in _COMMANDS:

@@ -80,6 +80,14 @@ class HttpConfig:
     # request without Origin (curl, the Spark sink) is not affected; state-changing requests must
     # carry Content-Type: application/json either way (a page cannot send that cross-site unasked).
     allowed_origins: list[str] = field(default_factory=list)
+    # The web console (docs/console.md): live streams (GET /v1/console/stream) open at once, their
+    # update interval (0.5 s or more: at most 2 updates a second), the rate history they start with,
+    # and the largest page of an admin list (clients, sessions, retained, groups; and the most
+    # retained messages one DELETE /v1/retained clears).
+    max_console_streams: int = 8
+    console_update_interval_s: float = 1.0
+    console_history_s: float = 300.0
+    max_admin_page: int = 1000
 
 
 @dataclass
@@ -504,6 +512,11 @@ class NodeConfig:
         if h.max_body_bytes < 1024 or h.max_scan_per_fetch < 1 or h.scan_slice < 1 or h.max_answer_bytes < 1024:
             raise ConfigError("http.max_body_bytes and http.max_answer_bytes must be 1024 or more, "
                               "http.max_scan_per_fetch and http.scan_slice 1 or more")
+        if h.max_console_streams < 0 or h.console_update_interval_s < 0.5 or h.max_admin_page < 1:
+            raise ConfigError("http.max_console_streams must be 0 (no live console) or more, "
+                              "http.console_update_interval_s 0.5 or more, http.max_admin_page 1 or more")
+        if not 0 <= h.console_history_s <= 86_400:
+            raise ConfigError("http.console_history_s must be between 0 and 86400")
         for rule in self.auth.acl:
             if rule.action not in ("publish", "subscribe", "all"):
                 raise ConfigError(f"acl action must be publish, subscribe or all, not {rule.action!r}")

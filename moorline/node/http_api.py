@@ -580,6 +580,8 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     app.add_routes(routes)
+    from moorline.node.admin_api import register_admin  # the console and admin routes (imports this module)
+    register_admin(app, node, authorizer)
     return app
 
 

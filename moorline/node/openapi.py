@@ -237,6 +237,107 @@ ROUTES: tuple[Route, ...] = (
     }, tags=("admin",)),
 )
 
+# The web console and the admin API behind it (moorline/node/admin_api.py, docs/console.md).
+PAGE_PARAMS = (
+    Param("offset", "query", integer(minimum=0, default=0), "skip this many items of the list"),
+    Param("limit", "query", integer(minimum=1, default=100), "at most this many items (up to http.max_admin_page)"),
+)
+Q_PARAM = Param("q", "query", string(), "only items whose client id (group name) contains this")
+CLIENT_ID = Param("client_id", "path", string(), "the MQTT client id", required=True)
+RETAINED_FILTER = Param("filter", "query", string(default="#"), "an MQTT topic filter")
+
+
+def page_of(item: Schema) -> Schema:
+    return obj({"total": integer("items that matched"), "offset": integer(), "limit": integer(),
+                "items": array(item)}, ("total", "offset", "limit", "items"), more=True)
+
+
+SESSION_ROW = obj({
+    "client_id": string(), "user": nullable(string("the user name the session belongs to")),
+    "connected": boolean(), "owner_node": nullable(string("the node serving it while connected")),
+    "epoch": integer("changes at every connect"), "expiry_s": integer(),
+    "subscriptions": integer("how many"), "inflight": integer("deliveries sent and not yet acknowledged"),
+    "last_seen_ms": nullable(integer("when it disconnected (null while connected)")),
+    "will_pending": boolean("a will waits for its delay"),
+}, ("client_id", "connected", "epoch"), more=True)
+
+CONSOLE_ROUTES: tuple[Route, ...] = (
+    Route("get", "/console/{file}", "The console's script and style sheet", CALLER, {
+        200: ("the file", None), 404: ("no such console file", ERROR),
+    }, params=(Param("file", "path", string(), "console.js or console.css", required=True),), tags=("console",)),
+    Route("get", "/v1/me", "Who the caller is, and whether it has the admin role", CALLER, {
+        200: ("the caller", obj({"user": nullable(string()), "admin": boolean(), "node": string("this node")},
+                                ("user", "admin", "node"))),
+    }, tags=("console",)),
+    Route("get", "/v1/console/stream", "Live cluster view and this node's rates (server-sent events)", ADMIN, {
+        200: ("text/event-stream: a snapshot event (JSON) every http.console_update_interval_s", None),
+        429: ("http.max_console_streams are open", ERROR),
+    }, tags=("console",)),
+    Route("get", "/v1/clients", "Clients connected to this node (the admin role sees all; others their own)",
+          CALLER, {
+              200: ("a page of clients", page_of(obj({
+                  "client_id": string(), "user": nullable(string()), "node": string(), "address": string(),
+                  "protocol": string(), "since_ms": integer("connected since, ms since the epoch"),
+              }, ("client_id", "node", "address", "protocol", "since_ms"), more=True))),
+              400: ("offset or limit out of range", ERROR),
+          }, params=(*PAGE_PARAMS, Q_PARAM, Param("user", "query", string(), "only this user's clients")),
+          tags=("console",)),
+    Route("delete", "/v1/clients/{client_id}", "Disconnect a client (MQTT 5 DISCONNECT 0x98)", ADMIN, {
+        200: ("disconnected", obj({"client_id": string(), "node": string(), "disconnected": boolean()},
+                                  ("client_id", "node", "disconnected"))),
+        404: ("the client is not connected to this node", ERROR),
+    }, params=(CLIENT_ID,), tags=("console",)),
+    Route("get", "/v1/sessions", "Sessions (the admin role sees all; others their own)", CALLER, {
+        200: ("a page of sessions", page_of(SESSION_ROW)),
+        400: ("offset, limit or connected out of range", ERROR),
+    }, params=(*PAGE_PARAMS, Q_PARAM, Param("user", "query", string(), "only this user's sessions"),
+               Param("connected", "query", string(enum=["true", "false"]), "only connected (true) or not")),
+        tags=("console",)),
+    Route("get", "/v1/sessions/{client_id}", "One session: subscriptions, owed and in-flight counts", CALLER, {
+        200: ("the session", obj({
+            **SESSION_ROW["properties"], "shard": integer("its session shard"),
+            "owed": integer("messages its subscriptions are owed"), "owed_bytes": integer(),
+            "inbound_qos2": integer("QoS 2 publishes received and not released"),
+            "will": nullable(obj({"topic": string(), "qos": integer(), "delay_s": integer(),
+                                  "due_ms": nullable(integer())}, ("topic",), more=True)),
+            "subscriptions_list": array(obj({
+                "filter": string(), "qos": integer(), "no_local": boolean(), "retain_as_published": boolean(),
+                "retain_handling": integer(), "subscription_id": nullable(integer())}, ("filter", "qos"))),
+        }, ("client_id", "connected", "epoch"), more=True)),
+        404: ("no such session (or not the caller's)", ERROR),
+    }, params=(CLIENT_ID,), tags=("console",)),
+    Route("delete", "/v1/sessions/{client_id}", "End a session as its expiry would, will included", ADMIN, {
+        200: ("ended", obj({"client_id": string(), "ended": boolean()}, ("client_id", "ended"))),
+        202: ("the end is proposed and not applied here yet", obj({"client_id": string(), "ended": boolean()},
+                                                                  ("client_id", "ended"))),
+        404: ("no such session", ERROR),
+        409: ("the session is connected to another node (owner_node): end it there", ERROR),
+        503: ("the session shard is unavailable", ERROR),
+    }, params=(CLIENT_ID,), tags=("console",)),
+    Route("get", "/v1/retained", "Retained messages", ADMIN, {
+        200: ("a page of retained messages", page_of(obj({
+            "topic": string(), "shard": integer(), "bytes": integer("payload size"), "qos": integer(),
+            "guid": GUID, "timestamp_ms": integer()}, ("topic", "shard", "bytes")))),
+        400: ("an invalid filter, offset or limit", ERROR),
+    }, params=(RETAINED_FILTER, *PAGE_PARAMS), tags=("console",)),
+    Route("delete", "/v1/retained", "Clear retained messages (an empty retained publish per topic)", ADMIN, {
+        200: ("what was cleared", obj({
+            "filter": string(), "cleared": integer(), "failed": array(obj({"topic": string(), "error": string()})),
+            "remaining": integer("matched beyond http.max_admin_page: call again")},
+            ("filter", "cleared", "failed", "remaining"))),
+        400: ("no filter, or an invalid one", ERROR),
+    }, params=(RETAINED_FILTER,), tags=("console",)),
+    Route("get", "/v1/groups", "$share groups: members and backlog", ADMIN, {
+        200: ("a page of groups (one per group and filter)", page_of(obj({
+            "group": string(), "filter": string(), "members": array(string()),
+            "backlog": integer("messages owed and not claimed by a member"),
+            "in_flight": integer("claimed by a member, not acknowledged"), "shards": integer()},
+            ("group", "filter", "members", "backlog")))),
+        400: ("offset or limit out of range", ERROR),
+    }, params=(*PAGE_PARAMS, Q_PARAM), tags=("console",)),
+)
+ROUTES += CONSOLE_ROUTES
+
 
 def _operation(route: Route) -> Schema:
     responses: dict[str, Any] = {}
@@ -249,7 +350,13 @@ def _operation(route: Route) -> Schema:
         responses[str(status)] = resp
     # What the middleware and the admin check may answer on top of each route's own.
     auth_errors = {"401": "credentials missing or wrong (when the listener requires them)",
+                   "421": "the Host header names no name of this node (http.allowed_hosts)",
                    "429": "too many failed logins from this address (Retry-After says when to try again)"}
+    if route.method in ("post", "put", "delete"):
+        auth_errors["403"] = "a cross-origin request (Origin not allowed: http.allowed_origins)"
+    if route.body is not None:
+        auth_errors["413"] = "the body is larger than http.max_body_bytes"
+        auth_errors["415"] = "the body was not sent with Content-Type: application/json"
     if route.access == ADMIN:
         auth_errors["403"] = "the caller lacks the admin role (auth.admin_users)" + (
             ", or a cross-origin request" if "403" in auth_errors else "")
@@ -290,6 +397,7 @@ def openapi_document() -> Schema:
                 "loopback; on an open loopback listener a request without them is served as the anonymous "
                 "admin. x-moorline-access says what a route needs: caller, admin (auth.admin_users) or "
                 "open_status (open while auth.http_open_status is true). Every GET route also answers HEAD. "
+                "An unknown route or method answers 404 or 405 with a JSON error. "
                 "See docs/http-api.md."
             ),
         },
@@ -300,10 +408,3 @@ def openapi_document() -> Schema:
         "security": [{}, {"basic": []}, {"bearer": []}],
         "paths": paths,
     }
-                   "421": "the Host header names no name of this node (http.allowed_hosts)",
-    if route.method in ("post", "put", "delete"):
-        auth_errors["403"] = "a cross-origin request (Origin not allowed: http.allowed_origins)"
-    if route.body is not None:
-        auth_errors["413"] = "the body is larger than http.max_body_bytes"
-        auth_errors["415"] = "the body was not sent with Content-Type: application/json"
-                "An unknown route or method answers 404 or 405 with a JSON error. "

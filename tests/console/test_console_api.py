@@ -179,3 +179,38 @@ def test_console_page_and_openapi(node: NodeProcess) -> None:
     for path in ("/v1/clients", "/v1/clients/{client_id}", "/v1/sessions", "/v1/sessions/{client_id}",
                  "/v1/retained", "/v1/groups", "/v1/console/stream"):
         assert path in paths, path
+
+
+def test_cli_commands(node: NodeProcess) -> None:
+    from typer.testing import CliRunner
+
+    from moorline.cli import app
+
+    runner = CliRunner(env={"COLUMNS": "200"})  # rich tables: no column cut short
+    admin = ["--http", f"{HOST}:{node.http_port}", "--user", "root", "--password", USERS["root"]]
+    c = mqtt(node, "cli-client", "bob", props=[(P_SESSION_EXPIRY, 600)])
+    try:
+        r = runner.invoke(app, ["clients", "list", *admin, "--json"])
+        assert r.exit_code == 0, r.output
+        assert "cli-client" in [x["client_id"] for x in json.loads(r.output)["items"]]
+        r = runner.invoke(app, ["sessions", "list", *admin, "--q", "cli-"])
+        assert r.exit_code == 0 and "cli-client" in r.output and "connected" in r.output, r.output
+        r = runner.invoke(app, ["sessions", "show", "cli-client", *admin])
+        assert r.exit_code == 0 and "connected to n1" in r.output, r.output
+        pub = mqtt(node, "cli-retainer", "root")
+        pub.publish_and_wait("cli/r", b"v", qos=1, retain=True)
+        pub.close()
+        r = runner.invoke(app, ["retained", "list", *admin, "--filter", "cli/#"])
+        assert r.exit_code == 0 and "cli/r" in r.output, r.output
+        r = runner.invoke(app, ["retained", "clear", *admin, "--filter", "cli/#", "--yes"])
+        assert r.exit_code == 0 and "cleared 1 retained message" in r.output, r.output
+        r = runner.invoke(app, ["clients", "disconnect", "cli-client", *admin])
+        assert r.exit_code == 0 and "disconnected cli-client from n1" in r.output, r.output
+        # Errors are one clear line, never a traceback.
+        r = runner.invoke(app, ["sessions", "delete", "cli-client", "--yes", "--http", f"{HOST}:{node.http_port}",
+                                "--user", "alice", "--password", USERS["alice"]])
+        assert r.exit_code == 1 and "HTTP 403" in r.output and "admin role" in r.output, r.output
+        r = runner.invoke(app, ["sessions", "list", "--http", f"{HOST}:1"])
+        assert r.exit_code == 1 and "cannot reach" in r.output and "Traceback" not in r.output, r.output
+    finally:
+        c.close()

@@ -103,10 +103,16 @@ function sparkline(series, colors, width, height) {
   return svg;
 }
 
+function swatch(color) {
+  const b = h("b", {}, "■ ");
+  b.style.color = color;  // through the CSSOM: the page's Content-Security-Policy refuses style attributes
+  return b;
+}
+
 function chartCard(id, label, keys, colors, unit) {
   const pts = state.history;
   const last = pts.length ? pts[pts.length - 1] : null;
-  const legend = keys.map((k, i) => h("span", {}, h("b", { style: `color:${colors[i]}` }, "■ "), k, " ",
+  const legend = keys.map((k, i) => h("span", {}, swatch(colors[i]), k, " ",
     last ? fmtNum(last[k]) : "–", "  "));
   return h("div", { class: "card", "data-chart": id },
     h("div", { class: "chart-head" }, h("span", { class: "chart-label" }, label),
@@ -129,7 +135,7 @@ function renderOverview() {
     const rows = [
       ["state", up ? "up" : "down"],
       ["address", n.address || "–"],
-      ["zone", n.zone || "–"],
+      ...(snap.nodes.some((x) => x.zone) ? [["zone", n.zone || "–"]] : []),
       ["shard leaders", String(leaders[n.id] || 0)],
       ["groups led", String(n.groups_led)],
       ["uptime", n.self ? fmtDuration(snap.uptime_s) : "–"],
@@ -158,30 +164,40 @@ function renderOverview() {
 function renderShards() {
   const snap = state.snap;
   if (!snap) return;
-  let bad = 0;
+  const up = new Set(snap.nodes.filter((n) => n.reachable).map((n) => n.id));
+  let leaderless = 0, below = 0;
   const rows = snap.shards.map((s) => {
-    const below = s.target !== null && s.voters.length < s.target;
-    const isBad = !s.leader || below || !s.available;
-    if (isBad) bad++;
+    const live = s.voters.filter((v) => up.has(v)).length;
+    const isBelow = s.target !== null && live < s.target;
+    const isBad = !s.leader || isBelow || !s.available;
+    if (!s.leader) leaderless++;
+    if (isBelow) below++;
+    // commit - match per replica: known on the leader's node only ("·" elsewhere)
     const reps = Object.entries(s.replicas).sort().map(([name, r]) => {
       const lag = r.match === null || r.match === undefined ? null : Math.max(0, s.commit - r.match);
-      const applied = r.applied !== undefined ? ` / applied ${Math.max(0, s.commit - r.applied)}` : "";
-      return h("span", { class: lag === 0 ? "lag0" : "lagN" }, `${name}: ${lag === null ? "?" : lag}${applied}  `);
+      const cls = !up.has(name) ? "red" : lag === 0 ? "lag0" : lag === null ? "muted" : "lagN";
+      return h("span", { class: cls }, `${name} ${lag === null ? "·" : lag}  `);
     });
+    const mine = Object.values(s.replicas).find((r) => r.applied !== undefined);
+    const appliedLag = mine ? Math.max(0, s.commit - mine.applied) : null;
     return h("tr", { class: isBad ? "bad" : "", "data-shard": s.shard, "data-leader": s.leader || "" },
       h("td", {}, s.shard),
       h("td", { class: s.leader ? "" : "red" }, s.leader || "no leader"),
       h("td", {}, s.voters.join(", ")),
       h("td", {}, s.learners.join(", ") || "–"),
-      h("td", { class: below ? "red" : "" }, s.target === null ? "–" : `${s.voters.length}/${s.target}`),
+      h("td", { class: isBelow ? "red" : "" }, s.target === null ? "–" : `${live}/${s.target}`),
       h("td", {}, s.term), h("td", {}, s.commit), h("td", { class: "mono" }, reps),
+      h("td", { class: appliedLag ? "lagN" : "lag0" }, appliedLag === null ? "–" : appliedLag),
       h("td", {}, fmtNum(s.messages)), h("td", {}, fmtBytes(s.bytes)), h("td", {}, s.low_water),
       h("td", {}, s.next_offset));
   });
-  replaceRows(document.querySelector("#shards-table tbody"), rows, "no shards", 12);
-  document.getElementById("shard-summary").textContent =
-    bad ? `${bad} without a leader or below target` : "every shard has a leader";
-  document.getElementById("shard-summary").className = bad ? "red" : "good";
+  replaceRows(document.querySelector("#shards-table tbody"), rows, "no shards", 13);
+  const summary = document.getElementById("shard-summary");
+  const parts = [];
+  if (leaderless) parts.push(`${leaderless} without a leader`);
+  if (below) parts.push(`${below} below their replica target`);
+  summary.textContent = parts.length ? parts.join(", ") : "every shard led, every voter up";
+  summary.className = parts.length ? "red" : "good";
 }
 
 async function loadSessions() {
@@ -231,7 +247,7 @@ async function showSession(cid) {
   }
   box.replaceChildren(
     h("h3", {}, "Session ", h("span", { class: "mono" }, s.client_id)),
-    h("dl", { class: "kv", style: "max-width:520px" },
+    h("dl", { class: "kv narrow" },
       [["user", s.user || "–"], ["state", s.connected ? "connected" : "disconnected"],
         ["owner node", s.owner_node || "–"], ["epoch", s.epoch], ["session shard", s.shard],
         ["expiry", s.expiry_s + " s"], ["owed messages", `${s.owed} (${fmtBytes(s.owed_bytes)})`],
@@ -239,7 +255,7 @@ async function showSession(cid) {
         ["will", s.will ? `${s.will.topic} (delay ${s.will.delay_s} s)` : "–"],
         ["last seen", s.connected ? "now" : fmtAgo(s.last_seen_ms)]]
         .flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, String(v))])),
-    h("h3", { style: "margin-top:14px" }, "Subscriptions"),
+    h("h3", { class: "spaced" }, "Subscriptions"),
     h("table", { class: "grid" }, h("thead", {}, h("tr", {}, h("th", {}, "filter"), h("th", {}, "QoS"),
       h("th", {}, "no local"), h("th", {}, "subscription id"))), h("tbody", {}, subs)),
     actions.length ? h("div", { class: "actions" }, actions) : null);
