@@ -15,7 +15,6 @@ import pytest
 from typer.testing import CliRunner
 
 from moorline.cli import app
-from moorline.verify.cli import not_verified_reason
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,6 +24,8 @@ def _text(output: str) -> str:
 
 
 def test_min_acked_floor() -> None:
+    from moorline.verify.cli import not_verified_reason
+
     assert not_verified_reason({"acknowledged": 0}, 1) == (
         "the histories hold no acknowledged publish: nothing was checked")
     assert not_verified_reason({}, 1) is not None
