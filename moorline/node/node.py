@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from moorline import coverage
 from moorline.broker import commands as c
 from moorline.broker.effects import Effects
 from moorline.broker.messages import MessageProps, StoredMessage
@@ -205,6 +206,7 @@ class Node:
             if loaded is not None:
                 snap_index, snap_term, data = loaded
                 state = ShardState.restore(data, limits, self.cfg.session.max_expiry_s)
+                coverage.hit("snapshot_restored")
             else:
                 state = ShardState(shard, "meta" if is_meta else meta["incarnations"][shard], limits,
                                    self.cfg.session.max_expiry_s)
@@ -1027,12 +1029,14 @@ class Node:
         self._lease_deadline[(client_id, res.epoch)] = proposed_at + lease_s * (1 - self.cfg.session.owner_lease_drift)
         try:
             if res.wait_until_ms and not self.faults.no_owner_lease:  # the broken build serves at once
+                coverage.hit("takeover_waited")
                 await self._wait_for_previous_owner(client_id, res)
         finally:
             # Also when the wait failed (taken over again meanwhile): the incarnation this open
             # replaced is gone from the session shard whatever happens to this connection, and
             # nothing else would end it (a $share member whose claims never come back).
             if res.ended is not None:
+                coverage.hit("session_replaced")
                 await self._end_session(res.ended, reason)
         return res.session_present, res.epoch, res.incarnation
 
@@ -1216,6 +1220,7 @@ class Node:
             total_n -= 1
             total_b -= size
         for shard, offsets in victims.items():
+            coverage.hit("queue_cap_drop")
             self.propose(shard, c.DropOwed(reg_key, tuple(offsets), "queue_cap"), want=False)
 
     def _delivered_cursors(self, client_id: str) -> dict[int, int]:
@@ -1372,7 +1377,10 @@ class Node:
                     t = host.state.topics
                     if t.meta or t.dedup:
                         self.propose_lazy(host.shard, c.Housekeeping(now, self._pin_floor(host.shard, now)))
-                    if any(not s.connected or lease_lapsed(s, now) for s in host.state.sessions.sessions.values()):
+                    sessions = host.state.sessions.sessions.values()
+                    if any(lease_lapsed(s, now) for s in sessions):
+                        coverage.hit("owner_lease_lapsed")
+                    if any(not s.connected or lease_lapsed(s, now) for s in sessions):
                         await self._session_housekeeping(host.shard)  # wills due, expiry, owners gone
                 except (ShardUnavailable, ProposalDropped, NodeFailure) as exc:
                     # One shard's trouble (a failed will publish, a full proposal queue) must not
@@ -1390,6 +1398,7 @@ class Node:
             await self._end_session(sess, "session_expired")
 
     async def _publish_will(self, sess: Session, will: c.WillSpec) -> None:
+        coverage.hit("will_published")
         props = msgspec.msgpack.decode(will.props, type=MessageProps) if will.props else None
         msg = StoredMessage(
             will.topic, will.payload, will.qos, will.retain, guid128(sess.client_id, sess.incarnation, sess.epoch, "will"),
@@ -1416,9 +1425,11 @@ class Node:
                     host = self.groups[shard] if shard < len(self.groups) else None
                     if host is not None and host.failed is None:
                         host.start_snapshot()  # _snapshot_saved marks it in the WAL
-            self.wal.reclaim()
+            if self.wal.reclaim():
+                coverage.hit("wal_segment_reclaimed")
             for host in self.groups:
-                host.store.reclaim()
+                if host.store.reclaim():
+                    coverage.hit("store_segment_reclaimed")
         except OSError as exc:
             log.error("reclaim failed: %s", exc)
 

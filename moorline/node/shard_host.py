@@ -37,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from moorline import coverage
 from moorline.broker import commands as c
 from moorline.broker.effects import Effects
 from moorline.broker.messages import StoredMessage, decode_message
@@ -422,6 +423,7 @@ class ShardHost:
                 # transfer, the next two of its topic committed first). It waits, and so does
                 # everything after it, until the log takes them or another leader is given them.
                 self._held_from = own.seq
+                coverage.hit("proposal_held")
             return
         lead = self.raft.lead
         if lead is not None:
@@ -507,6 +509,8 @@ class ShardHost:
             return
         if self.faults.forwarder_drops_on_leader_change and lead != self._lead_seen:
             self._forget_unapplied(keep_newest=force)
+        if lead != self._lead_seen and lead is not None and self._own:
+            coverage.hit("proposals_handed_to_new_leader")
         self._lead_seen = lead
         if lead is None or not self._own:
             return
@@ -518,6 +522,7 @@ class ShardHost:
             taken = self.propose_forwarded([o.data for o in owns])
             if taken < len(owns):
                 self._held_from = owns[taken].seq  # the rest wait for room, in order
+                coverage.hit("proposal_held")
         else:
             self.hooks.forward(self, lead[0], [o.data for o in owns])
 
@@ -547,6 +552,7 @@ class ShardHost:
                 if index <= applied:
                     fut.set_result(None)
                 else:
+                    coverage.hit("read_barrier_waited")
                     waiting.append((index, fut))
             self._reads_confirmed = waiting
         if len(self._reads_asked) > READS_ASKED_MAX:  # answers lost with a leader change: forget the oldest
@@ -690,6 +696,11 @@ class ShardHost:
             if recent is not None:
                 recent.put_many(self.shard, fx.appends)
         if fx.releases:
+            kinds = {type(cmd) for cmd in cmds}
+            if c.AckReport in kinds:
+                coverage.hit("release_on_ack")
+            if c.Housekeeping in kinds:
+                coverage.hit("retention_release")
             store.release(fx.releases)
             if recent is not None:
                 recent.drop(self.shard, fx.releases)
@@ -721,6 +732,7 @@ class ShardHost:
         """Persist the state at the applied index now, on this thread (shutdown, tests); waits for
         a snapshot in flight first. The caller marks it in the WAL."""
         self._wait_snapshot_job()
+        coverage.hit("snapshot_taken")
         self._entries_since_snapshot = 0
         index = self.state.applied_index
         term = self.raft_log.term(index)
@@ -743,6 +755,7 @@ class ShardHost:
                 or settings.running >= settings.max_parallel):
             return False
         self._entries_since_snapshot = 0
+        coverage.hit("snapshot_taken")
         index = self.state.applied_index
         store = self.store
         job = _SnapshotJob(index, self.raft_log.term(index), self.raft.conf_state, store, store.begin_sync(),
@@ -916,6 +929,7 @@ class ShardHost:
         replace this replica's, durably (snapshot_install.py), before the Ready's WAL records are
         staged. A Ready with a snapshot nobody staged (a peer of another version) fails the shard
         rather than apply an empty state."""
+        coverage.hit("snapshot_installed")
         meta = snap.meta
         staged, self.staged_install = self.staged_install, None
         if staged is None or (staged.index, staged.term) != (meta.index, meta.term):
@@ -927,6 +941,11 @@ class ShardHost:
             return
         self._wait_snapshot_job()  # none should be (the receiver waited): never two writers of one store
         old_store = self.store
+        # Closed before its directory moves aside: closing writes the records it still buffers to
+        # its last segment by path, which after the move is absent (the group-commit task died on
+        # it) or, worse, the installed store's segment of the same name (found by moorline sim
+        # --cluster with a small raft.follower_log_margin_entries, which makes installs common).
+        old_store.close()
         try:
             snapshot_install.commit_install(staged, old_store.directory, self.snapshots)
             staged.store.relocate(old_store.directory)
@@ -936,7 +955,6 @@ class ShardHost:
             self.fail(f"installing the leader's snapshot at index {meta.index} failed: {exc}")
             log.error("shard %d: %s", self.shard, self.failed)
             return
-        old_store.close()
         self.store = staged.store
         self.store.on_corruption = self._store_damaged
         old_state, self.state = self.state, staged.state

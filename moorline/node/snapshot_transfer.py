@@ -50,6 +50,7 @@ from typing import Any, TypeVar
 import crc32c as _crc32c_module
 import msgspec
 
+from moorline import coverage
 from moorline.broker.shard import ShardState
 from moorline.hashing import crc32c
 from moorline.node import snapshot_install
@@ -228,6 +229,7 @@ class SnapshotTransfers:
             host.raft.report_snapshot(m.to, False)
             return
         t = _Outgoing(self._new_id(), shard, m.to, self._name_of(m.to[0]))
+        coverage.hit("snapshot_sent")
         self._out[t.id] = t
         self._out_by_target[key] = t
         t.task = asyncio.get_running_loop().create_task(self._run_send(host, t), name=f"snapshot-send:{shard}")

@@ -38,13 +38,14 @@ def known_switches() -> list[str]:
     return sorted(n for n, v in vars(Faults()).items() if v is False)
 
 
-def _run_one(args: tuple[int, int, frozenset[str], Path | None, bool]) -> SeedResult:
-    s, nodes, switches, trace, bitflips = args
-    return run_seed(s, nodes, switches, trace=trace, cfg=RunConfig(bitflips=bitflips))
+def _run_one(args: tuple[int, int, frozenset[str], Path | None, bool, bool]) -> SeedResult:
+    s, nodes, switches, trace, bitflips, draw_config = args
+    return run_seed(s, nodes, switches, trace=trace, cfg=RunConfig(bitflips=bitflips, draw_config=draw_config))
 
 
 def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Path | None,
-                switches: list[str], progress_every: float, bitflips: bool = False, jobs: int = 1) -> None:
+                switches: list[str], progress_every: float, bitflips: bool = False, jobs: int = 1,
+                draw_config: bool = True, verbose: bool = False) -> None:
     if nodes not in CLUSTER_SIZES:
         raise typer.BadParameter(f"--nodes must be 3 or 5 with --cluster, not {nodes}")
     unknown = [s for s in switches if s not in known_switches()]
@@ -62,7 +63,7 @@ def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Pat
     results: list[SeedResult] = []
     failed: list[SeedResult] = []
     t0 = time.monotonic()
-    work = [(s, nodes, frozenset(switches), trace, bitflips) for s in todo]
+    work = [(s, nodes, frozenset(switches), trace, bitflips, draw_config) for s in todo]
     pool = None
     try:
         if jobs > 1 and len(todo) > 1:
@@ -74,6 +75,8 @@ def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Pat
             it = map(_run_one, work)
         for r in it:
             results.append(r)
+            if verbose:  # the seed's node configuration: what it drew away from the defaults
+                typer.echo(f"seed {r.seed}: config {r.tuning or 'defaults'}", err=True)
             progress.seed_done(len(r.findings))
             if not r.ok:
                 failed.append(r)
@@ -118,8 +121,38 @@ def _summary(results: list[SeedResult], failed: list[SeedResult], elapsed: float
                   f"{60 * len(results) / elapsed / max(1, jobs):.1f}" if elapsed > 0 else "-")
     table.add_row("wall time", f"{elapsed:.0f} s")
     Console().print(table)
+    if results:
+        print_coverage(results)
     for r in failed[:10]:
         typer.echo(f"VIOLATION seed={r.seed}")
         for f in r.findings[:10]:
             typer.echo(f"  {f.kind}: {f.detail}")
         typer.echo(f"  replay: {r.replay_command()}")
+
+
+def path_coverage(results: list[SeedResult]) -> dict[str, tuple[int, int]]:
+    """Each rare node path (moorline/coverage.py): (seeds that reached it, times reached)."""
+    from moorline.coverage import RARE_NODE_PATHS
+
+    out: dict[str, tuple[int, int]] = {}
+    for name in RARE_NODE_PATHS:
+        counts = [r.paths.get(name, 0) for r in results]
+        out[name] = (sum(1 for n in counts if n), sum(counts))
+    return out
+
+
+def print_coverage(results: list[SeedResult]) -> None:
+    """The rare paths this batch reached; one never reached is printed as such, not left out."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from moorline.coverage import RARE_NODE_PATHS
+
+    table = Table(title="rare node paths reached")
+    table.add_column("path")
+    table.add_column("seeds", justify="right")
+    table.add_column("times", justify="right")
+    table.add_column("what")
+    for name, (seeds, times) in path_coverage(results).items():
+        table.add_row(name if seeds else f"[red]{name}[/red]", str(seeds), str(times), RARE_NODE_PATHS[name])
+    Console().print(table)

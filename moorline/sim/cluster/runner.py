@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moorline import coverage
 from moorline.chaos.node import flip_synced_byte
+from moorline.sim.cluster.tuning import DEFAULT_TUNING, GUIDLESS_MIN_QUEUE_CAP, draw_tuning
 from moorline.sim.cluster.world import SimNode, World, WorldConfig, quiet_logs
 
 
@@ -50,6 +52,9 @@ class RunConfig:
     # Optional (--bitflips): half the crashes also flip a bit of synced data. The node must report
     # it (refuse to start, or stop the group whose data it is) and never silently truncate it.
     bitflips: bool = False
+    # Each seed draws its node configuration (tuning.py: tiny snapshot intervals, WAL segments,
+    # retention, queue caps, leases, ...); False runs the defaults (--default-config).
+    draw_config: bool = True
 
 
 @dataclass
@@ -65,6 +70,9 @@ class SeedResult:
     counts: dict[str, int] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
     bitflips: bool = False
+    tuning: dict[str, object] = field(default_factory=dict)  # the knobs drawn away from the defaults
+    draw_config: bool = True
+    paths: dict[str, int] = field(default_factory=dict)  # rare node paths reached (moorline/coverage.py)
 
     @property
     def ok(self) -> bool:
@@ -72,6 +80,7 @@ class SeedResult:
 
     def replay_command(self) -> str:
         sw = "".join(f" --switch {s}" for s in self.switches) + (" --bitflips" if self.bitflips else "")
+        sw += "" if self.draw_config else " --default-config"
         return f"moorline sim --cluster --nodes {self.nodes} --seed {self.seed}{sw} --trace seed-{self.seed}.trace"
 
 
@@ -328,14 +337,16 @@ def _stored(host: Any) -> list[tuple[int, str]]:
 def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), base: Path | None = None,
              cfg: RunConfig | None = None, trace: Path | None = None) -> SeedResult:
     from moorline.sim.cluster.checkers import check_history
-    from moorline.sim.cluster.workload import Workload
+    from moorline.sim.cluster.workload import Workload, WorkloadConfig
 
     quiet_logs()
     cfg = cfg or RunConfig()
     started = time.perf_counter()
     own_base = base is None
     run_base = Path(tempfile.mkdtemp(prefix=f"moorline-sim-{seed}-", dir=_fast_tmp())) if base is None else base
-    world = World(seed, run_base, WorldConfig(nodes=nodes), switches=switches)
+    coverage.reset()  # the node paths this seed reaches (moorline/coverage.py)
+    tuning = draw_tuning(seed) if cfg.draw_config else DEFAULT_TUNING
+    world = World(seed, run_base, WorldConfig(nodes=nodes, shards=tuning.shards, tuning=tuning), switches=switches)
     rng = random.Random(f"{seed}/plan")
     findings: list[Finding] = []
     records: list[dict[str, Any]] = []
@@ -347,7 +358,10 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
             errors = [f"{sn.name}: {sn.boot_error!r}" for sn in world.nodes if sn.boot_error is not None]
             findings.append(Finding("cluster_did_not_form", "; ".join(errors) or "no leader for every group in 60 s"))
         else:
-            workload = Workload(world, random.Random(f"{seed}/workload"), records)
+            # A queue-cap drop names the broker's GUID; for a message published without one the
+            # history cannot tell which message it was, so seeds with a tiny cap publish with GUIDs.
+            wcfg = WorkloadConfig(guidless_publishers=tuning.max_queued_messages >= GUIDLESS_MIN_QUEUE_CAP)
+            workload = Workload(world, random.Random(f"{seed}/workload"), records, wcfg)
             plan.history = workload.history
             workload.start()
             end = world.scheduler.now + cfg.fault_s
@@ -396,7 +410,8 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
         digest.update(json.dumps(rec, sort_keys=True).encode() + b"\n")
     result = SeedResult(seed, nodes, tuple(sorted(switches)), findings, world.scheduler.now,
                         time.perf_counter() - started, world.scheduler.steps, digest.hexdigest()[:16],
-                        {**plan.counts, "records": len(records)}, list(world.events), cfg.bitflips)
+                        {**plan.counts, "records": len(records)}, list(world.events), cfg.bitflips,
+                        tuning.differences(), cfg.draw_config, coverage.snapshot())
     if trace is not None:
         write_trace(trace, result, records)
     return result
@@ -407,7 +422,7 @@ def write_trace(path: Path, result: SeedResult, records: list[dict[str, Any]]) -
     with open(path, "w", encoding="utf-8") as f:
         f.write(json.dumps({"seed": result.seed, "nodes": result.nodes, "switches": list(result.switches),
                             "trace_hash": result.trace_hash, "sim_s": round(result.sim_s, 3),
-                            "steps": result.steps}) + "\n")
+                            "steps": result.steps, "config": result.tuning}) + "\n")
         for line in result.events:
             f.write(json.dumps({"event": line}) + "\n")
         for rec in records:

@@ -28,6 +28,7 @@ from moorline.node.auth import Authorizer
 from moorline.node.node import Node
 from moorline.node.seams import Seams
 from moorline.node.server import MqttServer
+from moorline.sim.cluster.tuning import DEFAULT_TUNING, NodeTuning
 from moorline.sim.cluster.vloop import Scheduler, VirtualLoop
 from moorline.sim.cluster.vnet import LinkDelay, SimNetwork
 from moorline.storage.ledger import SyncLedger
@@ -131,6 +132,7 @@ class WorldConfig:
     max_rate_drift: float = 0.01  # clock rates within the documented 2 % bound
     delay: LinkDelay = field(default_factory=LinkDelay)
     publish_timeout_s: float = 5.0
+    tuning: NodeTuning = DEFAULT_TUNING  # the seed's node configuration (tuning.py)
 
 
 class World:
@@ -194,6 +196,7 @@ class World:
         cfg.storage.wal_preallocate = False  # no preparer thread
         cfg.storage.inline_sync_max_us = 0
         cfg.listeners.mqtt = f"{sn.host}:{MQTT_PORT}"
+        self.cfg.tuning.apply(cfg)
         return cfg
 
     def start(self, sn: SimNode) -> None:
