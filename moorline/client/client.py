@@ -218,7 +218,7 @@ class Client:
         receive_maximum: int = 100,
         max_inflight: int = 1000,
         publish_timeout: float = 30.0,
-        connect_timeout: float = 5.0,
+        connect_timeout: float = 15.0,
         close_timeout: float = 10.0,
         buffer: BufferLimits | None = None,
         spool: str | os.PathLike[str] | None = None,
