@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +51,26 @@ def every_shard_led(c: Cluster) -> bool:
     return True
 
 
+def publish_until(c: RawClient, stop: threading.Event) -> None:
+    i = 0
+    while not stop.is_set():
+        try:
+            c.publish_and_wait(f"metrics/{i % 8}", b"%d" % i, qos=1, timeout=5)
+        except (OSError, AssertionError, ConnectionError):
+            time.sleep(0.2)  # the topic's shard changing leader: go on
+        i += 1
+        if i % 20 == 0:
+            time.sleep(0.05)
+
+
+def read_until(c: RawClient, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            c.recv_or_none(0.2)
+        except (OSError, ConnectionError):
+            return
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> object:
     if chromium_path() is None:
@@ -76,12 +97,23 @@ def test_console_in_chromium(cluster: Cluster, tmp_path: Path) -> None:
         assert call(n1.http_url, "GET", path)[0] == 401, path
     clients = [mqtt(n1.mqtt_port, "alice-sensor", "alice"), mqtt(n1.mqtt_port, "bob-sensor", "bob")]
     clients[0].subscribe([("$share/workers/jobs/#", 1)])
+    # Traffic for the rate charts: a QoS 1 publisher and a QoS 0 reader on n1, until the test ends.
+    publisher, reader = mqtt(n1.mqtt_port, "traffic-pub", "root"), mqtt(n1.mqtt_port, "traffic-sub", "root")
+    reader.subscribe([("metrics/#", 0)])
+    stop = threading.Event()
+    threads = [threading.Thread(target=publish_until, args=(publisher, stop), daemon=True),
+               threading.Thread(target=read_until, args=(reader, stop), daemon=True)]
+    for t in threads:
+        t.start()
     shots = tmp_path / "screenshots"
     shots.mkdir()
     try:
         asyncio.run(drive(cluster, url, shots))
     finally:
-        for c in clients:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        for c in (*clients, publisher, reader):
             c.close()
     print(f"screenshots in {shots}")
 
@@ -100,6 +132,10 @@ async def drive(cluster: Cluster, url: str, shots: Path) -> None:
             20)
         assert sorted(nodes) == ["n1", "n2", "n3"]
         await browser.wait_for("a sparkline", "document.querySelectorAll('#charts svg.spark polyline').length >= 3", 10)
+        await browser.wait_for("live rates above 0 (publishes in, deliveries out)",
+                               "['in', 'out'].every(k => parseFloat(document.querySelector("
+                               "`[data-chart=\"${k}\"] .chart-value`).textContent) > 0)", 15)
+        await asyncio.sleep(3)  # a few more points on the sparklines for the screenshot
         for page in PAGES:
             await browser.eval(f"location.hash = '#{page}'")
             await browser.wait_for(f"the {page} page", f"document.body.dataset.page === '{page}'", 10)

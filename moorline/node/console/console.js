@@ -150,8 +150,8 @@ function renderOverview() {
   document.getElementById("nodes").replaceChildren(...cards);
   const charts = [
     chartCard("in", "messages in", ["in"], ["#4fb3ff"], "msg/s"),
-    chartCard("out", "messages out (delivered)", ["out"], ["#b48cff"], "msg/s"),
-    chartCard("acks", "accepted vs refused", ["accepted", "refused"], ["#3ecf8e", "#ff5c5c"], "msg/s"),
+    chartCard("out", "delivered", ["out"], ["#b48cff"], "msg/s"),
+    chartCard("acks", "accepted / refused", ["accepted", "refused"], ["#3ecf8e", "#ff5c5c"], "msg/s"),
     h("div", { class: "card", "data-chart": "p99" },
       h("div", { class: "chart-head" }, h("span", { class: "chart-label" }, "p99 ack latency"),
         h("span", { class: "chart-value" }, snap.p99_ack_ms === null ? "–" : fmtNum(snap.p99_ack_ms),
