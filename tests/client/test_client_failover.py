@@ -1,17 +1,19 @@
 """moorline.client against a 3-node cluster whose node the producer is connected to is SIGKILLed
 twice while it publishes (the issue asks 20,000 messages; COUNT here fits the CI budget on a shared
 2-core machine). Every publish that returned is in the topic's shard exactly once, in order; every
-one that raised at most once; none is missing."""
+one that raised at most once; none is missing; a subscriber with a persistent session (moorline.client,
+explicit acks) receives all of them in that order, a second time only as a DUP resend."""
 
 from __future__ import annotations
 
 import base64
 import re
+import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from client_support import Proc, producer_args, wait_until
+from client_support import HERE, Proc, producer_args, wait_until
 from cluster_harness import Cluster
 
 COUNT = 6000
@@ -32,6 +34,11 @@ def test_publishes_survive_two_kills_of_the_connected_node(cluster: Callable[[in
     topic = "client/failover"
     port_to_node = {nd.mqtt_port: name for name, nd in cl.nodes.items()}
     servers = ",".join(f"127.0.0.1:{nd.mqtt_port}" for nd in cl.nodes.values())
+    # A subscriber (moorline.client, persistent session, explicit acks) on any node: it may be
+    # on a killed node too, and then resumes its session elsewhere.
+    sub = procs([sys.executable, str(HERE / "subscriber.py"), "--servers", servers, "--client-id", "failover-sub",
+                 "--filter", topic, "--clean"], "subscriber")
+    wait_until("subscribed", lambda: any(ln.startswith("subscribed") for ln in sub.lines()), 30, sub)
     p = procs(producer_args(servers=servers, topic=topic, count=COUNT, window=200, rate=400), "producer")
 
     def acked() -> int:
@@ -70,7 +77,27 @@ def test_publishes_survive_two_kills_of_the_connected_node(cluster: Callable[[in
     ok_set = set(ok)
     order = [i for i in stored if i in ok_set]
     assert order == sorted(order), "acknowledged messages out of order"
+
+    # What the subscriber received: everything stored, in the stored order; a message comes again
+    # only as a resend (DUP) of one not acknowledged when a connection was lost.
+    def received() -> list[tuple[int, bool]]:
+        return [(int(ln.split()[1]), ln.endswith("dup=1")) for ln in sub.lines() if ln.startswith("got ")]
+
+    wait_until("the subscriber received every stored message",
+               lambda: {i for i, _ in received()} >= set(stored), 60, sub)
+    sub.kill9()
+    got = received()
+    first: list[int] = []
+    seen: set[int] = set()
+    for i, dup in got:
+        if i in seen:
+            assert dup, f"{i} received twice, the second time without DUP"
+        else:
+            seen.add(i)
+            first.append(i)
+    assert first == stored, "the subscriber received the messages in another order than stored"
     resent = p.stderr().count("connection to")
     print(f"\n{COUNT} messages, kills {kills}, {len(ok)} ok, {len(err)} raised "
-          f"({len(set(err) & set(stored))} of them stored), lost connections logged: {resent}")
+          f"({len(set(err) & set(stored))} of them stored), lost connections logged: {resent}, "
+          f"subscriber: {len(got)} received, {len(got) - len(first)} resends (DUP)")
     assert len(kills) == 2
