@@ -148,6 +148,9 @@ class SessionConfig:
     # name only; anonymous clients share no per-user bound. 0: no bound.
     max_persistent_per_user: int = 1000
     delivery_batch_max: int = 256
+    # Notices of owed messages a connected session keeps in memory per shard while its client does
+    # not take them; past this they are dropped and read again from the shard's state later.
+    max_pending_notices: int = 10_000
     # The node serving a session holds a lease on it in the session's shard, renewed every third
     # of it. A node that cannot renew (cut off from the shard's majority) closes the client's
     # connection before the lease ends; a new owner elsewhere serves only after it has run out.
@@ -423,6 +426,8 @@ class NodeConfig:
             raise ConfigError("mqtt.max_packet_size must not exceed raft.max_entry_bytes")
         if not 1 <= self.shard.count <= 4096:
             raise ConfigError("shard.count must be within 1..4096")
+        if self.session.max_pending_notices < 1:
+            raise ConfigError("session.max_pending_notices must be 1 or more")
         if not 0 < self.supervisor.backoff_initial_s <= self.supervisor.backoff_max_s:
             raise ConfigError("supervisor.backoff_initial_s must be above 0 and at most supervisor.backoff_max_s")
         if self.raft.max_pending_proposals < 1:

@@ -134,6 +134,11 @@ class LiveSession:
         self.inflight_out = 0  # QoS>0 PUBLISHes not yet acknowledged by the client
         self.share_delivered: set[tuple[int, int]] = set()  # (shard, offset) of share claims in flight
         self.pending: dict[int, deque[tuple[int, str]]] = {}  # shard -> (offset, registration), arrival order
+        # Shards whose notices went past session.max_pending_notices while the client did not take
+        # them: dropped (the shard's state still owes every one of them) and read again from that
+        # state, at most that many at a time, once the pump has taken what it had.
+        self.overflowed: set[int] = set()
+        self.max_pending = node.cfg.session.max_pending_notices
         # shard -> retained messages of a registration just applied there (embedded deliveries):
         # served before that shard's pending offsets, all of which the shard applied after them.
         self.retained_first: dict[int, deque[c.DeliveryItem]] = {}
@@ -353,20 +358,42 @@ class LiveSession:
 
     def notify_run(self, shard: int, run: Iterable[tuple[int, str]]) -> None:
         """``notify`` for (offset, registration) pairs in apply order, appended as they are."""
+        if shard in self.overflowed:
+            return  # read from the shard's state when the pump gets there
         dq = self.pending.get(shard)
         if dq is None:
             dq = self.pending[shard] = deque()
         dq.extend(run)
+        if len(dq) > self.max_pending:
+            dq.clear()
+            self.overflowed.add(shard)
 
     def _load_pending(self, sess: Session) -> None:
         """On (re)connect: everything owed past the delivered cursor, and our undelivered claims."""
         node = self.node
         self.pending = {}
+        self.overflowed = set()
         self.share_delivered.update((shard, offset) for shard, _rk, offset in sess.share_done)
         for shard, regs in node.session_regs(self.client_id, sess):
             entries = self._pending_entries(shard, regs)
+            if len(entries) > self.max_pending:
+                del entries[self.max_pending:]
+                self.overflowed.add(shard)  # the rest is read again once these are taken
             if entries:
                 self.pending[shard] = deque(entries)
+
+    def _reload_overflowed(self, sess: Session) -> None:
+        """Shards whose notices were dropped: what they owe past the cursor, from their state, as
+        far as the bound allows (the rest on a later pass)."""
+        for shard, regs in self.node.session_regs(self.client_id, sess):
+            if shard not in self.overflowed or self.pending.get(shard):
+                continue
+            entries = self._pending_entries(shard, regs)
+            if len(entries) <= self.max_pending:
+                self.overflowed.discard(shard)
+            else:
+                del entries[self.max_pending:]
+            self.pending[shard] = deque(entries)
 
     def _pending_entries(self, shard: int, regs: list[tuple[str, Any]]) -> list[tuple[int, str]]:
         """(offset, registration) owed to (or claimed for) this session in ``shard`` past the
@@ -391,6 +418,8 @@ class LiveSession:
         if sess is None or sess.epoch != self.epoch:
             return False
         subs = self.node.reg_subs(self.client_id, sess)
+        if self.overflowed:
+            self._reload_overflowed(sess)
         room = self._room()
         batch_max = min(self.node.cfg.session.delivery_batch_max, self._packet_id_room())
         if batch_max <= 0:

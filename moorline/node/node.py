@@ -120,7 +120,8 @@ class Node:
         self.connections: dict[str, Any] = {}  # client id -> Connection (for takeover)
         self.pins: dict[str, tuple[dict[int, int], float]] = {}  # reader -> (shard -> offset, deadline)
         self._share_pending: set[tuple[int, str]] = set()
-        self._share_rr: dict[str, int] = {}
+        self._share_rr: dict[str, int] = {}  # $share registration -> next member (pruned: _prune_share_rr)
+        self._housekeeping_rounds = 0
         self._views: dict[str, _SessionViews] = {}  # client id -> derived views; dropped when it disconnects
         self._topic_shards: dict[str, int] = {}
         self._guid_prefix = seams.random_bytes(8)
@@ -1386,7 +1387,18 @@ class Node:
                     # One shard's trouble (a failed will publish, a full proposal queue) must not
                     # stop retention and reclaim for every other shard: it is tried next round.
                     log.warning("shard %d: housekeeping deferred: %s", host.shard, exc)
+            self._prune_share_rr()
             self._reclaim()
+
+    def _prune_share_rr(self) -> None:
+        """Round-robin positions of $share groups that no longer exist here go (one entry per group
+        ever seen otherwise: a client creating groups would grow it without bound)."""
+        self._housekeeping_rounds += 1
+        if not self._share_rr or self._housekeeping_rounds % 60:
+            return  # every 60th round: a scan of every registration is not for every second
+        live_keys = {k for h in self.hosts for k in h.state.topics.regs if self.is_share_key(k)}
+        for key in [k for k in self._share_rr if k not in live_keys]:
+            del self._share_rr[key]
 
     async def _session_housekeeping(self, shard: int) -> None:
         fut = self.propose(shard, c.SessionHousekeeping(self.now_ms()))
