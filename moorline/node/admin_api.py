@@ -469,7 +469,7 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
                 for m in reg.members:
                     if m not in row["members"]:
                         row["members"].append(m)
-                row["backlog"] += len(reg.owed) - len(reg.claims)
+                row["backlog"] += max(0, len(reg.owed) - len(reg.claims))
                 row["in_flight"] += len(reg.claims)
                 row["shards"] += 1
         return web.json_response(_paged((agg[k] for k in sorted(agg)), *page))

@@ -214,3 +214,20 @@ def test_cli_commands(node: NodeProcess) -> None:
         assert r.exit_code == 1 and "cannot reach" in r.output and "Traceback" not in r.output, r.output
     finally:
         c.close()
+
+
+def test_admin_ends_a_connected_session_here(node: NodeProcess) -> None:
+    watcher = mqtt(node, "will-watcher-2", "root")
+    watcher.subscribe([("wills/#", 1)])
+    victim = mqtt(node, "connected-victim", "bob", clean=False, props=[(P_SESSION_EXPIRY, 3600)],
+                  will=("wills/victim", b"bye", 1, False))
+    try:
+        status, body = call(base(node), "DELETE", "/v1/sessions/connected-victim", "root")
+        assert status == 200 and body["ended"] is True, body
+        assert victim.expect(DISCONNECT, timeout=5).reason == 0x98
+        will = watcher.expect(PUBLISH, timeout=5)
+        assert (will.topic, will.payload) == ("wills/victim", b"bye")
+        assert call(base(node), "GET", "/v1/sessions/connected-victim", "root")[0] == 404
+    finally:
+        victim.close()
+        watcher.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from cluster_harness import Cluster
-from rawclient import P_SESSION_EXPIRY, RawClient
+from rawclient import DISCONNECT, P_SESSION_EXPIRY, RawClient
 
 from tests.console.cdp import Browser, chromium_path
 from tests.console.support import USERS, auth_config, basic, call, write_passwords
@@ -109,6 +109,11 @@ def test_console_in_chromium(cluster: Cluster, tmp_path: Path) -> None:
     shots.mkdir()
     try:
         asyncio.run(drive(cluster, url, shots))
+        bye = clients[1].expect(DISCONNECT, timeout=5)  # disconnected from the console's Sessions page
+        assert bye.reason == 0x98, bye
+        # A session served by another node is ended through that node (409 names it).
+        status, body = call(cluster["n3"].http_url, "DELETE", "/v1/sessions/alice-sensor", "root")
+        assert status == 409 and body["owner_node"] == "n1", body
     finally:
         stop.set()
         for t in threads:
@@ -154,6 +159,18 @@ async def drive(cluster: Cluster, url: str, shots: Path) -> None:
                                        ".textContent.includes('workers')", 10)
             await asyncio.sleep(0.3)
             await browser.screenshot(shots / f"{page}.png")
+        assert browser.errors == [], browser.errors
+
+        # An admin action from the page (same-origin DELETE, through the listener's Origin check):
+        # disconnect bob's client, confirmed.
+        await browser.eval("location.hash = '#sessions'")
+        await browser.wait_for("bob's session", "!!document.querySelector('[data-client=\"bob-sensor\"]')", 10)
+        await browser.eval("window.confirm = () => true;"
+                           " document.querySelector('[data-client=\"bob-sensor\"]').click()")
+        await browser.wait_for("the disconnect button", "!!document.querySelector('[data-action=\"disconnect\"]')", 10)
+        await browser.eval("document.querySelector('[data-action=\"disconnect\"]').click()")
+        await browser.wait_for("the disconnect's answer", "document.getElementById('toast').textContent"
+                               ".includes('\"disconnected\":true')", 10)
         assert browser.errors == [], browser.errors
 
         # SIGKILL a node that leads shards (not the one serving the console).

@@ -309,7 +309,13 @@ function startStream() {
   state.stream = es;
   const dot = document.getElementById("live");
   es.addEventListener("open", () => { dot.className = "dot on"; });
-  es.addEventListener("error", () => { dot.className = "dot off"; });
+  es.addEventListener("error", () => {
+    dot.className = "dot off";
+    if (es.readyState === EventSource.CLOSED) {  // refused (e.g. 429: http.max_console_streams), not retried
+      toast("live updates refused by the node (too many consoles open?): reload to try again", true);
+      state.stream = null;
+    }
+  });
   es.addEventListener("snapshot", (ev) => {
     const snap = JSON.parse(ev.data);
     if (snap.history) {
