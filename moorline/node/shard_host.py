@@ -969,6 +969,7 @@ class ShardHost:
             mask = (1 << SHARD_SHIFT) - 1
             self.recent.drop(self.shard, [k & mask for k in list(self.recent.by_key) if k >> SHARD_SHIFT == self.shard])
         self._settle_own_after_install()
+        self.check_admission()  # the installed state may admit this node only under a later boot
         log.warning("shard %d: installed the leader's snapshot at index %d (term %d): this replica was "
                     "%d entries behind", self.shard, meta.index, meta.term, meta.index - old_state.applied_index)
         hook = self.snapshot_settings.on_installed
