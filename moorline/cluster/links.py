@@ -87,6 +87,7 @@ class OutgoingLink:
         self._stream: ByteStream | None = None
         self._reader: handshake.FrameReader | None = None
         self._last_logged_error: str | None = None
+        self._last_quiet_error: str | None = None  # the same, for what quiet_until logs at INFO
         self.task: asyncio.Task[None] | None = None
         # Keepalive without a timer per frame: one timer per keepalive interval checks when the
         # connection was last written to, and asks for a Ping when it was idle that long.
@@ -321,7 +322,9 @@ class OutgoingLink:
     def _fail(self, message: str) -> None:
         self.peer.note_error(message, self.env.clock())
         if self.peer.last_contact_at is None and self.env.clock() < self.env.quiet_until:
-            log.info("cluster: %s (peer not started yet?)", message)  # the first failure after it is a warning
+            if message != self._last_quiet_error:  # once, not at every attempt; the first after it warns
+                log.info("cluster: %s (peer not started yet?)", message)
+                self._last_quiet_error = message
             return
         # The same failure repeating (a peer down for hours) is logged once, not at every attempt.
         if message != self._last_logged_error:
