@@ -388,6 +388,9 @@ class LogConfig:
     level: str = "info"  # debug, info, warning, error
     format: str = "text"  # text: one line per record; json: one JSON object per line (ts, level, logger, msg)
     failed_login_interval_s: float = 10.0  # failed logins: one line per this interval, the rest counted in it
+    # Lines a client's misbehaviour causes (protocol errors, refused publishes, WebSocket refusals)
+    # are limited per source address (IPv6: its /64): this many a minute, the rest counted in the next.
+    per_source_lines_per_minute: int = 20
 
 
 @dataclass
@@ -420,6 +423,8 @@ class NodeConfig:
             raise ConfigError(f"log.level must be one of {', '.join(LOG_LEVELS)}, not {self.log.level!r}")
         if self.log.format not in ("text", "json"):
             raise ConfigError(f"log.format must be 'text' or 'json', not {self.log.format!r}")
+        if self.log.per_source_lines_per_minute < 1:
+            raise ConfigError("log.per_source_lines_per_minute must be 1 or more")
         if self.log.failed_login_interval_s < 0:
             raise ConfigError("log.failed_login_interval_s must be 0 or more")
         if self.mqtt.max_packet_size > self.raft.max_entry_bytes:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -24,6 +25,26 @@ _injected_faults: Faults = NO_FAULTS
 def inject_faults(faults: Faults) -> None:
     global _injected_faults
     _injected_faults = faults
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with control characters (newlines, escape sequences) written as Python escapes."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+class EscapeControls(logging.Filter):
+    """A log record's message never spans lines or carries terminal escapes, whatever a value that
+    came from the network holds: a client id or peer name cannot forge a log line (issue 30.7). Values
+    from the network are also logged with %r where they are; this catches every other call."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if not msg.isprintable():
+            record.msg, record.args = escape_controls(msg), None
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -52,6 +73,7 @@ def setup_logging(level: str, fmt: str) -> None:
         formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     formatter.converter = time.gmtime
     handler.setFormatter(formatter)
+    handler.addFilter(EscapeControls())
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 

@@ -235,7 +235,7 @@ class Connection(asyncio.Protocol):
         try:
             task = self.node.close_session(live, self.will_on_close, self.session_expiry_override)
         except ShardUnavailable as exc:
-            log.warning("%s: session close not recorded: %s", self.client_id, exc)
+            log.warning("%r: session close not recorded: %s", self.client_id, exc)
             return
         task.add_done_callback(_log_task_error)
 
@@ -266,8 +266,8 @@ class Connection(asyncio.Protocol):
             # The client stopped reading: bounded buffer, then disconnect (unacked work is redelivered).
             # Reset, dropping the buffer: a close() would hold it, and the session, until the client
             # read it all, which a client that stopped reading never does.
-            log.info("%s %s: disconnected: not reading (write buffer past mqtt.max_write_buffer_bytes)",
-                     self.peer, self.client_id)
+            self.server.log_client(log, logging.INFO, self._host(), "%s %r: disconnected: not reading (write buffer "
+                                   "past mqtt.max_write_buffer_bytes)", self.peer, self.client_id)
             self._closing = True
             self.close_reason = "not reading (write buffer past mqtt.max_write_buffer_bytes)"
             sock = self.transport.get_extra_info("socket")
@@ -284,7 +284,8 @@ class Connection(asyncio.Protocol):
             self._write(data)
 
     def protocol_error(self, reason: int, text: str) -> None:
-        log.info("%s %s: protocol error: %s", self.peer, self.client_id, text)
+        self.server.log_client(log, logging.INFO, self._host(), "%s %r: protocol error: %r", self.peer, self.client_id,
+                               text)
         if self.state.awaiting_connect:
             version = self.state.version or 4
             if version == MQTT_5 or v3_connack_applicable(reason):
@@ -293,12 +294,15 @@ class Connection(asyncio.Protocol):
             self._write(encode(p.Disconnect(reason, p.Properties(reason_string=text[:200])), MQTT_5))
         self.abort(text)
 
+    def _host(self) -> str:
+        return self.peer.rpartition(":")[0]
+
     def abort(self, why: str) -> None:
         if self._closing:
             return
         self._closing = True
         self.close_reason = why
-        log.debug("closing %s (%s): %s", self.peer, self.client_id, why)
+        log.debug("closing %s (%r): %r", self.peer, self.client_id, why)
         if self.transport is not None:
             self._flush()
             self.transport.close()
@@ -767,7 +771,7 @@ class Connection(asyncio.Protocol):
         if self.version != MQTT_5:
             self.abort(f"publish refused: {exc}")
             return
-        log.info("%s: publish refused: %s", self.client_id, exc)
+        self.server.log_client(log, logging.INFO, self._host(), "%r: publish refused: %s", self.client_id, exc)
         for pid in pids:
             self._queue_ack((kind, pid, RC.UNSPECIFIED_ERROR, str(exc)[:200]))(None, None)
 

@@ -104,6 +104,35 @@ class ConnectionRateLimiter:
 REFUSAL_LOG_INTERVAL_S = 10.0  # refused connections are logged at most this often (a flood floods no log)
 
 
+class SourceLog:
+    """Lines a client's misbehaviour causes, limited per source address (``rate_key``): a token
+    bucket of ``per_minute`` lines refilled over a minute. ``allow`` says whether to log now and how
+    many lines from that source were left out since the last one it allowed; the limit is the source's,
+    never the text's (a client chooses its text, not its address). At most ``max_sources`` tracked."""
+
+    def __init__(self, per_minute: int, max_sources: int = 10_000) -> None:
+        self.per_minute = float(per_minute)
+        self.max_sources = max_sources
+        self._sources: OrderedDict[str, list[float]] = OrderedDict()  # key -> [tokens, as of, left out]
+
+    def allow(self, host: str, now: float) -> tuple[bool, int]:
+        key = rate_key(host)
+        entry = self._sources.pop(key, None)
+        if entry is None:
+            if len(self._sources) >= self.max_sources:
+                self._sources.popitem(last=False)
+            entry = [self.per_minute, now, 0.0]
+        entry[0] = min(self.per_minute, entry[0] + (now - entry[1]) * self.per_minute / 60.0)
+        entry[1] = now
+        self._sources[key] = entry
+        if entry[0] < 1.0:
+            entry[2] += 1
+            return False, 0
+        entry[0] -= 1.0
+        left_out, entry[2] = int(entry[2]), 0.0
+        return True, left_out
+
+
 class MqttServer:
     def __init__(self, node: Node, authorizer: Authorizer) -> None:
         self.node = node
@@ -128,6 +157,17 @@ class MqttServer:
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
         self.sys_topics: SysTopics | None = None  # $SYS subscribers of this node (serve() sets it)
         self.failed_logins = FailedLoginLog(node.cfg.log.failed_login_interval_s, node.clock.monotonic)
+        self.client_log = SourceLog(node.cfg.log.per_source_lines_per_minute)
+
+    def log_client(self, logger: logging.Logger, level: int, host: str, msg: str, *args: object) -> None:
+        """Log a line a client caused, within its source's budget (SourceLog); %r its values."""
+        if not logger.isEnabledFor(level):
+            return
+        allowed, left_out = self.client_log.allow(host, self.node.clock.monotonic())
+        if allowed:
+            if left_out:
+                msg += f" ({left_out} more lines from this address left out)"
+            logger.log(level, msg, *args)
 
     def protocol_factory(self) -> Connection:
         return Connection(self)

@@ -85,8 +85,9 @@ class PreConnectLimit(asyncio.Protocol):
             else:
                 self.received += len(data)
                 if self.received > self.limit:
-                    log.info("%s: %d bytes over WebSocket before CONNECT was accepted (limit %d): closing",
-                             self.conn.peer or "a socket", self.received, self.limit)
+                    self.conn.server.log_client(
+                        log, logging.INFO, self.conn.peer.rpartition(":")[0], "%s: %d bytes over WebSocket before "
+                        "CONNECT was accepted (limit %d): closing", self.conn.peer, self.received, self.limit)
                     self.limit = 0
                     self.conn._closing = True
                     if self.transport is not None:
@@ -308,8 +309,9 @@ class WebSocketListeners:
             return web.Response(status=400, text="one MQTT connection per socket\n")
         if (why := self.refusal(request)) is not None:
             conn._closing = True
-            log.info("%s: WebSocket upgrade refused: %s (Origin %r)", conn.peer or request.remote,
-                     why, request.headers.get("Origin"))
+            self.server.log_client(log, logging.INFO, request.remote or "", "%s: WebSocket upgrade refused: %s "
+                                   "(Origin %r, Host %r)", request.remote, why, request.headers.get("Origin"),
+                                   request.headers.get("Host"))
             return web.Response(status=403, text=why + "\n")
         ws = web.WebSocketResponse(protocols=(SUBPROTOCOL,), compress=False, max_msg_size=self.max_frame_bytes,
                                    timeout=self.close_timeout_s, autoping=True, heartbeat=None)
@@ -329,7 +331,8 @@ class WebSocketListeners:
                 if msg.type is WSMsgType.BINARY:
                     conn.data_received(msg.data)
                 elif msg.type is WSMsgType.TEXT:
-                    log.info("%s: text frame on MQTT over WebSocket: closing (MQTT-6.0.0-1)", conn.peer)
+                    self.server.log_client(log, logging.INFO, conn.peer.rpartition(":")[0],
+                                           "%s: text frame on MQTT over WebSocket: closing (MQTT-6.0.0-1)", conn.peer)
                     conn.abort("text frame")
                     break
                 else:  # CLOSE, CLOSING, CLOSED, ERROR (an oversized frame: 1009 already sent)
