@@ -129,9 +129,9 @@ def producer_args(**kw: object) -> list[str]:
 
 
 @pytest.fixture
-def mosquitto(tmp_path: Path) -> Iterator[Callable[[], tuple[int, Callable[[], None], Callable[[], None]]]]:
-    """``mosquitto()`` -> (port, kill9, restart): Mosquitto with persistence on, QoS 1 queued for
-    offline persistent sessions."""
+def mosquitto(tmp_path: Path) -> Iterator[Callable[[], tuple[int, Callable[[int], None]]]]:
+    """``mosquitto()`` -> (port, signal): Mosquitto with persistence on, QoS 1 queued for offline
+    persistent sessions; ``signal(SIGSTOP)`` etc. signals its process."""
     exe = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if os.path.exists("/usr/sbin/mosquitto") else None)
     if exe is None:
         pytest.skip("mosquitto not installed")
@@ -154,18 +154,17 @@ def mosquitto(tmp_path: Path) -> Iterator[Callable[[], tuple[int, Callable[[], N
                     raise AssertionError("mosquitto did not start") from None
                 time.sleep(0.05)
 
-    def kill9() -> None:
-        p = holder[-1]
-        p.send_signal(signal.SIGKILL)
-        p.wait(10)
+    def send(sig: int) -> None:
+        holder[-1].send_signal(sig)
 
-    def make() -> tuple[int, Callable[[], None], Callable[[], None]]:
+    def make() -> tuple[int, Callable[[int], None]]:
         start()
-        return port, kill9, start
+        return port, send
 
     yield make
     for p in holder:
         if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
             p.terminate()
             try:
                 p.wait(10)
