@@ -87,6 +87,8 @@ def cluster(tmp_path: Path) -> object:
     finally:
         problems = c.close()
         assert not problems, problems
+        bad = c.bad_log_lines()  # an exception in the console's routes or sampler is logged as ERROR
+        assert not bad, bad
 
 
 def test_console_in_chromium(cluster: Cluster, tmp_path: Path) -> None:
@@ -167,7 +169,9 @@ async def drive(cluster: Cluster, url: str, shots: Path) -> None:
         await browser.wait_for("bob's session", "!!document.querySelector('[data-client=\"bob-sensor\"]')", 10)
         await browser.eval("window.confirm = () => true;"
                            " document.querySelector('[data-client=\"bob-sensor\"]').click()")
-        await browser.wait_for("the disconnect button", "!!document.querySelector('[data-action=\"disconnect\"]')", 10)
+        await browser.wait_for("bob's session details with a disconnect button",
+                               "document.getElementById('session-detail').dataset.client === 'bob-sensor'"
+                               " && !!document.querySelector('[data-action=\"disconnect\"]')", 10)
         await browser.eval("document.querySelector('[data-action=\"disconnect\"]').click()")
         await browser.wait_for("the disconnect's answer", "document.getElementById('toast').textContent"
                                ".includes('\"disconnected\":true')", 10)

@@ -259,6 +259,7 @@ async function showSession(cid) {
     h("table", { class: "grid" }, h("thead", {}, h("tr", {}, h("th", {}, "filter"), h("th", {}, "QoS"),
       h("th", {}, "no local"), h("th", {}, "subscription id"))), h("tbody", {}, subs)),
     actions.length ? h("div", { class: "actions" }, actions) : null);
+  box.dataset.client = s.client_id;
   box.hidden = false;
 }
 
