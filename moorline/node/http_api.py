@@ -18,7 +18,8 @@ Web pages and the default open loopback node (docs/security.md):
 
 - ``Host`` must name this node: an IP address, ``localhost``, the listener's own host, or one of
   ``http.allowed_hosts``; any other name is refused (421), so a page whose DNS name was rebound to
-  127.0.0.1 reads and writes nothing.
+  127.0.0.1 reads and writes nothing. Checked on requests that arrive on a loopback address, and on
+  every request once ``http.allowed_hosts`` is set (a node reached by DNS name lists its names there).
 - A state-changing request (POST, PUT, DELETE) with an ``Origin`` other than the request's own or one
   of ``http.allowed_origins`` is refused (403); POST and PUT need ``Content-Type: application/json``
   (415), which a cross-site page cannot send without a CORS preflight this node never grants.
@@ -133,6 +134,21 @@ def is_ip_literal(host: str) -> bool:
     return True
 
 
+def arrived_on_loopback(request: web.Request) -> bool:
+    """Whether the request came in on a loopback address of this machine (where a rebound DNS name
+    leads: the open default node)."""
+    transport = request.transport
+    local = transport.get_extra_info("sockname") if transport is not None else None
+    if not local:
+        return True
+    try:
+        ip = ipaddress.ip_address(str(local[0]).partition("%")[0])
+    except ValueError:
+        return True
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
 def _consume(fut: asyncio.Future[Any]) -> None:
     # An outcome nobody waits for any more (answered "unknown") must not be logged as never retrieved.
     if not fut.cancelled():
@@ -155,8 +171,12 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
     any_origin = "*" in hcfg.allowed_origins
     allowed_origins = {o.strip().lower().rstrip("/") for o in hcfg.allowed_origins}
 
-    def host_allowed(host_header: str | None) -> bool:
-        if not host_header:
+    def host_allowed(request: web.Request) -> bool:
+        """Checked on loopback (DNS rebinding's target: the open default node), and everywhere once
+        http.allowed_hosts names the host names of a node reached by name (off loopback every
+        request needs credentials, which a rebinding page does not have)."""
+        host_header = request.headers.get("Host")
+        if not host_header or not (hcfg.allowed_hosts or arrived_on_loopback(request)):
             return True  # HTTP/1.0 without Host: no browser sends that
         name = host_of(host_header)
         return name in own_names or is_ip_literal(name)
@@ -187,7 +207,7 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
     @web.middleware
     async def web_guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         """DNS rebinding, cross-site requests, oversized bodies: refused before credentials are checked."""
-        if not host_allowed(request.headers.get("Host")):
+        if not host_allowed(request):
             return _err(421, "this node does not serve that Host name (http.allowed_hosts)")
         if request.method in STATE_CHANGING:
             if not origin_allowed(request):

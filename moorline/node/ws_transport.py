@@ -22,7 +22,8 @@ Until its CONNECT is accepted a socket may send at most ``mqtt.max_connect_packe
 The upgrade is refused (403) for a browser page of another site: an ``Origin`` header must be one of
 ``listeners.ws_allowed_origins`` ("*": any) or, when that is empty, name the host the request was sent
 to; and the ``Host`` must be this node's (an IP address, ``localhost``, the listener's host or one of
-``http.allowed_hosts``), so DNS rebinding cannot make a page same-host. Clients that send no Origin
+``http.allowed_hosts``), so DNS rebinding cannot make a page same-host: checked for upgrades arriving
+on a loopback address, and for all once ``http.allowed_hosts`` is set. Clients that send no Origin
 (MQTT libraries, not browsers) are not affected.
 """
 
@@ -265,6 +266,7 @@ class WebSocketListeners:
         self.any_origin = "*" in ncfg.listeners.ws_allowed_origins
         self.allowed_origins = {o.strip().lower().rstrip("/") for o in ncfg.listeners.ws_allowed_origins}
         self.own_names = {"localhost"} | {_host_of(h) for h in ncfg.http.allowed_hosts}
+        self.check_all_hosts = bool(ncfg.http.allowed_hosts)
         for listener in (ncfg.listeners.ws, ncfg.listeners.wss):
             if listener:
                 self.own_names.add(_host_of(listener.rpartition(":")[0].strip("[]") or "127.0.0.1"))
@@ -282,8 +284,11 @@ class WebSocketListeners:
 
     def refusal(self, request: web.Request) -> str | None:
         """Why a browser page may not open this WebSocket (module docstring), or None."""
+        from moorline.node.http_api import arrived_on_loopback
+
         host = request.headers.get("Host")
-        if host and not (_host_of(host) in self.own_names or _is_ip(_host_of(host))):
+        if (host and (self.check_all_hosts or arrived_on_loopback(request))
+                and not (_host_of(host) in self.own_names or _is_ip(_host_of(host)))):
             return "this node does not serve that Host name (http.allowed_hosts)"
         origin = request.headers.get("Origin")
         if origin is None or self.any_origin:

@@ -37,7 +37,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProc]:
 @pytest.fixture(scope="module")
 def bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProc]:
     """A node with small HTTP bounds, so a test reaches them with a few thousand messages."""
-    config = "[http]\nmax_scan_per_fetch = 1000\nscan_slice = 100\nmax_answer_bytes = 65536\n"
+    config = ("[http]\nmax_scan_per_fetch = 1000\nscan_slice = 100\nmax_answer_bytes = 65536\n"
+              'allowed_hosts = ["broker.example"]\n')
     with running_broker(tmp_path_factory.mktemp("bounded"), config_text=config) as b:
         yield b
 
@@ -106,6 +107,14 @@ def test_a_dns_rebound_host_name_reads_nothing(node: BrokerProc) -> None:
     for host in (f"127.0.0.1:{node.http_port}", f"localhost:{node.http_port}", "localhost"):
         status, body, _ = request(node, "GET", "/v1/shards/0/messages?from=0", headers={"Host": host})
         assert status == 200, (host, status, body)
+
+
+def test_host_names_listed_in_http_allowed_hosts_are_served(bounded: BrokerProc) -> None:
+    """A node reached by DNS name lists its names in http.allowed_hosts; other names stay refused."""
+    status, _, _ = request(bounded, "GET", "/v1/health", headers={"Host": f"broker.example:{bounded.http_port}"})
+    assert status == 200
+    status, _, _ = request(bounded, "GET", "/v1/health", headers={"Host": f"evil.example:{bounded.http_port}"})
+    assert status == 421
 
 
 def test_a_web_page_of_another_site_cannot_open_the_mqtt_websocket(node: BrokerProc) -> None:
