@@ -124,6 +124,15 @@ class SnapshotSettings:
         )
 
 
+def records_from(state: ShardState) -> int:
+    """The lowest offset whose record a snapshot of ``state`` must carry: its first kept message
+    (the next offset when it keeps none). Not the store's low-water mark: that is only where every
+    later offset is present, and a message kept longer (still owed) than later released ones
+    survives below it; a transfer starting there installed a replica without it (moorline sim
+    --cluster, seed 203)."""
+    return next(iter(state.topics.meta), state.topics.next_offset)
+
+
 def recorded_members(meta: bytes, voters: list[MemberId], learners: list[MemberId]
                      ) -> tuple[list[MemberId], list[MemberId]]:
     """The voters and learners a replica starts with: the configuration its snapshot recorded
@@ -144,7 +153,9 @@ class SavedSnapshotInfo:
     meta: bytes
     path: Path
     size: int
-    low_water: int  # the message store's, when the state was frozen
+    # Where a transfer's records start: the state's lowest kept offset when it was frozen
+    # (``records_from``), which can be below the store's low-water mark (sparse survivors).
+    low_water: int
     next_offset: int  # the state's (and the store's) next message offset at ``index``
 
 
@@ -743,7 +754,7 @@ class ShardHost:
         path = self.snapshots.save(self.shard, index, term, data, meta)
         self.last_snapshot_bytes = len(data)
         self._snapshot_recorded(index, term, conf, SavedSnapshotInfo(
-            index, term, meta, path, path.stat().st_size, self.store.low_water, self.state.topics.next_offset))
+            index, term, meta, path, path.stat().st_size, records_from(self.state), self.state.topics.next_offset))
         return index, term
 
     def start_snapshot(self) -> bool:
@@ -759,7 +770,7 @@ class ShardHost:
         index = self.state.applied_index
         store = self.store
         job = _SnapshotJob(index, self.raft_log.term(index), self.raft.conf_state, store, store.begin_sync(),
-                           store.low_water, self.state.topics.next_offset, self.generation,
+                           records_from(self.state), self.state.topics.next_offset, self.generation,
                            self.snapshots.temp_path(self.shard, f"{index}-{self.generation}-{os.getpid()}"))
         executor = settings.executor
         if not self.last_snapshot_bytes:  # first one since start: the size of the one loaded

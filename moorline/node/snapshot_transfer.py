@@ -654,6 +654,12 @@ def _finish_staging(t: _Incoming) -> snapshot_install.StagedInstall:
     if state.topics.incarnation != old.topics.incarnation:
         raise ValueError(f"the state is of incarnation {state.topics.incarnation}, this shard's is {old.topics.incarnation}")
     meta = state.topics.meta
+    received = set(t.received)
+    missing = [o for o in meta if o not in received]
+    if missing:
+        # Installing would lose them here (a leader that started its records above them): refused.
+        raise ValueError(f"the leader sent no record of {len(missing)} message(s) its state keeps "
+                         f"(offsets {missing[0]}..{missing[-1]}, records sent from {offer.low_water})")
     gone = [o for o in t.received if o not in meta]  # released at the leader before its snapshot
     if gone:
         store.release(gone)
