@@ -3,10 +3,7 @@ they need instead of ending in an ImportError traceback."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,8 +12,6 @@ import pytest
 from typer.testing import CliRunner
 
 from moorline.cli import app
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _text(output: str) -> str:
@@ -35,37 +30,50 @@ def test_min_acked_floor() -> None:
     assert not_verified_reason({"acknowledged": 0}, 0) is None  # the caller asked for nothing
 
 
-@pytest.mark.spark
-def test_verify_of_a_history_without_publishes_is_not_verified(tmp_path: Path) -> None:
-    """A well-formed history (connects, a subscription) with no publish: exit 3 and why, no PASS."""
-    if shutil.which("java") is None:  # pragma: no cover - CI has Java
-        pytest.skip("pyspark needs a Java runtime")
-    rows: list[dict[str, Any]] = []
-    t = 1_000_000_000
+class _Verdict:
+    """What run_verify returns, for a history without anomalies and with ``acked`` acknowledged publishes."""
 
-    def ev(type: str, op: str, **kw: Any) -> None:
-        nonlocal t
-        t += 1_000_000
-        rows.append({"run": "r1", "index": len(rows), "type": type, "op": op, "mono_ns": t,
-                     "wall_ms": t // 1_000_000, "process": kw.get("session"), **kw})
+    def __init__(self, acked: int) -> None:
+        self.totals: dict[str, Any] = {"runs": 1, "events": 5, "published": acked, "acknowledged": acked}
+        self.latency: dict[str, Any] = {}
+        self.ok = True
+        self.unavailable = 0
 
-    ev("invoke", "connect", session="s1", clean_start=False, session_expiry=3600)
-    ev("ok", "connect", session="s1", session_present=False)
-    ev("invoke", "subscribe", session="s1", filter="t/#", qos=1, share_group=None, sticky=False, no_local=False)
-    ev("ok", "subscribe", session="s1", filter="t/#", qos=1, share_group=None, sticky=False, no_local=False)
-    ev("ok", "disconnect", session="s1")
+    def headline(self) -> str:
+        return "PASS"
+
+
+@pytest.mark.parametrize(("acked", "args", "reason"), [
+    (0, [], "the histories hold no acknowledged publish: nothing was checked"),
+    (4, ["--min-acked", "5"], "4 acknowledged publishes, fewer than --min-acked 5"),
+])
+def test_verify_with_too_few_acknowledged_publishes_is_not_verified(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, acked: int, args: list[str], reason: str) -> None:
+    """The command's verdict on what the checks counted (Spark replaced by their result): exit 3
+    and why, never PASS."""
+    pytest.importorskip("pyspark")
+    import contextlib
+
+    from moorline.verify import job, progress
+
+    class Spark:
+        sparkContext = None
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(job, "make_spark", lambda *a, **k: Spark())
+    monkeypatch.setattr(job, "run_verify", lambda spark, paths, report, progress=None: _Verdict(acked))
+    monkeypatch.setattr(progress, "SparkProgress",
+                        lambda *a, **k: contextlib.nullcontext(type("Shown", (), {"step": None})()))
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/" + name)
     history = tmp_path / "h.jsonl"
-    history.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "moorline", "verify", str(history), "--master", "local[1]",
-         "--report", str(tmp_path / "report"), "--shuffle-partitions", "1"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 3, out[-3000:]
-    assert "NOT VERIFIED" in out and "no acknowledged publish" in out, out[-3000:]
-    assert "PASS" not in out
+    history.write_text("{}\n", encoding="utf-8")
+    result = CliRunner().invoke(app, ["verify", str(history), "--report", str(tmp_path / "r"), *args])
+    text = _text(result.output)
+    assert result.exit_code == 3, (result.output, result.exception)
+    assert f"NOT VERIFIED ({reason}" in text and f"moorline verify: NOT VERIFIED: {reason}" in text, text
+    assert "PASS" not in text
 
 
 def test_verify_without_pyspark_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
