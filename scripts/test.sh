@@ -66,6 +66,7 @@ if [ "$mode" = managed ]; then
     echo "using the virtual environment in .venv"
   fi
   PY="$PWD/.venv/bin/python"
+  export VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH"  # the tests find its commands (moorline, ...)
 fi
 "$PY" -m pip install -q --disable-pip-version-check -e '.[test]'
 
