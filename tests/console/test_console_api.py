@@ -231,3 +231,14 @@ def test_admin_ends_a_connected_session_here(node: NodeProcess) -> None:
     finally:
         victim.close()
         watcher.close()
+
+
+@pytest.mark.parametrize("key,value", [("console_update_interval_s", 0.1), ("max_console_streams", -1),
+                                       ("max_admin_page", 0), ("console_history_s", -5.0)])
+def test_console_bounds_are_checked(key: str, value: float) -> None:
+    from moorline.config import ConfigError, NodeConfig
+
+    cfg = NodeConfig()
+    setattr(cfg.http, key, value)
+    with pytest.raises(ConfigError, match=f"http.{key}"):
+        cfg.validate()
