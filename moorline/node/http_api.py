@@ -79,11 +79,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class Caller:
     principal: Principal
     admin: bool
-
-    @property
-    def key(self) -> str:
-        """Who owns pins and sink markers (and de-duplicates publishes): the user name, "" anonymous."""
-        return self.principal.username or ""
+    # Who owns pins and sink markers (and de-duplicates publishes): the user name, "" anonymous;
+    # an unproven name on a node that proves identities counts as anonymous (Authorizer.owner_name).
+    key: str = ""
 
 
 # Set by the authentication middleware for the request's task (aiohttp runs each request in its own).
@@ -252,7 +250,8 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
             return _err(401, "bad credentials", CHALLENGE)
         who = Principal(name, "", proven)
         # An unproven name (an open node without a password file) is served as the anonymous caller is.
-        CALLER.set(Caller(who, authorizer.is_admin(who) or (not proven and anonymous.admin)))
+        CALLER.set(Caller(who, authorizer.is_admin(who) or (not proven and anonymous.admin),
+                          authorizer.owner_name(who)))
         return await handler(request)
 
     def admin_only() -> web.Response | None:

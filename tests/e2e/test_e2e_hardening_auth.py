@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import json
 import os
 import signal
 import socket
@@ -297,3 +298,25 @@ def test_a_revoked_client_certificate_is_refused(broker_factory: BrokerFactory, 
     with pytest.raises((ssl.SSLError, ConnectionClosed, ConnectionResetError, BrokenPipeError, TimeoutError)):
         bob = tls_raw(port, client_tls_context(certs.ca_cert, bob_cert, bob_key))
         bob.connect("bob-1")  # TLS 1.3: the refusal arrives after the client's Finished
+
+
+def test_an_unproven_http_name_cannot_poison_the_real_users_producer(broker_factory: BrokerFactory,
+                                                                     tmp_path: Path) -> None:
+    """Attack (opened by accepting unproven names, issue 36.8): on a node whose HTTP users are proven
+    by tokens, a Basic login naming "spark" (no password file checks it) publishes with the real
+    spark's producer id and a high sequence, so the real spark's next messages are "duplicate"."""
+    tokens = tmp_path / "tokens"
+    token = _moorline("token", str(tokens), "spark").stdout.strip()
+    broker = broker_factory(config_text=f'[auth]\ntoken_file = "{tokens}"\n')
+    producer = "00000000000000aa"
+
+    def publish(auth: str, seq: int) -> dict[str, object]:
+        body = json.dumps({"messages": [{"topic": "sink/t", "payload": "", "producer": producer, "seq": seq}]})
+        req = urllib.request.Request(broker.http_url + "/v1/publish", data=body.encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": auth})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.loads(r.read())["results"][0]  # type: ignore[no-any-return]
+
+    fake = "Basic " + base64.b64encode(b"spark:guess").decode()
+    assert publish(fake, 1000)["status"] == "ok"  # accepted: an open loopback node, an unproven name
+    assert publish(f"Bearer {token}", 1)["status"] == "ok"  # the real spark's sequence is its own
