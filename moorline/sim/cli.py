@@ -165,8 +165,9 @@ def sim(
     switch: Annotated[list[str] | None, typer.Option(help="--cluster: a test-only broken build (Faults field)")] = None,
     bitflips: Annotated[bool, typer.Option(help="--cluster: crashes may also flip a bit of synced data")] = False,
     jobs: Annotated[int, typer.Option(help="--cluster: seeds run in this many worker processes at once")] = 1,
-    default_config: Annotated[
-        bool, typer.Option(help="--cluster: every seed runs the default node configuration (no per-seed draw)")
+    draw_config: Annotated[
+        bool, typer.Option(help="--cluster: each seed draws its node configuration (tiny snapshot intervals, "
+                                "segments, retention, caps, leases; docs/simulation.md)")
     ] = False,
 ) -> None:
     """Deterministic simulation: seeded faults, online Raft checks, total-queue and
@@ -176,7 +177,7 @@ def sim(
         from moorline.sim.cluster.cli import cluster_sim
 
         cluster_sim(seeds, start, nodes, seed, trace, switch or [], progress_every, bitflips, jobs,
-                    draw_config=not default_config, verbose=verbose)
+                    draw_config=draw_config, verbose=verbose)
         return
     if bug is not None and bug not in ALL_BUGS:
         raise typer.BadParameter(f"unknown bug {bug!r}; known: {', '.join(ALL_BUGS)}")
