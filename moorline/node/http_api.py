@@ -596,6 +596,10 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
         lines.append("# TYPE moorline_task_failures_total counter")
         for task, n in sorted(node.supervisor.failures.items()):
             lines.append(f'moorline_task_failures_total{{task="{task}"}} {n}')
+        if node.link is not None:
+            lines.append("# TYPE moorline_cluster_frames_refused_total counter")
+            for peer, n in sorted(node.link.frames_refused.items()):
+                lines.append(f'moorline_cluster_frames_refused_total{{peer="{peer}"}} {n}')
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     app.add_routes(routes)
