@@ -239,7 +239,7 @@ class SnapshotTransfers:
         try:
             msg = _decoder.decode(data)
         except (msgspec.DecodeError, ValueError) as exc:
-            log.warning("snapshot transfer: dropping a malformed message from %s: %s", peer, exc)
+            log.warning("snapshot transfer: dropping a malformed message from %s: %r", peer, str(exc)[:200])
             return
         if type(msg) is Ack:
             out = self._out.get(msg.transfer)
