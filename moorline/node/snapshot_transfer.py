@@ -566,7 +566,10 @@ def _open_staging(t: _Incoming) -> None:
         snapshot_install.discard_staging(directory)
     directory.mkdir()
     t.state_fd = os.open(directory / snapshot_install.STATE_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    store = MessageStore(directory / snapshot_install.STORE_DIR, segment_bytes=t.host.store.segment_bytes, cache_bytes=0)
+    # The node's ledger of synced lengths (a test harness's, else None) follows the received store
+    # into the live directory (``relocate``): a crash after the install cuts its files by their own lengths.
+    store = MessageStore(directory / snapshot_install.STORE_DIR, segment_bytes=t.host.store.segment_bytes,
+                         ledger=t.host.store.ledger, cache_bytes=0)
     store.open()
     store.reset(t.offer.low_water)
     t.store = store

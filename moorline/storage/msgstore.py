@@ -621,9 +621,12 @@ class MessageStore:
 
     def relocate(self, directory: Path) -> None:
         """The store's directory was renamed to ``directory`` (after ``sync``): its files are
-        found there from now on."""
+        found there from now on. The ledger (when kept) learns their synced lengths under their
+        new names, which may be those of another store's files it recorded before (the replica's
+        store an install moved aside): a crash must cut these files to their own lengths."""
         self._close_writer()
         self.directory = Path(directory)
+        moved: list[tuple[Path, int]] = []
         for seg in self._segments:
             if seg.read_fd is not None:
                 os.close(seg.read_fd)
@@ -632,6 +635,19 @@ class MessageStore:
             if seg.path in self._synced_sizes:
                 self._synced_sizes[new_path] = self._synced_sizes.pop(seg.path)
             seg.path = new_path
+            moved.append((new_path, self._synced_sizes.get(new_path, 0)))
+        if self._ledger is not None:
+            meta = self.directory / META_FILE
+            if meta.exists():
+                moved.append((meta, _META.size))
+            for path, _size in moved:
+                self._ledger.forget(path)  # a new file under an old name: recorded afresh
+            self._ledger.record_many(moved)
+
+    @property
+    def ledger(self) -> SyncLedger | None:
+        """The test harness's record of synced lengths this store keeps (None in production)."""
+        return self._ledger
 
     def _mark_synced(self, seg: _Segment) -> None:
         """``seg`` was just fdatasynced at its current size."""

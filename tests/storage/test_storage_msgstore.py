@@ -418,3 +418,33 @@ def test_copy_forward_of_a_damaged_survivor_keeps_the_segment(tmp_path: Path) ->
     s.reclaim()
     assert len(heard) == 1 and first.path.read_bytes() == before and s._segments[0] is first
     s.close()
+
+
+def test_relocate_records_the_moved_files_synced_lengths_in_the_ledger(tmp_path: Path) -> None:
+    """An installed store's files take the names of the replica's old ones (snapshot_install
+    moves the old directory aside, the staged one into its place): the crash harness's ledger must
+    hold the new files' synced lengths, or a crash cuts synced records to the old files' lengths."""
+    ledger = SyncLedger(tmp_path / "ledger.jsonl")
+    live = tmp_path / "store" / "shard-0"
+    old = MessageStore(live, segment_bytes=1000, ledger=ledger, cache_bytes=0)
+    old.open()
+    fill(old, 10)  # seg 0 synced at 500 bytes
+    old.sync()
+    old.close()
+    staged = tmp_path / "install" / "shard-0-x" / "store"
+    new = MessageStore(staged, segment_bytes=1000, ledger=ledger, cache_bytes=0)
+    new.open()
+    fill(new, 50)  # seg 0 (1000 bytes), seg 20, seg 40
+    new.sync()
+    live.rename(tmp_path / "old-store")
+    staged.rename(live)
+    new.relocate(live)
+    lengths = read_ledger(ledger.path)
+    files = [*new.segment_paths(), live / "store.meta"]
+    assert len(files) == 4
+    for path in files:
+        assert lengths.get(str(path)) == path.stat().st_size, path.name
+    fill(new, 1)
+    new.sync()  # later syncs record under the new names too
+    assert read_ledger(ledger.path)[str(new.segment_paths()[-1])] == new.segment_paths()[-1].stat().st_size
+    new.close()
