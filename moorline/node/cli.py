@@ -93,6 +93,7 @@ def run(
     of the cluster named by --initial-cluster."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # until the event loop takes them over (server.serve)
         signal.signal(sig, _stopped_before_start)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload asked for during start-up never stops the node
     overrides: dict[str, object] = {}
     if log_level is not None:
         if log_level.lower() not in LOG_LEVELS:
