@@ -46,6 +46,11 @@ class Register(Cmd, tag="reg"):
     # shard receives for one plain registration, the latest version wins even when cross-shard
     # commands arrive out of order. -1 (entries written before versions): unchecked.
     sub_version: int = -1
+    # $share groups only (docs/work-queues.md), stamped by the proposer from its config and the
+    # SUBSCRIBE's user property; absent (defaults) in entries written before work-queue policies.
+    single_active: bool = False  # the group turns single-active (for good)
+    max_deliveries: int = 0  # hand-outs without acknowledgement before dead-lettering; 0: unlimited
+    ack_timeout_ms: int = 0  # a claim unacknowledged this long goes back (ShareTimeout); 0: off
 
 
 class Unregister(Cmd, tag="unreg"):
@@ -81,6 +86,7 @@ class ShareClaim(Cmd, tag="shc"):
     member: str
     offsets: tuple[int, ...]
     session_inc: int = LEGACY_INC  # granted only while this incarnation is the member
+    ts_ms: int = 0  # the leader's time of the claim (ack timeouts count from it); 0: unrecorded
 
 
 class ShareReturn(Cmd, tag="shr"):
@@ -102,6 +108,34 @@ class ShareDecline(Cmd, tag="shd"):
     member: str
     offsets: tuple[int, ...]
     session_inc: int  # only claims held by this incarnation of the member
+
+
+class ShareActivate(Cmd, tag="sha"):
+    """A single-active group's active member changes from ``prev`` (which must be the active member
+    and hold no claims, else nothing changes) to ``member`` (which must be a member)."""
+
+    reg_key: str
+    member: str
+    prev: str
+
+
+class ShareTimeout(Cmd, tag="sht"):
+    """Claims of a member's incarnation held unacknowledged past the group's ack timeout (by this
+    entry's time) go back to the group, each counted as a delivery attempt."""
+
+    ts_ms: int
+    reg_key: str
+    member: str
+    session_inc: int
+    offsets: tuple[int, ...]
+
+
+class ShareDeadLettered(Cmd, tag="shx"):
+    """Messages past the group's delivery limit were published to the dead-letter topic (under a
+    GUID derived from group, shard and offset): they leave the group, a drop ``delivery_limit``."""
+
+    reg_key: str
+    offsets: tuple[int, ...]
 
 
 class DropOwed(Cmd, tag="drop"):
@@ -281,6 +315,9 @@ Command = (
     | ShareClaim
     | ShareReturn
     | ShareDecline
+    | ShareActivate
+    | ShareTimeout
+    | ShareDeadLettered
     | DropOwed
     | Housekeeping
     | SessionOpen

@@ -31,8 +31,10 @@ from moorline.broker.topic_state import (
 )
 
 # 2: message index and GUID history as columns; 3: $share incarnations; 4: sequenced producers keyed
-# by (principal, producer), registrations without a copy of the client id
-SNAPSHOT_VERSION = 4
+# by (principal, producer), registrations without a copy of the client id; 5: $share work-queue
+# policies (single-active, delivery attempts, dead letters, ack timeouts: fields with defaults, so a
+# version-4 snapshot decodes as it is)
+SNAPSHOT_VERSION = 5
 
 
 # How far ahead of a node's last admitted boot (ShardState.admit) a new boot may be: a node starts
@@ -99,6 +101,12 @@ class ShardState:
                 return t.apply_share_return(cmd, fx)
             case c.ShareDecline():
                 return t.apply_share_decline(cmd, fx)
+            case c.ShareActivate():
+                return t.apply_share_activate(cmd, fx)
+            case c.ShareTimeout():
+                return t.apply_share_timeout(cmd, fx)
+            case c.ShareDeadLettered():
+                return t.apply_share_dead_lettered(cmd, fx)
             case c.DropOwed():
                 return t.apply_drop_owed(cmd, fx)
             case c.Housekeeping():
@@ -180,6 +188,8 @@ class ShardState:
             snap = msgspec.msgpack.decode(_upgrade_v2(data), type=_Snapshot)
         if snap.version in (2, 3):  # (a version 2 without registrations fits version 3's types as it is)
             snap.producers = _attribute_producers(snap.producers, snap.dedup[0])
+            snap.version = SNAPSHOT_VERSION
+        if snap.version == 4:  # registrations without work-queue fields: their defaults
             snap.version = SNAPSHOT_VERSION
         if snap.version != SNAPSHOT_VERSION:
             raise ValueError(f"unsupported snapshot version {snap.version}")

@@ -22,10 +22,13 @@ from moorline.broker.commands import (
     Housekeeping,
     Publish,
     Register,
+    ShareActivate,
     ShareClaim,
+    ShareDeadLettered,
     ShareDecline,
     ShareMember,
     ShareReturn,
+    ShareTimeout,
     Unregister,
 )
 from moorline.broker.effects import Effects
@@ -58,6 +61,31 @@ class Registration:
     # $share: offset -> members (client ids) whose read ACL refused it (ShareDecline), in order; an
     # offset every member declined is dropped ("acl_no_reader"). Gone with the offset's ownership.
     declined: dict[int, list[str]] = field(default_factory=dict)
+    # Work-queue policies of a $share group (docs/work-queues.md; snapshot version 5, absent before):
+    single_active: bool = False  # one member (``active``) receives at a time
+    active: str = ""  # the single-active group's active member (client id); "" while it has none
+    max_deliveries: int = 0  # hand-outs without acknowledgement before dead-lettering; 0: unlimited
+    ack_timeout_ms: int = 0  # 0: claims are never taken back from a connected member
+    # offset -> times it was handed out and came back unacknowledged (session end, ack timeout)
+    attempts: dict[int, int] = field(default_factory=dict)
+    # offset -> entry time of its claim (groups with an ack timeout only)
+    claim_ts: dict[int, int] = field(default_factory=dict)
+    # offset -> (attempts, last member): past max_deliveries, to be published to the dead-letter
+    # topic by the shard's leader (ShareDeadLettered ends it); never claimed again
+    dead: dict[int, tuple[int, str]] = field(default_factory=dict)
+    # offset -> the member it was last taken back from (ack timeout): offered to another first
+    timed_out: dict[int, str] = field(default_factory=dict)
+
+    def forget_offset(self, offset: int) -> None:
+        """``offset`` is no longer owed: its work-queue bookkeeping goes with it."""
+        if self.attempts:
+            self.attempts.pop(offset, None)
+        if self.claim_ts:
+            self.claim_ts.pop(offset, None)
+        if self.dead:
+            self.dead.pop(offset, None)
+        if self.timed_out:
+            self.timed_out.pop(offset, None)
 
     @property
     def client_id(self) -> str:
@@ -67,6 +95,7 @@ class Registration:
 
 
 ACL_NO_READER = "acl_no_reader"  # the drop reason of a message no reader of its registration may read
+DELIVERY_LIMIT = "delivery_limit"  # the drop reason of a message moved to its group's dead-letter topic
 SEQ_JUMP_REASON_CODE = 0x83  # implementation specific error: never accepted, whenever resent
 
 
@@ -365,6 +394,8 @@ class TopicState:
                 and cmd.sub_version < reg.sub_version and cmd.sub_version >= 0):
             return RegisterResult(reg.start_offset, ())  # overtaken by a later subscribe or unsubscribe
         if reg is not None and (reg.session_inc == cmd.session_inc or cmd.share_group is not None):
+            if cmd.share_group is not None:
+                self._share_policy(reg, cmd)
             reg.sub_version = max(reg.sub_version, cmd.sub_version)
             reg.qos = cmd.qos
             reg.no_local = cmd.no_local
@@ -379,6 +410,8 @@ class TopicState:
                 cmd.reg_key, cmd.session_inc, cmd.filter, cmd.qos, cmd.no_local,
                 cmd.share_group, self.next_offset, sub_version=cmd.sub_version,
             )
+            if cmd.share_group is not None:
+                self._share_policy(reg, cmd)
             self.regs[cmd.reg_key] = reg
             self._trie_changed()
             self.trie.insert(reg.filter, reg.reg_key, None)
@@ -392,6 +425,17 @@ class TopicState:
             if retained:
                 fx.retained_new.append((cmd.reg_key, retained))
         return RegisterResult(reg.start_offset, retained)
+
+    @staticmethod
+    def _share_policy(reg: Registration, cmd: Register) -> None:
+        """A $share Register's work-queue policy: single-active only ever turns on; the limits are
+        the latest Register's (every node is expected to run the same configuration)."""
+        if cmd.single_active and not reg.single_active:
+            reg.single_active = True
+            if not reg.active and reg.members:
+                reg.active = next(iter(reg.members))
+        reg.max_deliveries = cmd.max_deliveries
+        reg.ack_timeout_ms = cmd.ack_timeout_ms
 
     def apply_unregister(self, cmd: Unregister, fx: Effects) -> bool:
         reg = self.regs.get(cmd.reg_key)
@@ -432,6 +476,7 @@ class TopicState:
             return
         owed, claims = reg.owed, reg.claims
         had_claims = bool(claims)
+        share = reg.share_group is not None
         acked: list[int] = []
         declined = reg.declined
         for offset in cmd.offsets:  # once per acknowledged message: no call per offset
@@ -439,6 +484,8 @@ class TopicState:
                 del owed[offset]
                 if claims:
                     claims.pop(offset, None)
+                if share:
+                    reg.forget_offset(offset)
                 if declined:
                     declined.pop(offset, None)
                 acked.append(offset)
@@ -487,6 +534,7 @@ class TopicState:
                 del reg.owed[offset]
                 reg.claims.pop(offset, None)
                 reg.declined.pop(offset, None)
+                reg.forget_offset(offset)
                 self._record_drop(offset, reg.reg_key, cmd.reason)
                 self._owed_gone(reg.reg_key, (offset,))
                 self._unowe(offset)
@@ -506,9 +554,15 @@ class TopicState:
                 for who in reg.declined.values():
                     if cmd.member in who:
                         who.remove(cmd.member)
+            if reg.single_active and not reg.active:
+                reg.active = cmd.member
         elif current is not None and (same_incarnation(current, cmd.session_inc) or cmd.session_inc > current):
             # An ended incarnation's leave, applied after a newer one joined, leaves that one in.
             del reg.members[cmd.member]
+            if reg.active == cmd.member:
+                # The next member in join order: the leader's dispatcher moves it on from there to
+                # the first one online (ShareActivate), once this one's claims are back.
+                reg.active = next(iter(reg.members), "")
             if reg.declined:  # perhaps every member left now declined some
                 self._drop_unreadable(reg, list(reg.declined))
         fx.owed(cmd.reg_key)
@@ -518,11 +572,16 @@ class TopicState:
         current = reg.members.get(cmd.member) if reg is not None else None
         if reg is None or current is None or not same_incarnation(current, cmd.session_inc):
             return ()  # not a member, or claimed for an incarnation that is no longer the member
+        if reg.single_active and reg.active != cmd.member:
+            return ()  # a single-active group's standby members receive nothing
         holder = (cmd.member, cmd.session_inc)
         granted = []
+        timed = reg.ack_timeout_ms > 0 and cmd.ts_ms > 0
         for offset in cmd.offsets:
-            if offset in reg.owed and offset not in reg.claims:
+            if offset in reg.owed and offset not in reg.claims and offset not in reg.dead:
                 reg.claims[offset] = holder
+                if timed:
+                    reg.claim_ts[offset] = cmd.ts_ms
                 granted.append(offset)
         fx.claimed(cmd.reg_key, cmd.member, tuple(granted))
         return tuple(granted)
@@ -539,6 +598,7 @@ class TopicState:
             if holder is None or holder[0] != cmd.member or not same_incarnation(holder[1], cmd.session_inc):
                 continue
             del reg.claims[offset]
+            reg.claim_ts.pop(offset, None)
             who = reg.declined.setdefault(offset, [])
             if cmd.member not in who:
                 who.append(cmd.member)
@@ -562,6 +622,7 @@ class TopicState:
             if all(m in who for m in members):
                 del reg.owed[offset]
                 del reg.declined[offset]
+                reg.forget_offset(offset)
                 self._record_drop(offset, reg.reg_key, ACL_NO_READER)
                 self._owed_gone(reg.reg_key, (offset,))
                 self._unowe(offset)
@@ -580,10 +641,82 @@ class TopicState:
             if offset in dropped and offset in reg.owed:
                 del reg.owed[offset]
                 reg.declined.pop(offset, None)
+                reg.forget_offset(offset)
                 self._record_drop(offset, reg.reg_key, "share_qos2_member_gone")
                 self._owed_gone(reg.reg_key, (offset,))
                 self._unowe(offset)
+            else:
+                self._handed_back(reg, offset, cmd.member)
         fx.owed(cmd.reg_key)
+
+    def _handed_back(self, reg: Registration, offset: int, member: str) -> None:
+        """A claim of ``offset`` (no longer in ``reg.claims``) came back unacknowledged: one
+        delivery attempt more; at the group's max_deliveries it waits for the dead-letter topic."""
+        reg.claim_ts.pop(offset, None)
+        if offset not in reg.owed:
+            return
+        n = reg.attempts.get(offset, 0) + 1
+        if 0 < reg.max_deliveries <= n:
+            reg.attempts.pop(offset, None)
+            reg.timed_out.pop(offset, None)
+            reg.dead[offset] = (n, member)
+        else:
+            reg.attempts[offset] = n
+
+    def apply_share_activate(self, cmd: ShareActivate, fx: Effects) -> bool:
+        """Whether the single-active group's active member moved from ``cmd.prev`` to ``cmd.member``."""
+        reg = self.regs.get(cmd.reg_key)
+        if (reg is None or not reg.single_active or reg.active != cmd.prev or cmd.member not in reg.members
+                or cmd.member == cmd.prev):
+            return False
+        if cmd.prev and any(m == cmd.prev for m, _ in reg.claims.values()):
+            return False  # what the active member holds comes back first: the order holds
+        reg.active = cmd.member
+        fx.owed(cmd.reg_key)
+        return True
+
+    def apply_share_timeout(self, cmd: ShareTimeout, fx: Effects) -> tuple[int, ...]:
+        """Claims of (member, incarnation) held past the group's ack timeout at the entry's time go
+        back to the group; returns them."""
+        reg = self.regs.get(cmd.reg_key)
+        if reg is None or reg.ack_timeout_ms <= 0:
+            return ()
+        back: list[int] = []
+        for offset in cmd.offsets:
+            holder = reg.claims.get(offset)
+            at = reg.claim_ts.get(offset)
+            if (holder is None or holder[0] != cmd.member or not same_incarnation(holder[1], cmd.session_inc)
+                    or at is None or cmd.ts_ms - at < reg.ack_timeout_ms):
+                continue
+            del reg.claims[offset]
+            back.append(offset)
+            self._handed_back(reg, offset, cmd.member)
+            if offset in reg.owed and offset not in reg.dead:
+                reg.timed_out[offset] = cmd.member
+        if back:
+            fx.owed(cmd.reg_key)
+        return tuple(back)
+
+    def apply_share_dead_lettered(self, cmd: ShareDeadLettered, fx: Effects) -> tuple[int, ...]:
+        """Dead-lettered messages leave the group, recorded and counted as ``delivery_limit``."""
+        reg = self.regs.get(cmd.reg_key)
+        if reg is None:
+            return ()
+        done: list[int] = []
+        for offset in cmd.offsets:
+            if offset not in reg.dead or offset not in reg.owed:
+                continue
+            del reg.owed[offset]
+            reg.claims.pop(offset, None)
+            reg.declined.pop(offset, None)
+            reg.forget_offset(offset)
+            self._record_drop(offset, reg.reg_key, DELIVERY_LIMIT)
+            self._owed_gone(reg.reg_key, (offset,))
+            self._unowe(offset)
+            done.append(offset)
+        if done:
+            fx.owed(cmd.reg_key)
+        return tuple(done)
 
     # --- time-driven limits ------------------------------------------------------------------
     def apply_housekeeping(self, cmd: Housekeeping, fx: Effects) -> None:
@@ -600,6 +733,7 @@ class TopicState:
                     del reg.owed[offset]
                     reg.claims.pop(offset, None)
                     reg.declined.pop(offset, None)
+                    reg.forget_offset(offset)
                     self._record_drop(offset, reg.reg_key, "message_expiry")
                     self._owed_gone(reg.reg_key, (offset,))
                     self._unowe(offset)
