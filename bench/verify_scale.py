@@ -1,12 +1,15 @@
 """Scale benchmark for `moorline verify`: 10 million synthetic events across 1,000 runs (Parquet).
 
     python bench/verify_scale.py [--events 10000000] [--runs 1000] [--master 'local[*]'] [--out DIR]
+                                 [--format parquet|jsonl]
 
 Generates the histories with numpy + pyarrow (a realistic mix per message: publish invoke/ok, and a
 delivery + ack to a QoS 1 subscriber, a QoS 2 subscriber and one member of a $share group), injects
 one lost message in 1 % of the runs so the job has something to find, then runs
 `python -m moorline verify` on them and reports the wall time and the peak resident memory of the
 whole process tree (driver python + JVM + python workers), sampled from /proc every 0.2 s.
+``--format jsonl`` writes the same histories as one JSON-lines file holding every run (the format
+a harness appends to); ``parquet`` (default) writes one Parquet file per 25 runs.
 """
 
 from __future__ import annotations
@@ -57,6 +60,21 @@ def generate(out: Path, events: int, runs: int, chunk_runs: int = 25) -> tuple[i
         table = pa.table({name: pa.concat_arrays(arrs) for name, arrs in cols.items()}, schema=schema)
         pq.write_table(table, out / f"part-{part:05d}.parquet", compression="snappy")
     return written, lossy
+
+
+def to_jsonl(parquet_dir: Path, path: Path) -> int:
+    """Every run of the Parquet histories in one JSON-lines file (nulls left out); returns the rows."""
+    import pyarrow.parquet as pq
+
+    rows = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for part in sorted(parquet_dir.glob("*.parquet")):
+            for batch in pq.ParquetFile(part).iter_batches(batch_size=50_000):
+                for rec in batch.to_pylist():
+                    f.write(json.dumps({k: v for k, v in rec.items() if v is not None}, separators=(",", ":")))
+                    f.write("\n")
+                    rows += 1
+    return rows
 
 
 def _one_run(np, rng, run: str, r: int, msgs: int) -> dict:  # type: ignore[no-untyped-def]
@@ -186,6 +204,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/moorline-verify-scale"))
     ap.add_argument("--driver-memory", default="4g")
     ap.add_argument("--timeout-s", type=float, default=3600)
+    ap.add_argument("--format", choices=("parquet", "jsonl"), default="parquet")
     args = ap.parse_args()
     hist_dir = args.out / "histories"
     t = time.monotonic()
@@ -195,6 +214,13 @@ def main() -> None:
         f"generated {rows:,} events in {args.runs} runs ({lossy} runs with one loss) in {gen_s:.1f} s",
         flush=True,
     )
+    if args.format == "jsonl":
+        t = time.monotonic()
+        jsonl = args.out / "history.jsonl"
+        to_jsonl(hist_dir, jsonl)
+        hist_dir = jsonl
+        print(f"wrote them as one JSON-lines file {jsonl} ({jsonl.stat().st_size / 2**20:,.0f} MiB) in "
+              f"{time.monotonic() - t:.1f} s", flush=True)
     cmd = [
         sys.executable,
         "-m",
@@ -226,6 +252,7 @@ def main() -> None:
         "events": rows,
         "runs": args.runs,
         "master": args.master,
+        "format": args.format,
         "verify_wall_s": round(wall, 1),
         "events_per_s": round(rows / wall),
         "peak_rss_mib": {k: round(v / 1024) for k, v in peak.items()},

@@ -45,7 +45,9 @@ DROP_REASONS: tuple[str, ...] = (
 )
 NO_GUID = "no_guid"  # publish invoke detail: sent without a guid user property
 RETAINED = "retained"  # deliver detail: a PUBLISH received with RETAIN=1 (for a new subscription)
-ANOMALY_COLUMNS: tuple[str, ...] = ("run", "kind", "guid", "subscriber", "topic", "detail")
+# mono_ns: when the anomaly shows in the history (the delivery; for a loss the acknowledgement; for a
+# message not resent the connection it was owed on), for the report's timelines.
+ANOMALY_COLUMNS: tuple[str, ...] = ("run", "kind", "guid", "subscriber", "topic", "detail", "mono_ns")
 NS_PER_MS = 1_000_000
 
 
@@ -78,6 +80,13 @@ def _anoms(df: DataFrame, kind: str, detail: Any) -> DataFrame:
         (F.col("sub") if "sub" in cols else F.lit(None).cast("string")).alias("subscriber"),
         (F.col("topic") if "topic" in cols else F.lit(None).cast("string")).alias("topic"),
         detail.alias("detail"),
+        (
+            F.col("mono_ns")
+            if "mono_ns" in cols
+            else F.col("ok_ns")
+            if "ok_ns" in cols
+            else F.lit(None).cast("long")
+        ).alias("mono_ns"),
     )
 
 
@@ -344,7 +353,12 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
         # Overlapping filters: the broker delivers once, at the highest granted QoS (MQTT-3.3.4-2),
         # so that QoS decides whether QoS 0 excuses a missing delivery.
         .groupBy("run", "sub", "session", "guid")
-        .agg(F.max("topic").alias("topic"), F.max("granted").alias("granted"), F.max("pub_qos").alias("pub_qos"))
+        .agg(
+            F.max("topic").alias("topic"),
+            F.max("granted").alias("granted"),
+            F.max("pub_qos").alias("pub_qos"),
+            F.max("ok_ns").alias("ok_ns"),
+        )
     )
     owed_undelivered = owed.join(first.select("run", "sub", "guid"), ["run", "sub", "guid"], "left_anti")
     qos0 = owed_undelivered.where((F.col("granted") == 0) | (F.col("pub_qos") == 0))
@@ -364,6 +378,7 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
             F.max("topic").alias("topic"),
             F.max("granted").alias("granted"),
             F.max("pub_qos").alias("pub_qos"),
+            F.max("ok_ns").alias("ok_ns"),
         )
     )
     share_delivered = (
@@ -558,13 +573,15 @@ def analyze(events: DataFrame, *, corruption_excuses_loss: bool = True) -> Analy
     continued = dl.select("run", "sub", "guid", "conn").unionByName(acks.select("run", "sub", "guid", "conn"))
     skipped = older.join(continued, ["run", "sub", "guid", "conn"], "left_anti")
     skipped_excused = excused_by_drop(skipped, "session").select("run", "sub", "guid", "conn")
-    skipped = skipped.join(skipped_excused, ["run", "sub", "guid", "conn"], "left_anti")
+    skipped = skipped.join(skipped_excused, ["run", "sub", "guid", "conn"], "left_anti").withColumn(
+        "mono_ns", F.col("conn_ns")
+    )
 
     # --- faults and detected corruption
     faults = ev.where(F.col("op") == "fault")
     corrupted_runs = faults.where(F.col("reason") == "corruption_detected").select("run").distinct()
-    lost_all = lost_plain.select("run", "guid", "sub", "topic").unionByName(
-        lost_share.select("run", "guid", "sub", "topic")
+    lost_all = lost_plain.select("run", "guid", "sub", "topic", "ok_ns").unionByName(
+        lost_share.select("run", "guid", "sub", "topic", "ok_ns")
     )
     if corruption_excuses_loss:
         lost_detected = lost_all.join(corrupted_runs, "run", "left_semi")
@@ -745,7 +762,13 @@ def _per_run(
         "run", *[F.col(c).alias(f"fault_{c}") for c in fault_counts.columns if c != "run"]
     )
     runs = ev.groupBy("run").agg(
-        F.count("*").alias("events"), ((F.max("mono_ns") - F.min("mono_ns")) / 1e9).alias("duration_s")
+        F.count("*").alias("events"),
+        ((F.max("mono_ns") - F.min("mono_ns")) / 1e9).alias("duration_s"),
+        # What was tested: sessions that subscribed, and every fault record (any kind).
+        F.countDistinct(F.when((F.col("op") == "subscribe") & (F.col("type") == "ok"), F.col("session"))).alias(
+            "subscribers"
+        ),
+        F.sum(F.when(F.col("op") == "fault", 1).otherwise(0)).alias("faults"),
     )
     out = (
         runs.join(pub_stats, "run", "left")
@@ -767,6 +790,8 @@ def _per_run(
         "indeterminate_delivered",
         "deliveries_received",
         "first_deliveries",
+        "subscribers",
+        "faults",
     ]
     return out.fillna(0, subset=zero_cols)
 

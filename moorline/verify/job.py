@@ -19,6 +19,8 @@ from moorline.verify.history import FIELD_NAMES, FIELDS, OPS, TYPES, spark_schem
 
 SAMPLE_PER_KIND = 20  # anomalies listed in summary.json / report.html per kind
 PLOTTED_RUNS_MAX = 12  # runs whose timelines are drawn (anomalous runs first)
+MARKS_PER_RUN = 500  # anomalies marked on one run's timeline
+RECORDS_PER_ANOMALY = 40  # history records listed under each sampled anomaly
 BAD_RECORDS_SHOWN = 3  # records quoted when a history does not follow the format
 REQUIRED_FIELDS = ("run", "type", "op", "mono_ns")  # without them no check can place an event
 SHARD_IN_TEXT = re.compile(r"\bshard (\d+)")
@@ -189,6 +191,10 @@ class Verdict:
     # however many subscribers were owed it), and the shards the reports name.
     unavailable: int = 0
     unavailable_shards: list[int] = field(default_factory=list)
+    # Per plotted run: its anomalies (t_s, kind, guid, subscriber, detail), marked on its timeline.
+    marks: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # Per sampled anomaly (key: anomaly_key): the history records of its message, in time order.
+    records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def headline(self) -> str:
         """The verdict in one line: PASS or FAIL, and what a PASS does not mean (nothing lost)."""
@@ -214,6 +220,43 @@ VERIFY_STEPS = (
 )
 
 
+def anomaly_key(a: dict[str, Any]) -> str:
+    """Identifies one anomaly in the report (its marks link to its sample row and records)."""
+    return "|".join(str(a.get(k)) for k in ("run", "kind", "guid", "subscriber", "mono_ns"))
+
+
+def _records_of(events: Any, sample_rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The history records of each sampled anomaly's message (for a delivery without a guid: the
+    records at its instant), at most RECORDS_PER_ANOMALY each."""
+    from pyspark.sql import Window as W
+    from pyspark.sql import functions as F
+
+    if not sample_rows:
+        return {}
+    spark = events.sparkSession
+    keys = spark.createDataFrame(
+        [(a["run"], a["guid"], a["mono_ns"], anomaly_key(a)) for a in sample_rows],
+        "run string, guid string, a_ns long, akey string",
+    )
+    on_guid = events.join(F.broadcast(keys.where(F.col("guid").isNotNull())), ["run", "guid"])
+    on_time = events.drop("guid").join(
+        F.broadcast(keys.where(F.col("guid").isNull())), (["run"]), "inner"
+    ).where(F.col("mono_ns") == F.col("a_ns"))
+    found = on_guid.unionByName(on_time, allowMissingColumns=True)
+    w = W.partitionBy("akey").orderBy("mono_ns", "index")
+    rows = (
+        found.withColumn("n", F.row_number().over(w))
+        .where(F.col("n") <= RECORDS_PER_ANOMALY)
+        .orderBy("akey", "n")
+        .collect()
+    )
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        rec = {k: v for k, v in r.asDict().items() if v is not None and k not in ("akey", "a_ns", "n")}
+        out.setdefault(r["akey"], []).append(rec)
+    return out
+
+
 def _row(r: Any) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, list | tuple) else v) for k, v in r.asDict(recursive=True).items()}
 
@@ -228,7 +271,7 @@ def run_verify(
     from pyspark.sql import Window as W
     from pyspark.sql import functions as F
 
-    from moorline.verify.report import write_html
+    from moorline.verify.report import tested_line, write_html
 
     step = progress or (lambda _name: None)
     step(VERIFY_STEPS[0])
@@ -278,6 +321,8 @@ def run_verify(
             "fault_truncate",
             "fault_bitflip",
             "fault_corruption_detected",
+            "subscribers",
+            "faults",
         )
     }
     totals["runs"] = len(per_run)
@@ -302,6 +347,21 @@ def run_verify(
     faults: dict[str, list[dict[str, Any]]] = {run: [] for run in plotted_ids}
     for r in analysis.faults.where(F.col("run").isin(plotted_ids)).orderBy("run", "t_s").collect():
         faults[r["run"]].append(_row(r))
+    marks: dict[str, list[dict[str, Any]]] = {run: [] for run in plotted_ids}
+    run_start = events.where(F.col("run").isin(plotted_ids)).groupBy("run").agg(F.min("mono_ns").alias("start_ns"))
+    w_mark = W.partitionBy("run").orderBy("mono_ns", "kind", "guid")
+    marked = (
+        anomalies.where(F.col("run").isin(plotted_ids))
+        .withColumn("n", F.row_number().over(w_mark))
+        .where(F.col("n") <= MARKS_PER_RUN)
+        .join(run_start, "run")
+        .withColumn("t_s", (F.col("mono_ns") - F.col("start_ns")) / 1e9)
+        .drop("n", "start_ns")
+        .orderBy("run", "mono_ns")
+    )
+    for r in marked.collect():
+        marks[r["run"]].append(_row(r))
+    records = _records_of(events, [a for rows in samples.values() for a in rows])
 
     ok = not any(totals[k] for k in FAILING_KINDS)
     verdict = Verdict(
@@ -314,11 +374,14 @@ def run_verify(
         faults=faults,
         unavailable=unavailable,
         unavailable_shards=unavailable_shards,
+        marks=marks,
+        records=records,
     )
     step(VERIFY_STEPS[6])
     summary = {
         "ok": ok,
         "verdict": verdict.headline(),
+        "tested": tested_line(totals),
         "unavailable_shards": unavailable_shards,
         "failing_kinds": list(FAILING_KINDS),
         "totals": totals,

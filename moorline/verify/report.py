@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import html
 import json
 from pathlib import Path
@@ -13,6 +14,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from moorline.verify.job import Verdict
 
 WIDTH, HEIGHT, PAD = 720, 180, 40
+KIND_COLOURS = {
+    "lost": "#d62728",
+    "duplicate": "#ff7f0e",
+    "unexpected": "#9467bd",
+    "out_of_order": "#e377c2",
+    "packet_id_misuse": "#17becf",
+    "refused_delivered": "#8c564b",
+    "lost_detected_corruption": "#7f7f7f",
+}
 FAULT_COLOURS = {
     "kill": "#d62728",
     "restart": "#2ca02c",
@@ -28,15 +38,32 @@ def _scale(v: float, lo: float, hi: float, out_lo: float, out_hi: float) -> floa
     return out_lo + (v - lo) * (out_hi - out_lo) / (hi - lo)
 
 
+def anchor(key: str) -> str:
+    """The HTML id of the sampled anomaly with ``anomaly_key`` ``key``."""
+    return "a-" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
 def svg_timeline(
     title: str,
     points: list[dict[str, Any]],
     series: list[tuple[str, str, str]],
     faults: list[dict[str, Any]],
     unit: str,
+    marks: list[dict[str, Any]] | None = None,
+    linked: set[str] | None = None,
 ) -> str:
-    """A line chart of ``series`` (key, label, colour) over ``second``, faults as vertical lines."""
-    xs = [float(p["second"]) for p in points] + [float(f["t_s"]) for f in faults]
+    """A line chart of ``series`` (key, label, colour) over ``second``, faults as vertical lines and
+    anomalies (``marks``: t_s, kind, ...) as triangles under the plot, each a link to its sample row
+    (when its anomaly_key is in ``linked``) or to its kind's samples."""
+    from moorline.verify.job import anomaly_key
+
+    marks = marks or []
+    linked = linked or set()
+    xs = (
+        [float(p["second"]) for p in points]
+        + [float(f["t_s"]) for f in faults]
+        + [float(m["t_s"]) for m in marks if m.get("t_s") is not None]
+    )
     x_hi = max(xs, default=1.0) + 1.0
     ys = [float(p[k]) for p in points for k, _, _ in series if p.get(k) is not None]
     y_hi = max(ys, default=1.0) * 1.1 or 1.0
@@ -61,6 +88,22 @@ def svg_timeline(
         out.append(
             f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y1}" y2="{y0}" stroke="{colour}" '
             f'stroke-dasharray="3,2"><title>{label}</title></line>'
+        )
+    for m in marks:
+        if m.get("t_s") is None:
+            continue
+        x = _scale(float(m["t_s"]), 0, x_hi, x0, x1)
+        kind = str(m["kind"])
+        colour = KIND_COLOURS.get(kind, "#000")
+        key = anomaly_key(m)
+        href = f"#{anchor(key)}" if key in linked else f"#kind-{kind}"
+        label = html.escape(
+            f"{kind} at {float(m['t_s']):.3f} s: {m.get('subscriber') or ''} {m.get('guid') or ''} "
+            f"{m.get('detail') or ''}".strip()
+        )
+        out.append(
+            f'<a href="{href}" class="mark"><path d="M{x:.1f},{y0 - 9} l-4,8 h8 z" fill="{colour}" '
+            f'stroke="#000" stroke-width="0.5"><title>{label}</title></path></a>'
         )
     for i, (key, label, colour) in enumerate(series):
         pts = [(float(p["second"]), float(p[key])) for p in points if p.get(key) is not None]
@@ -91,14 +134,59 @@ def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
+def tested_line(t: dict[str, Any]) -> str:
+    """What the verdict is about, in one line: runs, acknowledged publishes, subscribers, faults."""
+
+    def n(key: str, one: str, many: str) -> str:
+        v = int(t.get(key, 0) or 0)
+        return f"{v:,} {one if v == 1 else many}"
+
+    line = (
+        f"Tested {n('runs', 'run', 'runs')}: {n('acknowledged', 'acknowledged publish', 'acknowledged publishes')}"
+        f", {n('subscribers', 'subscriber', 'subscribers')}, {n('faults', 'fault', 'faults')}"
+    )
+    thin = [what for key, what in (("acknowledged", "nothing acknowledged"), ("subscribers", "no subscriber"),
+                                   ("faults", "no fault injected")) if not int(t.get(key, 0) or 0)]
+    return line + (f" ({', '.join(thin)})" if thin else "")
+
+
+def _records_table(records: list[dict[str, Any]]) -> str:
+    cols = ["mono_ns", "index", "type", "op", "process", "session", "node", "topic", "qos", "packet_id", "dup",
+            "filter", "share_group", "session_present", "reason", "detail"]
+    used = [c for c in cols if any(c in r for r in records)]
+    return _table(records, used)
+
+
+def _samples(kind: str, rows: list[dict[str, Any]], records: dict[str, list[dict[str, Any]]]) -> str:
+    from moorline.verify.job import anomaly_key
+
+    cols = ["run", "subscriber", "topic", "guid", "detail"]
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in [*cols, "records"])
+    body = []
+    for r in rows:
+        key = anomaly_key(r)
+        recs = records.get(key, [])
+        cells = "".join(f"<td>{html.escape('' if r.get(c) is None else str(r.get(c)))}</td>" for c in cols)
+        body.append(
+            f"<tr id='{anchor(key)}'>{cells}<td><details><summary>{len(recs)} records</summary>"
+            f"{_records_table(recs)}</details></td></tr>"
+        )
+    return f"<h3 id='kind-{html.escape(kind)}'>{html.escape(kind)}</h3><table><tr>{head}</tr>{''.join(body)}</table>"
+
+
 def write_html(path: Path, verdict: Verdict) -> None:
+    from moorline.verify.job import anomaly_key
+
     t = verdict.totals
     status = "PASS" if verdict.ok else "FAIL"
+    linked = {anomaly_key(a) for rows in verdict.samples.values() for a in rows}
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>moorline verify</title><style>",
         "body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse;font-size:12px}"
         "td,th{border:1px solid #ddd;padding:2px 6px;text-align:right}.bad{background:#fdd;font-weight:bold}"
-        ".pass{color:#2a2}.fail{color:#c22}</style></head><body>",
+        ".pass{color:#2a2}.fail{color:#c22}#tested{font-size:1.1em;margin:0}"
+        "tr:target{background:#ffc}details table{margin:4px 0}</style></head><body>",
+        f"<p id='tested'>{html.escape(tested_line(t))}</p>",
         f"<h1>moorline verify: <span class='{status.lower()}'>{html.escape(verdict.headline())}</span></h1>",
         f"<p>{t['runs']} runs, {t['events']} events, {t['published']} publishes "
         f"({t['acknowledged']} acknowledged, {t['refused']} refused, {t['indeterminate']} indeterminate, "
@@ -122,11 +210,14 @@ def write_html(path: Path, verdict: Verdict) -> None:
         ),
         "<h2>Timelines</h2><p>Runs with the most anomalies first. Dashed lines: faults "
         + ", ".join(f"<span style='color:{c}'>{k}</span>" for k, c in FAULT_COLOURS.items())
-        + ".</p>",
+        + ". Triangles: anomalies "
+        + ", ".join(f"<span style='color:{c}'>{k}</span>" for k, c in KIND_COLOURS.items())
+        + " (each links to its row and records below).</p>",
     ]
     for run, points in verdict.timelines.items():
         faults = verdict.faults.get(run, [])
-        parts.append(f"<h3>run {html.escape(run)}</h3>")
+        marks = verdict.marks.get(run, [])
+        parts.append(f"<h3>run {html.escape(run)}: {len(marks)} anomalies marked</h3>")
         parts.append(
             svg_timeline(
                 f"throughput {run}",
@@ -134,6 +225,8 @@ def write_html(path: Path, verdict: Verdict) -> None:
                 [("acked", "acked/s", "#1f77b4"), ("delivered", "delivered/s", "#2ca02c")],
                 faults,
                 "messages/s",
+                marks,
+                linked,
             )
         )
         parts.append(
@@ -149,6 +242,8 @@ def write_html(path: Path, verdict: Verdict) -> None:
         "run",
         "events",
         "duration_s",
+        "subscribers",
+        "faults",
         "published",
         "acknowledged",
         "indeterminate",
@@ -171,11 +266,13 @@ def write_html(path: Path, verdict: Verdict) -> None:
             run_cols,
         )
     )
-    parts.append("<h2>Anomaly samples</h2>")
+    parts.append(
+        "<h2>Anomaly samples</h2><p>Up to 20 per kind; every one lists the history records of its "
+        "message. The full list is <code>anomalies/</code> (Parquet).</p>"
+    )
     for kind, rows in verdict.samples.items():
         if rows:
-            parts.append(f"<h3>{html.escape(kind)}</h3>")
-            parts.append(_table(rows, ["run", "subscriber", "topic", "guid", "detail"]))
+            parts.append(_samples(kind, rows, verdict.records))
     parts.append(f"<script type='application/json' id='totals'>{html.escape(json.dumps(t))}</script>")
     parts.append("</body></html>")
     path.write_text("".join(parts), encoding="utf-8")

@@ -70,7 +70,7 @@ def test_verify_cli_exit_code_follows_the_verdict(monkeypatch: pytest.MonkeyPatc
             pass
 
     def fake_verdict(lost: int) -> Any:
-        totals = {k: 0 for k in ALL_KINDS} | {"runs": 1, "runs_failed": int(bool(lost)), "lost": lost}
+        totals = {k: 0 for k in ALL_KINDS} | {"runs": 1, "runs_failed": int(bool(lost)), "lost": lost, "acknowledged": 10}
         return job.Verdict(ok=not lost, totals=totals, runs=[], samples={}, latency={})
 
     history = tmp_path / "h.jsonl"
@@ -84,3 +84,41 @@ def test_verify_cli_exit_code_follows_the_verdict(monkeypatch: pytest.MonkeyPatc
             with pytest.raises(typer.Exit) as exc:
                 cli.verify([history], report=tmp_path / "r")
             assert exc.value.exit_code == code
+
+
+def test_report_says_what_was_tested_and_marks_each_anomaly_with_its_records(
+    spark: Any, hist: Any, tmp_path: Path
+) -> None:
+    import re
+
+    from moorline.verify.job import anomaly_key, run_verify
+    from moorline.verify.report import anchor
+
+    h = _history(hist, "marked", False)  # G2 lost
+    h.deliver("s1", G1, dup=True, pid=1)  # G1 delivered twice on one connection: duplicate
+    path = tmp_path / "h.jsonl"
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n" for r in h.rows))
+    verdict = run_verify(spark, [path], tmp_path / "report")
+    page = (tmp_path / "report" / "report.html").read_text()
+    first = re.search(r"<body>(.*?)</p>", page)
+    assert first is not None
+    assert first.group(1) == "<p id='tested'>Tested 1 run: 2 acknowledged publishes, 1 subscriber, 2 faults"
+    assert json.loads((tmp_path / "report" / "summary.json").read_text())["tested"].startswith("Tested 1 run")
+    lost, dup = verdict.samples["lost"][0], verdict.samples["duplicate"][0]
+    for a in (lost, dup):
+        ident = anchor(anomaly_key(a))
+        assert f"<tr id='{ident}'>" in page  # the sample row
+        assert f'<a href="#{ident}" class="mark">' in page  # its mark on the run's timeline
+    assert [r["op"] for r in verdict.records[anomaly_key(lost)]] == ["publish", "publish"]  # invoke, ok
+    assert [r["op"] for r in verdict.records[anomaly_key(dup)]] == ["publish", "publish", "deliver", "ack",
+                                                                     "deliver", "ack"]
+    assert {m["kind"] for m in verdict.marks["marked"]} == {"lost", "duplicate"}
+    assert verdict.marks["marked"][0]["t_s"] > 0
+
+
+def test_report_first_line_names_what_was_not_tested() -> None:
+    from moorline.verify.report import tested_line
+
+    assert tested_line({"runs": 2, "acknowledged": 0, "subscribers": 1, "faults": 0}) == (
+        "Tested 2 runs: 0 acknowledged publishes, 1 subscriber, 0 faults (nothing acknowledged, no fault injected)"
+    )
