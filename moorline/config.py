@@ -195,6 +195,15 @@ class ProducerConfig:
 @dataclass
 class ShareConfig:
     dispatch: str = "round_robin"  # or "sticky_topic"
+    # Work queues (docs/work-queues.md). Group name patterns (fnmatch: "orders-*") whose groups are
+    # single-active: one member receives at a time, the others stand by.
+    single_active: list[str] = field(default_factory=list)
+    # max_deliveries and ack_timeout_s apply to the groups matching these patterns.
+    limited_groups: list[str] = field(default_factory=lambda: ["*"])
+    max_deliveries: int = 0  # unacknowledged hand-outs before the dead-letter topic; 0: unlimited
+    # "{group}" and "{topic}" are replaced by the group's name and the message's topic.
+    dead_letter_topic: str = "$dlq/{group}/{topic}"
+    ack_timeout_s: float = 0.0  # a claim held unacknowledged this long by a connected member goes back; 0: off
 
 
 @dataclass
@@ -443,6 +452,15 @@ class NodeConfig:
             raise ConfigError("producer.max_seq_gap must be within 1..2**64-1")
         if self.share.dispatch not in ("round_robin", "sticky_topic"):
             raise ConfigError("share.dispatch must be 'round_robin' or 'sticky_topic'")
+        if self.share.max_deliveries < 0 or self.share.ack_timeout_s < 0:
+            raise ConfigError("share.max_deliveries and share.ack_timeout_s must be 0 (off) or more")
+        try:
+            dlq = self.share.dead_letter_topic.format(group="g", topic="t")
+        except (KeyError, IndexError, ValueError):
+            dlq = ""
+        if not dlq or "+" in dlq or "#" in dlq or "\0" in dlq:
+            raise ConfigError("share.dead_letter_topic must be a topic name without wildcards; "
+                              "{group} and {topic} are its only placeholders")
         if not 23 <= self.mqtt.max_client_id_bytes <= 65535:
             raise ConfigError("mqtt.max_client_id_bytes must be within 23..65535 (MQTT requires 23 at least)")
         if self.session.max_persistent_per_user < 0 or self.session.max_subscriptions < 1:

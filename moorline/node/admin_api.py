@@ -465,13 +465,22 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
                     continue
                 row = agg.setdefault((reg.share_group, reg.filter), {
                     "group": reg.share_group, "filter": reg.filter, "members": [], "backlog": 0, "in_flight": 0,
-                    "shards": 0})
+                    "shards": 0, "single_active": False, "active": [], "max_deliveries": reg.max_deliveries,
+                    "ack_timeout_ms": reg.ack_timeout_ms, "dead_letter_pending": 0, "redelivering": 0})
                 for m in reg.members:
                     if m not in row["members"]:
                         row["members"].append(m)
                 row["backlog"] += max(0, len(reg.owed) - len(reg.claims))
                 row["in_flight"] += len(reg.claims)
                 row["shards"] += 1
+                # Work queues (docs/work-queues.md): a single-active group's active member per
+                # shard (one member, but a handover may be under way in one shard and not another).
+                if reg.single_active:
+                    row["single_active"] = True
+                    if reg.active and reg.active not in row["active"]:
+                        row["active"].append(reg.active)
+                row["dead_letter_pending"] += len(reg.dead)
+                row["redelivering"] += len(reg.attempts)
         return web.json_response(_paged((agg[k] for k in sorted(agg)), *page))
 
     # --- live stream ----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from moorline.broker import commands as c
 from moorline.broker.messages import MessageProps, StoredMessage
+from moorline.broker.share_policy import wants_single_active
 from moorline.broker.topic_state import PublishResult
 from moorline.mqtt import packets as p
 from moorline.mqtt.codec import MQTT_5, PublishBatchEncoder, encode, encode_properties, encode_puback
@@ -918,6 +919,7 @@ class Connection(asyncio.Protocol):
                 await self.node.subscribe(
                     live, flt, qos, opts.no_local if v5 else False, opts.retain_as_published if v5 else False,
                     opts.retain_handling if v5 else 0, sub_id,
+                    check is not None and v5 and wants_single_active(pk.properties.user_properties),
                 )
             except ShardUnavailable as exc:  # a shard it needs has no quorum (or failed): never a silent gap
                 codes.append(RC.UNSPECIFIED_ERROR if v5 else 0x80)

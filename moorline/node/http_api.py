@@ -590,6 +590,12 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
                 totals[reason] = totals.get(reason, 0) + n
         for reason, n in sorted(totals.items()):
             lines.append(f'moorline_dropped_total{{reason="{reason}"}} {n}')
+        # $share work queues (docs/work-queues.md): dead-lettered messages (this node's replicas'
+        # count of the replicated drops "delivery_limit") and claims this node took back.
+        lines += ["# TYPE moorline_share_dlq_total counter",
+                  f"moorline_share_dlq_total {totals.get('delivery_limit', 0)}",
+                  "# TYPE moorline_share_ack_timeouts_total counter",
+                  f"moorline_share_ack_timeouts_total {node.share_ack_timeouts}"]
         lines.append("# TYPE moorline_shard_failed gauge")
         for h in node.hosts:
             lines.append(f'moorline_shard_failed{{shard="{h.shard}"}} {1 if h.failed else 0}')

@@ -29,6 +29,7 @@ from moorline.broker.effects import Effects
 from moorline.broker.messages import MessageProps, StoredMessage
 from moorline.broker.session_state import SENT, Session, SubscriptionState, lease_lapsed
 from moorline.broker.shard import ShardState
+from moorline.broker.share_policy import GroupPolicy, dead_letter_message, group_policy
 from moorline.broker.topic_state import PublishResult, same_incarnation
 from moorline.config import NodeConfig
 from moorline.hashing import guid128, shard_of
@@ -121,6 +122,10 @@ class Node:
         self.pins: dict[str, tuple[dict[int, int], float]] = {}  # reader -> (shard -> offset, deadline)
         self._share_pending: set[tuple[int, str]] = set()
         self._share_rr: dict[str, int] = {}  # $share registration -> next member (pruned: _prune_share_rr)
+        self._share_activating: set[tuple[str, str]] = set()  # (group, active member) a ShareActivate is pending for
+        self._dlq_pending: set[tuple[int, str, int]] = set()  # (shard, group, offset) being dead-lettered
+        self.share_dead_lettered = 0  # messages this node moved to a dead-letter topic
+        self.share_ack_timeouts = 0  # claims this node took back from connected members (ack timeout)
         self._housekeeping_rounds = 0
         self._views: dict[str, _SessionViews] = {}  # client id -> derived views; dropped when it disconnects
         self._topic_shards: dict[str, int] = {}
@@ -617,7 +622,8 @@ class Node:
         self.commit = GroupCommit(self.wal, self.groups, self._on_fatal, self._after_commit,
                                   inline_sync_max_us, self.cfg.storage.lazy_sync_delay_ms,
                                   unsafe_ack_before_sync=self.faults.unsafe_ack_before_sync,
-                                  slow_sync_s=self.faults.slow_sync_s, inline_only=self.seams.inline_io)
+                                  slow_sync_s=self.faults.slow_sync_s, inline_only=self.seams.inline_io,
+                                  sync_runner=self.seams.sync_runner)
         # Critical: without group commit, ticks or lease renewals the node would serve unsafely
         # (nothing durable, no elections, two owners of a session): it stops instead.
         self.supervisor.spawn("group-commit", self.commit.run, critical=True)
@@ -813,18 +819,27 @@ class Node:
         """Registration key -> the session's subscription behind it."""
         return self._session_views(sess).by_reg
 
+    def share_policy(self, group: str, asked_single_active: bool = False) -> GroupPolicy:
+        """A $share group's work-queue policy from ``[share]`` (docs/work-queues.md)."""
+        sh = self.cfg.share
+        return group_policy(sh.single_active, sh.limited_groups, sh.max_deliveries, sh.ack_timeout_s,
+                            group, asked_single_active)
+
     def _register_everywhere(
-        self, sess: Session, flt: str, sub: SubscriptionState, want_retained: bool, futs: list[Any]
+        self, sess: Session, flt: str, sub: SubscriptionState, want_retained: bool, futs: list[Any],
+        single_active: bool = False,
     ) -> list[int]:
         """Proposes the registration in every shard the filter can match; returns the shards that
         refused it at once (unavailable). The futures of the others go to ``futs``."""
         reg_key, inner, group = reg_key_for(sess.client_id, flt)
+        pol = self.share_policy(group, single_active) if group is not None else GroupPolicy(False, 0, 0)
         refused: list[int] = []
         for shard in self.shards_for_filter(inner):
             try:
                 futs.append(self.propose_cross(shard, c.Register(
                     self.now_ms(), reg_key, sess.client_id if group is None else "", sess.incarnation, inner,
                     sub.qos, sub.no_local, want_retained and group is None, group, sub.version,
+                    pol.single_active, pol.max_deliveries, pol.ack_timeout_ms,
                 )))
                 if group is not None:
                     futs.append(self.propose_cross(shard, c.ShareMember(reg_key, sess.client_id, True,
@@ -834,7 +849,8 @@ class Node:
         return refused
 
     async def subscribe(
-        self, live: LiveSession, flt: str, qos: int, no_local: bool, rap: bool, rh: int, sub_id: int | None
+        self, live: LiveSession, flt: str, qos: int, no_local: bool, rap: bool, rh: int, sub_id: int | None,
+        single_active: bool = False,
     ) -> None:
         """Commits the subscription in the session's shard, then registers it in every shard the
         filter can match; SUBACK may follow. Each shard's Register hands its retained messages to
@@ -849,7 +865,7 @@ class Node:
         sub = sess.subs[flt]
         want = rh == 0 or (rh == 1 and not existed)
         futs: list[Any] = []
-        refused = self._register_everywhere(sess, flt, sub, want, futs)
+        refused = self._register_everywhere(sess, flt, sub, want, futs, single_active)
         if self.faults.suback_before_all_shards and len(futs) > 1:  # broken build: the first shard's answer only
             asyncio.gather(*futs[1:], return_exceptions=True)  # the other shards answer whenever, unheard
             futs = futs[:1]
@@ -1257,9 +1273,15 @@ class Node:
         if not host.raft.is_leader:
             return  # a group's dispatcher runs on the shard's leader
         reg = host.state.topics.regs.get(reg_key)
-        if reg is None or not reg.members:
+        if reg is None:
             return
-        unclaimed = [o for o in reg.owed if o not in reg.claims]
+        dead = reg.dead
+        if dead:
+            self._dead_letter(host, reg_key)
+        if not reg.members:
+            return
+        claims = reg.claims
+        unclaimed = [o for o in reg.owed if o not in claims and o not in dead]
         if not unclaimed:
             return
         # Members connected anywhere in the cluster, as their session shards record it: the leader
@@ -1272,6 +1294,23 @@ class Node:
         online = [m for m, inc in members.items() if self._member_connected(m, inc)]
         if not online:
             return
+        if reg.single_active:
+            # One member receives: the active one (replicated). Offline, and holding nothing (what
+            # it holds comes back when its session ends), it hands over to the first member
+            # online in join order; the apply re-checks both and re-runs this dispatcher.
+            active = reg.active
+            if active not in online:
+                if (online[0] != active and (reg_key, active) not in self._share_activating
+                        and not any(m == active for m, _ in reg.claims.values())):
+                    self._share_activating.add((reg_key, active))
+                    coverage.hit("share_single_active_handover")
+                    fut = self.propose(shard, c.ShareActivate(reg_key, online[0], active))
+                    if fut is not None:
+                        fut.add_done_callback(lambda _f: self._share_activating.discard((reg_key, active)))
+                    else:
+                        self._share_activating.discard((reg_key, active))
+                return
+            online = [active]
         outstanding: dict[str, int] = {}
         for member, inc in reg.claims.values():
             if members.get(member) == inc:
@@ -1289,8 +1328,10 @@ class Node:
         assigned: dict[str, list[int]] = {}
         rr = self._share_rr.get(reg_key, 0)
         declined = reg.declined  # offset -> members whose read ACL refused it: offered to the others
+        timed_out = reg.timed_out  # offset -> the member it was taken back from: offered to another first
         for offset in unclaimed:
             refused = declined.get(offset) if declined else None
+            avoid = timed_out.get(offset) if timed_out else None
             if sticky:
                 meta = host.state.topics.meta.get(offset)
                 topic = meta.topic if meta is not None else ""
@@ -1305,9 +1346,11 @@ class Node:
                 for _ in range(len(online)):
                     cand = online[rr % len(online)]
                     rr += 1
-                    if room[cand] > 0 and not (refused and cand in refused):
+                    if room[cand] > 0 and not (refused and cand in refused) and cand != avoid:
                         member = cand
                         break
+                if not member and avoid and room.get(avoid, 0) > 0 and not (refused and avoid in refused):
+                    member = avoid  # the only member with room: back to the one it timed out with
                 if not member:
                     if refused:
                         continue  # no online member with room that has not declined it: the next offset
@@ -1315,8 +1358,79 @@ class Node:
             room[member] -= 1
             assigned.setdefault(member, []).append(offset)
         self._share_rr[reg_key] = rr
+        now = self.now_ms() if reg.ack_timeout_ms > 0 else 0
         for member, offsets in assigned.items():
-            self.propose(shard, c.ShareClaim(reg_key, member, tuple(offsets), members[member]), want=False)
+            self.propose(shard, c.ShareClaim(reg_key, member, tuple(offsets), members[member], now), want=False)
+
+    def _dead_letter(self, host: ShardHost, reg_key: str) -> None:
+        """Messages of a $share group past its delivery limit (``reg.dead``, replicated): each is
+        published to the dead-letter topic under a GUID derived from (group, shard, offset), then
+        ShareDeadLettered releases it from the group. A leader change in between publishes it
+        again, a duplicate the GUID history refuses: it appears once."""
+        reg = host.state.topics.regs.get(reg_key)
+        if reg is None or reg.share_group is None or not host.raft.is_leader:
+            return
+        shard = host.shard
+        todo = [(o, n, last) for o, (n, last) in reg.dead.items() if (shard, reg_key, o) not in self._dlq_pending]
+        if not todo:
+            return
+        now = self.now_ms()
+        msgs: list[tuple[int, StoredMessage]] = []
+        for offset, n, last in todo:
+            msg = host.message(offset)
+            if msg is None:
+                continue  # the shard failed, or not readable here now: tried again next round
+            msgs.append((offset, dead_letter_message(self.cfg.share.dead_letter_topic, reg.share_group, reg.filter,
+                                                     shard, offset, msg, n, last, now)))
+            self._dlq_pending.add((shard, reg_key, offset))
+        if msgs:
+            task = asyncio.get_running_loop().create_task(self._publish_dead_letters(shard, reg_key, msgs))
+            self._background.add(task)
+            task.add_done_callback(self._background_done)
+
+    async def _publish_dead_letters(self, shard: int, reg_key: str, msgs: list[tuple[int, StoredMessage]]) -> None:
+        try:
+            done: list[int] = []
+            for offset, msg in msgs:
+                fut = self.propose(self.topic_shard(msg.topic), c.Publish(msg))
+                assert fut is not None
+                res = await self.bounded(fut, -1)
+                if res.status in ("ok", "duplicate"):
+                    done.append(offset)
+                else:
+                    log.warning("$share dead letter of shard %d offset %d refused: %s", shard, offset, res.reason)
+            if done:
+                fut = self.propose(shard, c.ShareDeadLettered(reg_key, tuple(done)))
+                assert fut is not None
+                moved = await self.bounded(fut, shard)
+                self.share_dead_lettered += len(moved)
+        finally:
+            for offset, _ in msgs:
+                self._dlq_pending.discard((shard, reg_key, offset))
+
+    def _share_timers(self, host: ShardHost, now: int) -> None:
+        """On the shard's leader, each housekeeping round: claims of connected members held past
+        their group's ack timeout go back (ShareTimeout, decided again at apply by the entry's
+        time), and dead letters not yet published are tried again."""
+        for reg_key, reg in host.state.topics.regs.items():
+            if reg.share_group is None:
+                continue
+            if reg.dead:
+                self._dead_letter(host, reg_key)
+            if reg.ack_timeout_ms <= 0 or not reg.claim_ts:
+                continue
+            late: dict[tuple[str, int], list[int]] = {}
+            for offset, at in reg.claim_ts.items():
+                holder = reg.claims.get(offset)
+                if holder is not None and now - at >= reg.ack_timeout_ms:
+                    late.setdefault(holder, []).append(offset)
+            for (member, inc), offsets in late.items():
+                if not self._member_connected(member, inc):
+                    continue  # offline: its session's end returns them (MQTT: resent on reconnect)
+                log.info("$share group %s: client %s held %d message(s) past share.ack_timeout_s: taken back",
+                         reg.share_group, member, len(offsets))
+                self.share_ack_timeouts += len(offsets)
+                self.propose(host.shard, c.ShareTimeout(now, reg_key, member, inc, tuple(offsets)), want=False)
 
     def _member_connected(self, client_id: str, inc: int) -> bool:
         """Whether ``client_id``'s session incarnation ``inc`` is connected: here, or on some node as
@@ -1378,6 +1492,7 @@ class Node:
                     t = host.state.topics
                     if t.meta or t.dedup:
                         self.propose_lazy(host.shard, c.Housekeeping(now, self._pin_floor(host.shard, now)))
+                    self._share_timers(host, now)
                     sessions = host.state.sessions.sessions.values()
                     if any(lease_lapsed(s, now) for s in sessions):
                         coverage.hit("owner_lease_lapsed")

@@ -1,0 +1,146 @@
+"""Issue 33: $share groups as work queues, against a real broker process (docs/work-queues.md).
+
+- single-active: only the active member receives; when its session ends the standby continues from
+  the first unacknowledged message, in order, nothing skipped;
+- a poison message (its consumer never acknowledges and reconnects) lands once on the dead-letter
+  topic after share.max_deliveries, counted as a drop ``delivery_limit``, and the group moves on;
+- ack timeout: a message a connected member holds unacknowledged goes to another member.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from e2e_broker import BrokerProc, running_broker
+from rawclient import RawClient
+
+pytestmark = [pytest.mark.e2e, pytest.mark.moorline_only]
+HOST = "127.0.0.1"
+USER_PROPERTY = 0x26
+
+CONFIG = """
+[share]
+single_active = ["sa-*"]
+limited_groups = ["dl-*", "to-*"]
+max_deliveries = 2
+ack_timeout_s = 1.0
+"""
+
+
+@pytest.fixture(scope="module")
+def wq_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProc]:
+    with running_broker(Path(tmp_path_factory.mktemp("wq")), config_text=CONFIG) as b:
+        yield b
+
+
+def member(port: int, cid: str, flt: str, props: list[tuple[int, object]] | None = None) -> RawClient:
+    c = RawClient(HOST, port, 5)
+    assert c.connect(cid, clean=True).reason == 0
+    assert c.subscribe([(flt, 1)], props=props).reasons == [1]  # type: ignore[attr-defined]
+    return c
+
+
+def publish(port: int, cid: str, topic: str, payloads: list[bytes]) -> None:
+    pub = RawClient(HOST, port, 5)
+    assert pub.connect(cid).reason == 0
+    for p in payloads:
+        assert pub.publish_and_wait(topic, p, 1).reason < 0x80
+    pub.disconnect()
+
+
+def metric(b: BrokerProc, pattern: str) -> int:
+    with urllib.request.urlopen(b.http_url + "/metrics", timeout=10) as r:
+        m = re.search(pattern + r" (\d+)$", r.read().decode(), re.M)
+    return int(m.group(1)) if m else 0
+
+
+@pytest.mark.parametrize("how", ["config", "user_property"])
+def test_single_active_standby_takes_over_in_order(wq_broker: BrokerProc, uniq: str, how: str) -> None:
+    port, topic = wq_broker.mqtt_port, f"{uniq}/jobs"
+    if how == "config":
+        flt, props = f"$share/sa-{uniq}/{topic}", None
+    else:
+        flt, props = f"$share/g{uniq}/{topic}", [(USER_PROPERTY, ("moorline-share-mode", "single-active"))]
+    a = member(port, f"{uniq}-a", flt, props)
+    b = member(port, f"{uniq}-b", flt, props)
+    n = 30
+    sent = [f"m{i:03}".encode() for i in range(n)]
+    publish(port, f"{uniq}-p", topic, sent)
+    got_a = [a.next_message(10) for _ in range(n)]
+    assert [m.payload for m in got_a] == sent, "the active member receives everything, in order"
+    assert b.recv_or_none(1.0) is None, "the standby member receives nothing"
+    for m in got_a[:12]:
+        a.ack(m)
+    a.ping()  # the acks are read before the connection goes
+    time.sleep(0.3)  # ... and committed
+    a.abort()  # its session ends: the standby becomes active, from the first unacknowledged
+    got_b = [b.next_message(10).payload for _ in range(n - 12)]
+    assert got_b == sent[12:], "from the first unacknowledged, in order, nothing skipped"
+    more = [f"n{i}".encode() for i in range(5)]
+    publish(port, f"{uniq}-p2", topic, more)
+    assert [b.next_message(10).payload for _ in more] == more
+    with urllib.request.urlopen(wq_broker.http_url + f"/v1/groups?q={uniq}", timeout=10) as r:
+        rows = json.loads(r.read())
+    row = (rows["items"] if isinstance(rows, dict) else rows)[0]
+    assert row["single_active"] and row["active"] == [f"{uniq}-b"]
+    b.disconnect()
+
+
+def test_poison_message_lands_once_on_the_dead_letter_topic(wq_broker: BrokerProc, uniq: str) -> None:
+    port, topic, group = wq_broker.mqtt_port, f"{uniq}/jobs", f"dl-{uniq}"
+    admin = RawClient(HOST, port, 5)
+    assert admin.connect(f"{uniq}-admin").reason == 0
+    admin.subscribe([(f"$dlq/{group}/#", 1)])
+    dlq_before = metric(wq_broker, "moorline_share_dlq_total")
+    flt = f"$share/{group}/{topic}"
+    c = member(port, f"{uniq}-c", flt)
+    publish(port, f"{uniq}-p", topic, [b"poison"])
+    for attempt in range(2):  # max_deliveries = 2: handed out twice, never acknowledged
+        assert c.next_message(10).payload == b"poison", attempt
+        c.abort()  # the consumer "crashes": its session ends, the claim comes back
+        c = member(port, f"{uniq}-c", flt)
+    dead = admin.next_message(10)
+    assert dead.payload == b"poison" and dead.topic == f"$dlq/{group}/{topic}"  # type: ignore[attr-defined]
+    props = dict(dead.user_properties)  # type: ignore[attr-defined]
+    assert props["moorline-original-topic"] == topic and props["moorline-deliveries"] == "2"
+    assert props["moorline-last-consumer"] == f"{uniq}-c"
+    admin.ack(dead)
+    assert admin.recv_or_none(1.5) is None, "dead-lettered exactly once"
+    assert c.recv_or_none(0.5) is None, "the poison message is not handed out again"
+    publish(port, f"{uniq}-p2", topic, [b"next"])  # the group moves on
+    nxt = c.next_message(10)
+    assert nxt.payload == b"next"
+    c.ack(nxt)
+    assert metric(wq_broker, "moorline_share_dlq_total") == dlq_before + 1
+    assert metric(wq_broker, r'moorline_dropped_total\{reason="delivery_limit"\}') >= 1
+    c.disconnect()
+    admin.disconnect()
+
+
+def test_ack_timeout_returns_a_held_message_to_another_member(wq_broker: BrokerProc, uniq: str) -> None:
+    port, topic, group = wq_broker.mqtt_port, f"{uniq}/jobs", f"to-{uniq}"
+    flt = f"$share/{group}/{topic}"
+    x = member(port, f"{uniq}-x", flt)
+    y = member(port, f"{uniq}-y", flt)
+    before = metric(wq_broker, "moorline_share_ack_timeouts_total")
+    publish(port, f"{uniq}-p", topic, [b"held"])
+    first = x.recv_or_none(5.0)
+    holder, other = (x, y) if first is not None else (y, x)
+    held = first if first is not None else y.next_message(5)
+    assert held.payload == b"held"
+    t0 = time.monotonic()
+    again = other.next_message(1.0 + 1.0 + 3.0)  # ack_timeout_s + one housekeeping round + slack
+    assert again.payload == b"held" and time.monotonic() - t0 >= 0.9
+    other.ack(again)
+    holder.ack(held)  # the late PUBACK: harmless
+    holder.ping()
+    assert holder.recv_or_none(1.0) is None and other.recv_or_none(1.0) is None
+    assert metric(wq_broker, "moorline_share_ack_timeouts_total") >= before + 1
+    x.disconnect()
+    y.disconnect()
