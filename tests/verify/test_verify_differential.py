@@ -232,7 +232,7 @@ def seed_history(seed: int, tmp: Path) -> list[Rec]:
 
 def both_engines(spark: Any, records: list[Rec], tmp: Path) -> tuple[set[tuple[Any, ...]], set[tuple[Any, ...]]]:
     """(verify's, the checkers') (run, kind, message, subscriber) sets."""
-    from moorline.sim.cluster.checkers import EXTRA_KINDS, analyze_history
+    from moorline.sim.cluster.checkers import VERIFY_KINDS, analyze_history
     from moorline.verify.checks import analyze
     from moorline.verify.job import checked_events, load_histories
 
@@ -241,7 +241,7 @@ def both_engines(spark: Any, records: list[Rec], tmp: Path) -> tuple[set[tuple[A
     events = checked_events(load_histories(spark, [path]), [path])
     theirs = {(a["run"], a["kind"], a["guid"], a["subscriber"]) for a in analyze(events).anomalies.collect()}
     ours = {(v.run, v.kind, v.guid, v.subscriber) for v in analyze_history(records).violations
-            if v.kind not in EXTRA_KINDS}
+            if v.kind in VERIFY_KINDS}
     return theirs, ours
 
 

@@ -122,7 +122,7 @@ def overlapping_filters_qos1_first(h: Any) -> None:
 
 @pytest.fixture(scope="module")
 def judged(spark: Any, hist: Any) -> dict[str, dict[str, Anoms]]:
-    from moorline.sim.cluster.checkers import EXTRA_KINDS, analyze_history
+    from moorline.sim.cluster.checkers import VERIFY_KINDS, analyze_history
     from moorline.verify.checks import analyze
     from moorline.verify.history import FIELDS, spark_schema
 
@@ -136,7 +136,7 @@ def judged(spark: Any, hist: Any) -> dict[str, dict[str, Anoms]]:
     for a in analyze(spark.createDataFrame(rows, spark_schema())).anomalies.collect():
         out["verify"][a["run"]].add((a["kind"], a["guid"], a["subscriber"]))
     for v in analyze_history(records).violations:
-        if v.kind not in EXTRA_KINDS and v.run is not None:
+        if v.kind in VERIFY_KINDS and v.run is not None:
             out["checkers"][v.run].add((v.kind, v.guid, v.subscriber))
     return out
 

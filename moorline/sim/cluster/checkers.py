@@ -39,6 +39,14 @@ Beyond verify (``EXTRA_KINDS``):
 - *resend_without_dup*: a QoS 2 resend of a held packet id with DUP=0;
 - *stuck*: liveness after the faults healed: a subscriber the workload's drain gave up on (it could
   not reconnect and catch up within the drain's time), or a publish never answered.
+
+Reported, not failing (``EXTRA_REPORTED_KINDS``):
+- *will_lost*: a will that was due (its client ended the connection without DISCONNECT, recorded
+  ``info disconnect`` with a reason starting "ended without DISCONNECT") and was owed to a durable
+  subscription (SUBACK before that end, filter matching, QoS > 0 on both sides; one delivery per
+  ``$share`` group), never delivered to it. Reported only: the history does not record node
+  crashes, and a will whose node crashed before the connection's end was committed is not
+  published (docs/verification.md, "Wills").
 """
 
 from __future__ import annotations
@@ -56,9 +64,14 @@ from moorline.verify.topics import filter_to_regex
 NO_GUID = "no_guid"
 STUCK_SUBSCRIBER = "not drained"  # reasons the workload records when its drain gives up
 STUCK_PUBLISH = "abandoned"
+WILL = "will"  # publish detail of a will (invoke at CONNECT; fail when known discarded)
+WILL_DUE = "ended without DISCONNECT"  # info disconnect reason: the client ended the connection abruptly
 EXTRA_KINDS: tuple[str, ...] = ("double_owner", "stale_owner", "session_lost", "resend_without_dup", "stuck")
+EXTRA_REPORTED_KINDS: tuple[str, ...] = ("will_lost",)
 FAILING_KINDS: tuple[str, ...] = VERIFY_FAILING_KINDS + EXTRA_KINDS
-ALL_KINDS: tuple[str, ...] = FAILING_KINDS + REPORTED_KINDS
+# The kinds moorline verify finds too (the differential test compares exactly these).
+VERIFY_KINDS: tuple[str, ...] = VERIFY_FAILING_KINDS + REPORTED_KINDS
+ALL_KINDS: tuple[str, ...] = FAILING_KINDS + REPORTED_KINDS + EXTRA_REPORTED_KINDS
 END_OF_TIME = 2**62
 SHARE_END_REASONS = ("session_expired", "share_qos2_member_gone")
 
@@ -238,6 +251,7 @@ class _RunCheck:
         self._owners()
         self._session_presence()
         self._stuck()
+        self._wills()
 
     def _sessions(self) -> None:
         inc: dict[str, int] = defaultdict(int)
@@ -721,6 +735,54 @@ class _RunCheck:
                                   f"{old['process']}'s connection to {old['node']} still open "
                                   f"{(min(end, self.ev[-1]['mono_ns']) - new['start']) / 1e9:.3f} s after "
                                   f"{new['process']} got CONNACK from {new['node']}", None, s, None)
+
+    def _wills(self) -> None:
+        """Wills owed: due (the client ended its connection without DISCONNECT) and matching a live,
+        drained subscription subscribed before that end (docs/verification.md, "Wills")."""
+        pending: dict[tuple[str, Any], dict[str, Any]] = {}  # (session, process) -> will of its connection
+        due: list[tuple[dict[str, Any], int]] = []
+        for r in self.ev:
+            s = r.get("session")
+            if s is None:
+                continue
+            key = (s, r.get("process"))
+            op, typ = r.get("op"), r.get("type")
+            if op == "publish" and typ == "invoke" and r.get("detail") == WILL and r.get("guid") is not None:
+                pending[key] = r
+            elif op == "connect" and typ == "fail":
+                pending.pop(key, None)  # the CONNECT carrying the will was refused
+            elif op == "disconnect" and key in pending:
+                will = pending.pop(key)
+                if typ == "info" and (r.get("reason") or "").startswith(WILL_DUE):
+                    due.append((will, r["mono_ns"]))
+        delivered_by: dict[str, set[str]] = defaultdict(set)
+        for e in self.first:
+            if e.get("guid") is not None:
+                delivered_by[e.get("guid")].add(e.sub)
+                delivered_by[e.get("guid")].add(e.session)
+        lost = 0
+        for will, due_ns in due:
+            g, topic, qos = will["guid"], will.get("topic"), will.get("qos") or 0
+            owed: dict[str, _SubRow] = {}
+            for row in self.subs:
+                if not row.live or not row.start_ns < due_ns or not row.matches(topic):
+                    continue
+                who = row.sub if row.share_group is None else f"$share/{row.share_group}/{row.filter}"
+                if who not in owed or _smax(owed[who].granted, row.granted) != owed[who].granted:
+                    owed[who] = row
+            for who, row in owed.items():
+                if qos == 0 or not row.granted:
+                    continue
+                if row.share_group is None:
+                    got = row.sub in delivered_by.get(g, set())
+                else:
+                    got = bool(delivered_by.get(g, set()) & self.members[(row.share_group, row.filter)])
+                if not got:
+                    lost += 1
+                    self.flag("will_lost", f"will of {will.get('session')} due at its connection's end "
+                              f"({(due_ns - self.ev[0]['mono_ns']) / 1e9:.3f} s), never delivered", g, who, topic)
+        self.counts["wills_due"] += len(due)
+        self.counts["wills_lost"] += lost
 
     def _stuck(self) -> None:
         """Liveness once the faults healed: the workload's drain gave up on a subscriber that could
