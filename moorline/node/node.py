@@ -256,7 +256,10 @@ class Node:
                     raft.campaign()  # one voter: leader at once, with a no-op of a new term
                 self._recover_group(host)
             present = set(state.topics.meta)
-            gone = [o for o in range(store.low_water, state.topics.next_offset) if o not in present]
+            # What the state no longer keeps goes from the store, also under its low-water mark
+            # (records released before a restart are kept again when the files are read).
+            gone = [o for o in store.kept_below(store.low_water) if o not in present]
+            gone += [o for o in range(store.low_water, state.topics.next_offset) if o not in present]
             if gone:
                 store.release(gone)
             if store_damage is not None:

@@ -778,6 +778,24 @@ class MessageStore:
         if top >= self.low_water:
             self.low_water = top + 1
 
+    def kept_below(self, offset: int) -> list[int]:
+        """Offsets below ``offset`` whose records this store still keeps, ascending. Recovery
+        releases those its state no longer keeps: the low-water mark is above every release, not
+        below every kept record, so records released before a restart can sit under it."""
+        out: list[int] = []
+        for seg in self._segments:
+            if seg.first_offset >= offset:
+                break
+            if seg.kept_count == 0:
+                continue
+            released = seg.released
+            for i, o in enumerate(seg.offsets):
+                if o >= offset:
+                    break
+                if not released[i]:
+                    out.append(o)
+        return out
+
     def release_below(self, offset: int) -> None:
         """Release every offset below ``offset``."""
         offset = min(offset, self.next_offset)
