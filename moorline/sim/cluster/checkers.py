@@ -1,9 +1,10 @@
-"""History checkers for the cluster simulator: ``moorline verify``'s definitions in plain Python.
+"""History checkers for the cluster simulator: the definitions of docs/verification.md in plain Python.
 
-``moorline verify`` (``moorline/verify/checks.py``, PySpark) is the reference; every definition it
-has is implemented here the same way, row for row, so a seed's verdict needs no JVM and takes
-milliseconds. docs/verification.md states the rules; docs/cluster-sim-workload.md lists where this
-module goes further. In short:
+docs/verification.md is the one statement of every anomaly; ``moorline verify``
+(``moorline/verify/checks.py``, PySpark) and this module implement it, row for row, so a seed's
+verdict needs no JVM and takes milliseconds. tests/verify/test_verify_differential.py keeps the two
+equal (any difference in the (kind, message, subscriber) sets is a bug in one of them).
+docs/cluster-sim-workload.md lists what this module checks beyond verify. In short:
 
 - *lost*: an acknowledged message (PUBACK, or PUBREC at QoS 2) owed to a durable subscription
   (plain, or one delivery per ``$share`` group) and never delivered, unless QoS 0 on either side
@@ -16,13 +17,13 @@ module goes further. In short:
 - *out_of_order*: first deliveries per (subscriber, topic, publisher) not in the publisher's
   acknowledged order; resends after a reconnect out of original order, after a new message, or
   skipping an older unacknowledged one;
-- *unexpected* and *refused_delivered*.
-
-Beyond verify (``EXTRA_KINDS``):
+- *unexpected* and *refused_delivered*;
 - a message a publisher sent **without** a guid (recorded ``detail="no_guid"``) and sent again
   (QoS 1, or QoS 2 on a new publisher session) may legitimately be stored twice: its repeats are
   not duplicates, and neither its packet ids nor its resend order are judged (the history cannot
-  tell the two stored copies apart);
+  tell the two stored copies apart); a retained copy (``detail="retained"``) is never a duplicate.
+
+Beyond verify (``EXTRA_KINDS``):
 - *double_owner*: a connection of a session receives a PUBLISH more than ``owner_overlap_s`` after
   another process's connection of the same session got its CONNACK while the first was still
   open: two owners delivering at once. The new owner answers CONNACK only after the previous owner
@@ -543,8 +544,6 @@ class _RunCheck:
                 end = ends.get(prev.session)
                 # The QoS the previous member received it at decides (MQTT-4.8.2-4/5): a QoS 1
                 # claim goes back to the group when that session ends, a QoS 2 one never does.
-                # verify looks at the new delivery's QoS instead, and so flags a QoS 1 claim that
-                # a member granted QoS 2 receives next.
                 ok = _and3(_eq3(prev.get("qos"), 1), end is not None and end > prev.mono)
                 if ok is True:
                     legit += 1
@@ -570,8 +569,7 @@ class _RunCheck:
             by_pub_topic[(m.pub_session, m.topic)].append(m)
         for ms in by_pub_topic.values():
             # The order the publisher saw its acknowledgements in: ties of equal time (one read
-            # of several PUBACKs; every instant of a virtual clock) go by record order. verify
-            # breaks them by guid, which misjudges a history with equal timestamps.
+            # of several PUBACKs; every instant of a virtual clock) go by record order.
             ms.sort(key=lambda m: (m.ok_ns or 0, m.ok_index))
             for rank, m in enumerate(ms, 1):
                 ranked[m.guid] = rank
@@ -607,7 +605,7 @@ class _RunCheck:
         checked = self.checked
         capp = [e for e in self.app if any(row.matches(e.get("topic")) for row in checked.get(e.sub, ()))]
         capp.sort(key=lambda x: (x.mono, x.index))
-        # Resends: repeats on a later connection, and (beyond verify) QoS 2 PUBLISHes resent with
+        # Resends: repeats on a later connection, and QoS 2 PUBLISHes resent with
         # their held packet id, which are resends too and keep the original order as well.
         inflight = [e for e, _ in self.inflight_resends
                     if e.conn > (e.prev_conn or 0)
@@ -644,15 +642,13 @@ class _RunCheck:
                 first_ack[key2] = min(first_ack.get(key2, a.mono), a.mono)
                 continued.add((a.sub, a.get("guid"), a.conn))
         # Continued on a connection: delivered on it again (a QoS 2 resend with the held packet id
-        # included: verify leaves those out and so flags a QoS 2 message resent correctly), or
-        # released on it (PUBREL -> PUBCOMP).
+        # included), or released on it (PUBREL -> PUBCOMP).
         for e in self.dl:
             if e.get("guid") is not None:
                 continued.add((e.sub, e.get("guid"), e.conn))
         for e in capp:
-            # A QoS 0 delivery is never acknowledged and never resent (at most once): verify's
-            # rule counts it as "older, unacknowledged" and so flags every QoS 0 message before
-            # a resend; here it is left out.
+            # A QoS 0 delivery is never acknowledged and never resent (at most once, MQTT 5
+            # section 4.3.1): it is never owed a resend.
             if e.k != 1 or not (e.get("qos") or 0) > 0:
                 continue
             found = rep_span.get((e.sub, e.get("topic")))
