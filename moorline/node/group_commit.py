@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from moorline.node.raft_group import encode_vote
+from moorline.node.seams import SyncRunner
 from moorline.node.shard_host import ShardHost
 from moorline.raft import HardState, Ready
 from moorline.storage.wal import WriteAheadLog
@@ -151,6 +152,7 @@ class GroupCommit:
         unsafe_ack_before_sync: bool = False,  # deliberately broken build (testing.Faults)
         slow_sync_s: float = 0.0,  # test instrument (testing.Faults): a slow disk
         inline_only: bool = False,  # no sync thread: every sync on the loop (the simulator's threads seam)
+        sync_runner: Callable[[WriteAheadLog], SyncRunner] | None = None,  # instead of a SyncThread (seams)
     ) -> None:
         self.slow_sync_s = slow_sync_s
         self.wal = wal
@@ -174,7 +176,8 @@ class GroupCommit:
         self.lazy_syncs = 0  # syncs that carried only lazy commands (their timer ran out)
         self._flush_waiters: list[asyncio.Future[None]] = []  # woken when the next pass is done
         self.timer = SyncTimer(inline_sync_max_us / 1e6)
-        self._sync_thread = None if inline_only else SyncThread(wal)
+        self._sync_thread: SyncRunner | None = (
+            sync_runner(wal) if sync_runner is not None else None if inline_only else SyncThread(wal))
         self._stopped = False
         self.syncs = 0
         self.shard_batches_synced = 0  # (shard, sync) pairs: how many shards one sync covers on average

@@ -169,6 +169,14 @@ def sim(
         bool, typer.Option(help="--cluster: each seed draws its node configuration (tiny snapshot intervals, "
                                 "segments, retention, caps, leases; docs/simulation.md)")
     ] = False,
+    timed_sync: Annotated[
+        bool, typer.Option(help="--cluster: each WAL sync takes drawn virtual time beside the node's loop; "
+                                "a crash may fall inside it")
+    ] = False,
+    aimed_crashes: Annotated[
+        bool, typer.Option(help="--cluster: some crashes fire right after a node's next vote grant, append "
+                                "response, PUBACK or PUBREC")
+    ] = False,
 ) -> None:
     """Deterministic simulation: seeded faults, online Raft checks, total-queue and
     linearizability checkers. Exits 1 on the first seed with a violation. With --cluster: whole
@@ -177,7 +185,7 @@ def sim(
         from moorline.sim.cluster.cli import cluster_sim
 
         cluster_sim(seeds, start, nodes, seed, trace, switch or [], progress_every, bitflips, jobs,
-                    draw_config=draw_config, verbose=verbose)
+                    draw_config=draw_config, verbose=verbose, timed_sync=timed_sync, aimed_crashes=aimed_crashes)
         return
     if bug is not None and bug not in ALL_BUGS:
         raise typer.BadParameter(f"unknown bug {bug!r}; known: {', '.join(ALL_BUGS)}")

@@ -30,7 +30,7 @@ from typing import Any
 from moorline import coverage
 from moorline.chaos.node import flip_synced_byte
 from moorline.sim.cluster.tuning import DEFAULT_TUNING, GUIDLESS_MIN_QUEUE_CAP, draw_tuning
-from moorline.sim.cluster.world import SimNode, World, WorldConfig, quiet_logs
+from moorline.sim.cluster.world import MOMENTS, SimNode, World, WorldConfig, quiet_logs
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,12 @@ class RunConfig:
     # retention, queue caps, leases, ...) with --draw-config. Off by default until the violations
     # the draws found (docs/simulation.md) are fixed: CI's seed pool must stay clean.
     draw_config: bool = False
+    # --timed-sync: each WAL sync takes drawn virtual time beside the node's loop, and a crash may
+    # fall inside it (world.TimedSync). --aimed-crashes: some crashes are armed to fire right after
+    # a node's next vote grant, append response, PUBACK or PUBREC (world.arm_crash).
+    timed_sync: bool = False
+    aimed_crashes: bool = False
+    aim_window_s: float = 5.0  # an armed crash whose moment does not come within this is disarmed
 
 
 @dataclass
@@ -74,6 +80,8 @@ class SeedResult:
     tuning: dict[str, object] = field(default_factory=dict)  # the knobs drawn away from the defaults
     draw_config: bool = False
     paths: dict[str, int] = field(default_factory=dict)  # rare node paths reached (moorline/coverage.py)
+    timed_sync: bool = False
+    aimed_crashes: bool = False
 
     @property
     def ok(self) -> bool:
@@ -82,6 +90,7 @@ class SeedResult:
     def replay_command(self) -> str:
         sw = "".join(f" --switch {s}" for s in self.switches) + (" --bitflips" if self.bitflips else "")
         sw += " --draw-config" if self.draw_config else ""
+        sw += (" --timed-sync" if self.timed_sync else "") + (" --aimed-crashes" if self.aimed_crashes else "")
         return f"moorline sim --cluster --nodes {self.nodes} --seed {self.seed}{sw} --trace seed-{self.seed}.trace"
 
 
@@ -99,6 +108,7 @@ class FaultPlan:
         self.flips: list[tuple[str, str, int]] = []  # (node, file, offset) of each flipped synced bit
         self.paused: set[str] = set()  # nodes whose pause is recorded in the history and not yet its end
         self.history: Any = None  # the workload's History: pauses are recorded in it for the checkers
+        self.armed_until: dict[str, float] = {}  # crashes aimed at a protocol moment, not yet fired
 
     @property
     def now(self) -> float:
@@ -106,7 +116,7 @@ class FaultPlan:
 
     def faulty(self) -> set[str]:
         w = self.world
-        out = set(self.down_until) | set(self.isolated)
+        out = set(self.down_until) | set(self.isolated) | set(self.armed_until)
         out |= {sn.name for sn in w.nodes if sn.boot_error is not None}  # e.g. refused damaged data
         out |= {sn.name for sn in w.nodes if sn.loop is not None and sn.loop.paused_until is not None
                 and sn.loop.paused_until > self.now}
@@ -125,20 +135,20 @@ class FaultPlan:
         minority = (len(w.nodes) - 1) // 2
         healthy = [sn for sn in w.nodes if sn.name not in self.faulty() and sn.ready]
         room = len(self.faulty()) < minority
-        kind = rng.choices(["crash", "pause", "isolate", "oneway", "leader_cut", "reset", "heal"],
-                           weights=[3, 2, 2, 1, 2, 2, 1])[0]
-        if kind in ("crash", "pause", "isolate", "oneway", "leader_cut") and (not room or not healthy):
+        if self.cfg.aimed_crashes:
+            kind = rng.choices(["crash", "aimed_crash", "pause", "isolate", "oneway", "leader_cut", "reset", "heal"],
+                               weights=[2, 2, 2, 2, 1, 2, 2, 1])[0]
+        else:
+            kind = rng.choices(["crash", "pause", "isolate", "oneway", "leader_cut", "reset", "heal"],
+                               weights=[3, 2, 2, 1, 2, 2, 1])[0]
+        if kind in ("crash", "aimed_crash", "pause", "isolate", "oneway", "leader_cut") and (not room or not healthy):
             kind = "reset"
         if kind == "crash":
+            self._crash(rng.choice(healthy))
+        elif kind == "aimed_crash":
             sn = rng.choice(healthy)
-            w.crash(sn)
-            if self.cfg.bitflips and rng.random() < 0.5:
-                flipped = flip_synced_byte(sn.memory_ledger.as_file(sn.ledger), rng)
-                if flipped is not None:
-                    self.flips.append((sn.name, *flipped))
-                    w.note(f"{sn.name}: flipped a bit of synced data in {Path(flipped[0]).name} at {flipped[1]}")
-                    self._count("bitflip")
-            self.down_until[sn.name] = self.now + rng.uniform(*self.cfg.crash_down_s)
+            w.arm_crash(sn, rng.choice(MOMENTS))
+            self.armed_until[sn.name] = self.now + self.cfg.aim_window_s
         elif kind == "pause":
             sn = rng.choice(healthy)
             w.pause(sn, rng.uniform(*self.cfg.pause_s))
@@ -176,6 +186,29 @@ class FaultPlan:
             self.heal_network()
         self._count(kind)
 
+    def _crash(self, sn: SimNode) -> None:
+        w, rng = self.world, self.rng
+        w.crash(sn)
+        if self.cfg.bitflips and rng.random() < 0.5:
+            flipped = flip_synced_byte(sn.memory_ledger.as_file(sn.ledger), rng)
+            if flipped is not None:
+                self.flips.append((sn.name, *flipped))
+                w.note(f"{sn.name}: flipped a bit of synced data in {Path(flipped[0]).name} at {flipped[1]}")
+                self._count("bitflip")
+        self.down_until[sn.name] = self.now + rng.uniform(*self.cfg.crash_down_s)
+
+    def _aimed(self) -> None:
+        """Crash the nodes whose aimed moment came; disarm those whose window ran out."""
+        w = self.world
+        for sn in w.take_due_crashes():
+            self.armed_until.pop(sn.name, None)
+            self._crash(sn)
+            self._count("aimed_crash_fired")
+        for name, at in list(self.armed_until.items()):
+            if at <= self.now:
+                del self.armed_until[name]
+                w.disarm(next(sn for sn in w.nodes if sn.name == name))
+
     def _record_pause(self, node: str, reason: str) -> None:
         """A paused node cannot close its clients' connections: the owner checks need to know."""
         if reason == "pause":
@@ -204,6 +237,7 @@ class FaultPlan:
     def expire(self) -> None:
         """Restart what is due, heal cuts that ran out."""
         w = self.world
+        self._aimed()
         self._record_resumes()
         for name, at in list(self.down_until.items()):
             if at <= self.now:
@@ -233,6 +267,10 @@ class FaultPlan:
 
     def heal_all(self) -> None:
         w = self.world
+        self._aimed()
+        for name in list(self.armed_until):
+            del self.armed_until[name]
+            w.disarm(next(sn for sn in w.nodes if sn.name == name))
         for name in list(self.down_until):
             del self.down_until[name]
             w.start(next(sn for sn in w.nodes if sn.name == name))
@@ -347,7 +385,8 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
     run_base = Path(tempfile.mkdtemp(prefix=f"moorline-sim-{seed}-", dir=_fast_tmp())) if base is None else base
     coverage.reset()  # the node paths this seed reaches (moorline/coverage.py)
     tuning = draw_tuning(seed) if cfg.draw_config else DEFAULT_TUNING
-    world = World(seed, run_base, WorldConfig(nodes=nodes, shards=tuning.shards, tuning=tuning), switches=switches)
+    world = World(seed, run_base, WorldConfig(nodes=nodes, shards=tuning.shards, tuning=tuning,
+                                              timed_sync=cfg.timed_sync), switches=switches)
     rng = random.Random(f"{seed}/plan")
     findings: list[Finding] = []
     records: list[dict[str, Any]] = []
@@ -397,6 +436,9 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
                 plan.counts["corruption_reported"] = len(reported)
             findings += [f for f in replicas if f not in reported]
         findings += monitor.findings
+        # World-state checks (world_checks.py): durable promises, read barriers, canonical snapshots.
+        findings += [Finding(kind, detail) for kind, detail in world.world_findings()]
+        plan.counts.update(world.check_counts())
         findings += check_flips(world, plan.flips)
         for sn in world.nodes:
             findings += [Finding("node_exception", f"{sn.name}: {e}") for e in sn.errors]
@@ -412,7 +454,8 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
     result = SeedResult(seed, nodes, tuple(sorted(switches)), findings, world.scheduler.now,
                         time.perf_counter() - started, world.scheduler.steps, digest.hexdigest()[:16],
                         {**plan.counts, "records": len(records)}, list(world.events), cfg.bitflips,
-                        tuning.differences(), cfg.draw_config, coverage.snapshot())
+                        tuning.differences(), cfg.draw_config, coverage.snapshot(), cfg.timed_sync,
+                        cfg.aimed_crashes)
     if trace is not None:
         write_trace(trace, result, records)
     return result

@@ -3,9 +3,16 @@
 Each node is the production code (``moorline.node.node.Node``, its MQTT server, group commit,
 cluster link and transport) on its own ``VirtualLoop`` with its seams (DESIGN: simulation seams)
 pointed at the world: virtual time (a per-node clock rate within the drift bound and a wall-clock
-offset), the in-memory network, seeded random bytes, and every fdatasync inline. Its disk is a
-real directory under the run's base; a ledger of synced lengths (the crash harness's instrument)
-lets a crash lose or tear what was written after the last sync, as power loss would.
+offset), the in-memory network, seeded random bytes, and every fdatasync inline — or, with
+``timed_sync``, each WAL sync of group commit taking a drawn stretch of virtual time beside the
+loop, as on the production sync thread (``TimedSync``). Its disk is a real directory under the
+run's base; a ledger of synced lengths (the crash harness's instrument) lets a crash lose or tear
+what was written after the last completed sync, as power loss would.
+
+The world watches what each node puts on the virtual network (``_FrameTap``: Raft messages in
+the cluster frames; ``_MqttTap``: MQTT packet types to clients) for the world-state checks
+(world_checks.py) and for crashes aimed at a protocol moment (``arm_crash``: the node dies right
+after its next vote grant, append response, PUBACK or PUBREC).
 
 A crash drops the node's loop (nothing of it runs again), breaks its connections, closes the files
 the process held (releasing its data-directory lock, as the kernel would) and cuts its files back
@@ -17,21 +24,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import random
+import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from moorline.cluster.wire import PREAMBLE_BYTES, RaftMessages
 from moorline.config import NodeConfig
 from moorline.node.auth import Authorizer
 from moorline.node.node import Node
-from moorline.node.seams import Seams
+from moorline.node.seams import Seams, SyncRunner
 from moorline.node.server import MqttServer
+from moorline.raft import Message, MessageType
 from moorline.sim.cluster.tuning import DEFAULT_TUNING, NodeTuning
 from moorline.sim.cluster.vloop import Scheduler, VirtualLoop
-from moorline.sim.cluster.vnet import LinkDelay, SimNetwork
+from moorline.sim.cluster.vnet import HostNetwork, LinkDelay, SimNetwork
+from moorline.sim.cluster.world_checks import (
+    PromiseLedger,
+    ReadBarrierCheck,
+    canonical_state_findings,
+    watch_barriers,
+)
 from moorline.storage.ledger import SyncLedger
+from moorline.storage.wal import WriteAheadLog
 from moorline.testing.faults import Faults
 
 log = logging.getLogger("moorline.sim.cluster")
@@ -98,6 +119,201 @@ def seeded_bytes(rng: random.Random) -> Any:
     return draw
 
 
+def draw_sync_s(rng: random.Random) -> float:
+    """How long one WAL sync takes: mostly a fast disk, sometimes a slow one, now and then a stall."""
+    r = rng.random()
+    if r < 0.7:
+        return rng.uniform(0.0002, 0.002)
+    if r < 0.95:
+        return rng.uniform(0.002, 0.02)
+    return rng.uniform(0.02, 0.15)
+
+
+class TimedSync:
+    """Group commit's sync runner under the simulator (``Seams.sync_runner``): the production
+    ``SyncThread`` with virtual time instead of a thread. ``sync()`` returns at once; the loop goes
+    on serving while the sync runs, and after a drawn duration the WAL is written and synced and
+    the future resolves. The ledger of synced lengths records the sync only then: a crash before
+    (the loop dropped, so the completion never runs) finds nothing of it synced. Appends the loop
+    made meanwhile are written with it (in production they wait for the next sync): a sync here
+    covers at least what production's would."""
+
+    def __init__(self, wal: WriteAheadLog, draw: Callable[[], float]) -> None:
+        self.wal = wal
+        self.draw = draw
+        self.started = 0
+        self.completed = 0
+
+    def sync(self) -> asyncio.Future[int]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
+        self.started += 1
+        loop.call_later(self.draw(), self._complete, fut)
+        return fut
+
+    def _complete(self, fut: asyncio.Future[int]) -> None:
+        if fut.done():  # cancelled: the node is stopping (Node.stop syncs the WAL itself)
+            return
+        try:
+            seq = self.wal.sync()
+        except Exception as exc:  # noqa: BLE001 - handed to group commit, which stops the node
+            fut.set_exception(exc)
+            return
+        self.completed += 1
+        fut.set_result(seq)
+
+    def stop(self) -> None:
+        return None
+
+
+_MT = MessageType
+_LENGTH = struct.Struct(">I")
+_RAFT_FRAME_HEAD = b"\x92\x05"  # a RaftMessages frame body: msgpack array of 2, tag 5 (cluster/wire.py)
+_RAFT_DECODER = msgspec.msgpack.Decoder(RaftMessages)
+MOMENTS = ("vote", "append_response", "puback", "pubrec")  # what a crash may be aimed at
+
+
+class _FrameTap:
+    """The cluster frames one side of a connection writes, read as the peer will: every Raft
+    message (with its group) goes to ``on_message``. Only RaftMessages frames are decoded."""
+
+    def __init__(self, on_message: Callable[[int, Message], None]) -> None:
+        self._decoder = _RAFT_DECODER
+        self.on_message = on_message
+        self.buf = bytearray()
+        self.need_preamble = True
+        self.dead = False
+
+    def feed(self, data: bytes) -> None:
+        if self.dead:
+            return
+        buf = self.buf
+        buf += data
+        if self.need_preamble:
+            if len(buf) < PREAMBLE_BYTES:
+                return
+            del buf[:PREAMBLE_BYTES]
+            self.need_preamble = False
+        pos, end = 0, len(buf)
+        while end - pos >= 4:
+            (size,) = _LENGTH.unpack_from(buf, pos)
+            start = pos + 4
+            if end - start < size:
+                break
+            if buf[start:start + 2] == _RAFT_FRAME_HEAD:
+                try:
+                    frame = self._decoder.decode(bytes(buf[start:start + size]))
+                except Exception:  # noqa: BLE001 - not ours to judge (the peer refuses it): stop reading
+                    self.dead = True
+                    return
+                for group, m in frame.messages:
+                    self.on_message(int(group), m)
+            pos = start + size
+        if pos:
+            del buf[:pos]
+
+
+class _MqttTap:
+    """The MQTT packets a node writes to one client: each packet's type goes to ``on_packet``."""
+
+    def __init__(self, on_packet: Callable[[int], None]) -> None:
+        self.on_packet = on_packet
+        self.buf = bytearray()
+        self.dead = False
+
+    def feed(self, data: bytes) -> None:
+        if self.dead:
+            return
+        buf = self.buf
+        buf += data
+        pos, end = 0, len(buf)
+        while end - pos >= 2:
+            length, shift, i, whole = 0, 0, pos + 1, False
+            while i < end and i - pos <= 4:  # the remaining length: at most 4 bytes
+                b = buf[i]
+                length |= (b & 0x7F) << shift
+                shift += 7
+                i += 1
+                if not b & 0x80:
+                    whole = True
+                    break
+            if not whole:
+                if i - pos > 4:  # not MQTT: stop reading this connection
+                    self.dead = True
+                    buf.clear()
+                    return
+                break  # the length's bytes are still to come
+            if end - i < length:
+                break
+            self.on_packet(buf[pos] >> 4)
+            pos = i + length
+        if pos:
+            del buf[:pos]
+
+
+class _TapProtocol(asyncio.Protocol):
+    """The node's MQTT protocol for one connection, with the transport's writes watched."""
+
+    def __init__(self, inner: asyncio.Protocol, on_packet: Callable[[int], None]) -> None:
+        self.inner = inner
+        self.tap = _MqttTap(on_packet)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        write = transport.write  # type: ignore[attr-defined]
+        tap = self.tap
+
+        def watched(data: Any) -> None:
+            live = not transport.is_closing()
+            write(data)
+            if live:
+                tap.feed(bytes(data))
+
+        transport.write = watched  # type: ignore[attr-defined]
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+
+class _TappedNetwork:
+    """A node's cluster network seam with every stream's writes watched (``_FrameTap``)."""
+
+    def __init__(self, inner: HostNetwork, on_message: Callable[[int, Message], None]) -> None:
+        self.inner = inner
+        self.on_message = on_message
+
+    def _watch(self, stream: Any) -> Any:
+        write = stream.write
+        tap = _FrameTap(self.on_message)
+
+        def watched(data: bytes | memoryview) -> None:
+            live = not stream.closed and stream._error is None
+            write(data)
+            if live:
+                tap.feed(bytes(data))
+
+        stream.write = watched
+        return stream
+
+    async def connect(self, host: str, port: int, local_host: str | None) -> Any:
+        return self._watch(await self.inner.connect(host, port, local_host))
+
+    async def listen(self, host: str, port: int, on_stream: Callable[[Any], None]) -> Any:
+        return await self.inner.listen(host, port, lambda stream: on_stream(self._watch(stream)))
+
+
 @dataclass
 class SimNode:
     name: str
@@ -114,6 +330,9 @@ class SimNode:
     ready: bool = False
     boot_error: BaseException | None = None
     errors: list[str] = field(default_factory=list)
+    armed: str | None = None  # a crash aimed at the next such send (MOMENTS)
+    crash_due: bool = False  # the aimed moment came: frozen, to be crashed by the fault plan
+    syncer: TimedSync | None = None
 
     @property
     def mqtt(self) -> tuple[str, int]:
@@ -133,6 +352,7 @@ class WorldConfig:
     delay: LinkDelay = field(default_factory=LinkDelay)
     publish_timeout_s: float = 5.0
     tuning: NodeTuning = DEFAULT_TUNING  # the seed's node configuration (tuning.py)
+    timed_sync: bool = False  # WAL syncs take drawn virtual time beside the loop (TimedSync)
 
 
 class World:
@@ -164,6 +384,14 @@ class World:
         self._skews = {n.name: (self.rng.randint(-self.cfg.max_skew_ms, self.cfg.max_skew_ms),
                                 1.0 + self.rng.uniform(-self.cfg.max_rate_drift, self.cfg.max_rate_drift))
                        for n in self.nodes}
+        # Drawn last: the draws above (and so every trace without timed syncs) stay as they were.
+        self._sync_rngs = {n.name: random.Random(self.rng.getrandbits(64)) for n in self.nodes}
+        self.promises = PromiseLedger()  # world_checks.py
+        self.barriers = ReadBarrierCheck()
+        self.canonical_findings: list[tuple[str, str]] = []  # snapshots restored at a restart
+        self.aimed_crashes = 0  # armed crashes whose moment came
+        self.syncs_timed = 0  # syncs of crashed boots' runners (the live ones are added at the end)
+        self.syncs_cut = 0  # syncs a crash fell inside
 
     # --- events -----------------------------------------------------------------------------------
     def note(self, what: str) -> None:
@@ -205,9 +433,12 @@ class World:
         sn.loop, sn.crashed, sn.ready, sn.boot_error = loop, False, False, None
         sn.boots += 1
         host_net = self.net.for_host(sn.host, loop)
-        seams = Seams(clock=SimClock(loop, skew_ms), cluster_network=host_net,
+        sn.syncer, sn.armed, sn.crash_due = None, None, False
+        seams = Seams(clock=SimClock(loop, skew_ms),
+                      cluster_network=_TappedNetwork(host_net, self._raft_sent(sn, loop)),  # type: ignore[arg-type]
                       random_bytes=seeded_bytes(self._node_rngs[sn.name]), inline_io=True,
-                      sync_ledger=sn.memory_ledger)
+                      sync_ledger=sn.memory_ledger,
+                      sync_runner=self._sync_runner(sn) if self.cfg.timed_sync else None)
         cfg = self.node_config(sn)
         cfg.validate()
 
@@ -216,11 +447,14 @@ class World:
                 faults = Faults(**dict.fromkeys(self.switches, True))  # type: ignore[arg-type]
                 node = Node(cfg, faults, seams)
                 sn.node = node
+                self._watch_recovery(sn, node)
                 await node.open_async()
                 await node.start()
                 server = MqttServer(node, Authorizer(cfg.auth, loopback_only=True, clock=seams.clock.monotonic))
                 sn.server = server
-                host_net.serve_protocol(sn.host, MQTT_PORT, server.protocol_factory)
+                on_packet = self._mqtt_sent(sn, loop)
+                host_net.serve_protocol(sn.host, MQTT_PORT,
+                                        lambda: _TapProtocol(server.protocol_factory(), on_packet))
                 sn.ready = True
                 self.note(f"{sn.name} ready (boot {sn.boots})")
             except BaseException as exc:  # noqa: BLE001 - a node that cannot start is a finding
@@ -234,10 +468,118 @@ class World:
         for sn in self.nodes:
             self.start(sn)
 
+    # --- what nodes send; crashes aimed at it ----------------------------------------------------
+    def _sync_runner(self, sn: SimNode) -> Callable[[WriteAheadLog], SyncRunner]:
+        rng = self._sync_rngs[sn.name]
+
+        def make(wal: WriteAheadLog) -> SyncRunner:
+            sn.syncer = TimedSync(wal, lambda: draw_sync_s(rng))
+            return sn.syncer
+        return make
+
+    def _raft_sent(self, sn: SimNode, loop: VirtualLoop) -> Callable[[int, Message], None]:
+        def sent(group: int, m: Message) -> None:
+            if loop.crashed:
+                return
+            self.promises.on_send(sn.name, group, m, self._term_of(sn, group, m.term))
+            if sn.armed is not None and not m.reject and (
+                    (sn.armed == "vote" and m.type == _MT.VOTE_RESP)
+                    or (sn.armed == "append_response" and m.type == _MT.APP_RESP)):
+                self._aimed(sn, loop)
+        return sent
+
+    def _term_of(self, sn: SimNode, group: int, term: int) -> Callable[[int], int | None]:
+        def term_of(index: int) -> int | None:
+            node = sn.node
+            if node is None or not 0 <= group < len(node.groups):
+                return None
+            raft = node.groups[group].raft
+            if raft.term != term:
+                return None  # its log may have changed since, in a later term
+            return raft.log.term_or_zero(index) or None
+        return term_of
+
+    def _mqtt_sent(self, sn: SimNode, loop: VirtualLoop) -> Callable[[int], None]:
+        def sent(packet_type: int) -> None:
+            if loop.crashed or sn.armed is None:
+                return
+            if (sn.armed == "puback" and packet_type == 4) or (sn.armed == "pubrec" and packet_type == 5):
+                self._aimed(sn, loop)
+        return sent
+
+    def arm_crash(self, sn: SimNode, moment: str) -> None:
+        """Crash ``sn`` right after it next sends ``moment`` (MOMENTS); ``disarm`` if it never does."""
+        if moment not in MOMENTS:
+            raise ValueError(f"unknown moment {moment!r}: one of {', '.join(MOMENTS)}")
+        sn.armed = moment
+        self.note(f"{sn.name}: a crash armed for its next {moment}")
+
+    def disarm(self, sn: SimNode) -> None:
+        if sn.armed is not None:
+            self.note(f"{sn.name}: the crash armed for its next {sn.armed} disarmed")
+            sn.armed = None
+
+    def _aimed(self, sn: SimNode, loop: VirtualLoop) -> None:
+        """The moment came: the node's loop never runs another step (the bytes it wrote are on
+        their way); the fault plan crashes it at its next look (``take_due_crashes``)."""
+        self.note(f"{sn.name}: sent a {sn.armed}; crashing")
+        sn.armed, sn.crash_due = None, True
+        loop.paused_until = math.inf
+        self.aimed_crashes += 1
+
+    def take_due_crashes(self) -> list[SimNode]:
+        due = [sn for sn in self.nodes if sn.crash_due and not sn.crashed]
+        for sn in self.nodes:
+            sn.crash_due = False
+        return due
+
+    # --- recovery and read barriers, watched (world_checks.py) -----------------------------------
+    def _watch_recovery(self, sn: SimNode, node: Node) -> None:
+        open_groups = node.open_groups
+
+        def watched(*args: Any, **kwargs: Any) -> None:
+            open_groups(*args, **kwargs)
+            for host in node.groups:
+                if host.failed is not None:
+                    continue
+                raft, log_ = host.raft, host.raft.log
+                snap_index = log_.first_index() - 1
+                self.promises.on_recovered(sn.name, host.shard, raft.term, raft.vote, snap_index,
+                                           log_.last_index(), log_.term_or_zero)
+                if sn.boots > 1 and snap_index > 0:
+                    self.canonical_findings += canonical_state_findings([(sn.name, host.shard, host.state)])
+                watch_barriers(self.barriers, sn.name, host)
+
+        node.open_groups = watched  # type: ignore[method-assign]
+
+    def check_counts(self) -> dict[str, int]:
+        """How much the world-state checks saw (a check that saw nothing proves nothing)."""
+        live = sum(sn.syncer.completed for sn in self.nodes if sn.syncer is not None and not sn.crashed)
+        counts = {"raft_messages_seen": self.promises.messages_seen,
+                  "recoveries_checked": self.promises.recoveries_checked,
+                  "read_barriers_judged": self.barriers.resolved}
+        if self.cfg.timed_sync:
+            counts |= {"syncs_timed": self.syncs_timed + live, "crash_inside_sync": self.syncs_cut}
+        return counts
+
+    def world_findings(self) -> list[tuple[str, str]]:
+        """The world-state checks' verdicts (world_checks.py), with every live replica's state
+        restored from its own snapshot bytes."""
+        replicas = [(sn.name, h.shard, h.state) for sn in self.nodes if sn.node is not None and sn.ready
+                    for h in sn.node.groups if h.failed is None]
+        return (self.promises.findings + self.barriers.findings + self.canonical_findings
+                + canonical_state_findings(replicas))
+
     def crash(self, sn: SimNode, lose_unsynced: bool = True) -> list[str]:
         """kill -9 plus (optionally) power loss: what was not synced may be lost or torn."""
         if sn.loop is None or sn.crashed:
             return []
+        if sn.syncer is not None and sn.syncer.started > sn.syncer.completed:
+            self.syncs_cut += 1
+            self.note(f"{sn.name}: crashed while a WAL sync ran")
+        if sn.syncer is not None:
+            self.syncs_timed += sn.syncer.completed
+        sn.syncer, sn.armed, sn.crash_due = None, None, False
         self.scheduler.drop(sn.loop)
         self.net.crash_host(sn.host)
         _close_files_under(sn.data_dir)

@@ -1,0 +1,224 @@
+"""World-state checks of the cluster simulator that watch a promise from outside the code keeping it.
+
+Each check takes its facts from the world (bytes on the virtual network, a node's state read at a
+moment the simulator picks), never from the condition the node code uses to keep the promise: a
+check that reused that condition could not fail when the condition is wrong.
+
+- ``PromiseLedger`` (durable promises): every Raft message a node sent over the virtual network
+  is a promise about its durable state. After a restart its recovered term is not below any term
+  it sent in (pre-votes excepted: they carry a future term), the vote it granted (or cast for
+  itself) in the recovered term is the recovered vote, and every entry it acknowledged in the
+  recovered term is in the recovered log with the term it had when acknowledged (or under the
+  recovered snapshot).
+- ``ReadBarrierCheck`` (read barriers): when a read barrier's future resolves, the replica has
+  applied at least the read index the group's read (``ReadState``) returned for it; a barrier that
+  resolves with no read index answered is a violation too.
+- ``canonical_state_findings`` (snapshots): a replica's state encoded, restored with
+  ``ShardState.restore`` and encoded again gives the same bytes, and replicas at the same applied
+  index encode the same bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from moorline.broker.shard import ShardState
+from moorline.raft import Message, MessageType
+
+_MT = MessageType
+_PRE_VOTE = frozenset({_MT.PRE_VOTE, _MT.PRE_VOTE_RESP})
+Finding = tuple[str, str]  # (kind, detail), as the runner's findings
+
+
+@dataclass
+class _Ack:
+    term: int
+    index: int
+    entry_term: int | None  # the term of entry ``index`` in the sender's log when it was sent
+
+
+@dataclass
+class PromiseLedger:
+    """Votes granted and appends acknowledged, as seen leaving each node; checked at each restart."""
+
+    term_sent: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, group) -> term
+    votes: dict[tuple[str, int, int], Any] = field(default_factory=dict)  # (node, group, term) -> candidate
+    acked: dict[tuple[str, int], _Ack] = field(default_factory=dict)  # (node, group) -> highest ack
+    findings: list[Finding] = field(default_factory=list)
+    messages_seen: int = 0
+    recoveries_checked: int = 0
+
+    def on_send(self, node: str, group: int, m: Message, term_of: Callable[[int], int | None]) -> None:
+        """``node`` put ``m`` (of ``group``) on the wire. ``term_of(i)``: the term of entry ``i`` in
+        its log now (None when unknown)."""
+        t = m.type
+        if t in _PRE_VOTE:
+            return
+        self.messages_seen += 1
+        key = (node, group)
+        if m.term > self.term_sent.get(key, 0):
+            self.term_sent[key] = m.term
+        if t == _MT.VOTE:
+            self._vote(node, group, m.term, m.from_)
+        elif t == _MT.VOTE_RESP and not m.reject:
+            self._vote(node, group, m.term, m.to)
+        elif t == _MT.APP_RESP and not m.reject:
+            prev = self.acked.get(key)
+            if prev is None or m.term > prev.term or (m.term == prev.term and m.index > prev.index):
+                self.acked[key] = _Ack(m.term, m.index, term_of(m.index) if m.index > 0 else None)
+
+    def _vote(self, node: str, group: int, term: int, candidate: Any) -> None:
+        prev = self.votes.setdefault((node, group, term), candidate)
+        if prev != candidate:
+            self.findings.append(("promise_broken", f"{node} group {group}: voted for {prev} and then "
+                                  f"for {candidate} in term {term}"))
+
+    def on_recovered(self, node: str, group: int, term: int, vote: Any, snapshot_index: int, last_index: int,
+                     term_at: Callable[[int], int | None]) -> None:
+        """``node`` restarted: its replica of ``group`` recovered this hard state and log."""
+        self.recoveries_checked += 1
+        key = (node, group)
+        where = f"{node} group {group}"
+        sent = self.term_sent.get(key, 0)
+        if term < sent:
+            self.findings.append(("promise_broken", f"{where}: sent messages in term {sent} and restarted "
+                                  f"in term {term}"))
+            return
+        granted = self.votes.get((node, group, term))
+        if granted is not None and vote != granted:
+            self.findings.append(("promise_broken", f"{where}: voted for {granted} in term {term} and "
+                                  f"restarted with vote {vote} (free to vote again)"))
+        ack = self.acked.get(key)
+        if ack is None or ack.term != term or ack.index <= snapshot_index:
+            return
+        if last_index < ack.index:
+            self.findings.append(("promise_broken", f"{where}: acknowledged entries up to {ack.index} in term "
+                                  f"{term} and restarted with its log ending at {last_index}"))
+            return
+        have = term_at(ack.index)
+        if ack.entry_term is not None and have != ack.entry_term:
+            self.findings.append(("promise_broken", f"{where}: acknowledged entry {ack.index} of term "
+                                  f"{ack.entry_term} in term {term}; restarted holding term {have} there"))
+
+
+@dataclass
+class _Barrier:
+    node: str
+    group: int
+    ctx: bytes
+    applied: Callable[[], int]  # the replica's applied index now
+
+
+@dataclass
+class ReadBarrierCheck:
+    """Each read barrier against the read index its group answered, judged when it resolves."""
+
+    # (node, group, ctx) -> the index the read returned (a context is unique within a replica only)
+    read_index: dict[tuple[str, int, bytes], int] = field(default_factory=dict)
+    findings: list[Finding] = field(default_factory=list)
+    resolved: int = 0
+    judged: set[tuple[str, int, bytes]] = field(default_factory=set)  # each barrier once
+
+    def on_read_states(self, node: str, group: int, states: Iterable[Any]) -> None:
+        """The ``ReadState``s of a Ready, as the core handed them to ``node``'s replica of ``group``."""
+        for rs in states:
+            self.read_index.setdefault((node, group, bytes(rs.ctx)), rs.index)
+
+    def watch(self, node: str, group: int, ctx: bytes, fut: asyncio.Future[None],
+              applied: Callable[[], int]) -> None:
+        """A barrier asked with context ``ctx``: judged when its future's callbacks run."""
+        b = _Barrier(node, group, ctx, applied)
+        fut.add_done_callback(lambda f: self._judge(b, f))
+
+    def judge_now(self, node: str, group: int, ctx: bytes, fut: asyncio.Future[None],
+                  applied: Callable[[], int]) -> None:
+        """Called right after the host's code ran: a future it resolved is judged with the applied
+        index of that moment (the done callback runs a loop pass later, when more may be applied)."""
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            self._check(_Barrier(node, group, ctx, applied))
+
+    def _judge(self, b: _Barrier, fut: asyncio.Future[None]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        self._check(b)
+
+    def _check(self, b: _Barrier) -> None:
+        key = (b.node, b.group, b.ctx)
+        if key in self.judged:
+            return
+        self.judged.add(key)
+        self.resolved += 1
+        index = self.read_index.get(key)
+        applied = b.applied()
+        if index is None:
+            self.findings.append(("read_barrier_early", f"{b.node} group {b.group}: a read barrier passed with "
+                                  f"no read index answered for it (applied {applied})"))
+        elif applied < index:
+            self.findings.append(("read_barrier_early", f"{b.node} group {b.group}: a read barrier passed at "
+                                  f"applied index {applied}, below the read index {index} it returned"))
+
+
+def watch_barriers(check: ReadBarrierCheck, node: str, host: Any) -> None:
+    """Instrument one replica (a ``ShardHost``) for ``check``: its ``read_barrier`` futures are
+    watched with the context each was asked under, and the ``ReadState``s its Readies carry are
+    recorded before the host's own code serves them (``_serve_reads``). The host's comparison of
+    applied index and read index is not used: the check makes its own."""
+    read_barrier, serve_reads = host.read_barrier, host._serve_reads
+    asked: list[tuple[bytes, asyncio.Future[None]]] = []
+
+    def applied() -> int:
+        return int(host.state.applied_index)  # the replica's state now (an install replaces it)
+
+    def barrier() -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = read_barrier()
+        ctx = next(reversed(host._reads_asked), None)
+        if ctx is not None and host._reads_asked[ctx] is fut:
+            asked.append((ctx, fut))
+            check.watch(node, host.shard, ctx, fut, applied)
+            check.judge_now(node, host.shard, ctx, fut, applied)
+        return fut
+
+    def serve(rd: Any) -> None:
+        check.on_read_states(node, host.shard, rd.read_states)
+        serve_reads(rd)
+        for ctx, fut in asked:
+            check.judge_now(node, host.shard, ctx, fut, applied)
+        asked[:] = [(c, f) for c, f in asked if not f.done()]
+
+    host.read_barrier = barrier
+    host._serve_reads = serve
+
+
+def canonical_state_findings(replicas: Iterable[tuple[str, int, ShardState]]) -> list[Finding]:
+    """Each replica's state restored from its own canonical bytes encodes to the same bytes, and
+    replicas of one group at the same applied index encode equal. ``replicas``: (node, group, state)."""
+    findings: list[Finding] = []
+    by_point: dict[tuple[int, int], tuple[str, bytes]] = {}
+    for node, group, state in replicas:
+        raw = state.snapshot()
+        try:
+            again = ShardState.restore(raw, state.topics.limits, state.sessions.max_expiry_s).snapshot()
+        except Exception as exc:  # noqa: BLE001 - a snapshot its own code cannot restore is the finding
+            findings.append(("snapshot_not_canonical", f"{node} group {group}: its snapshot at index "
+                             f"{state.applied_index} does not restore: {exc!r}"))
+            continue
+        if again != raw:
+            findings.append(("snapshot_not_canonical", f"{node} group {group}: state restored from its snapshot "
+                             f"at index {state.applied_index} encodes differently ({len(raw)} vs {len(again)} "
+                             f"bytes, first difference at byte {_first_difference(raw, again)})"))
+        point = (group, state.applied_index)
+        ref = by_point.setdefault(point, (node, raw))
+        if ref[0] != node and ref[1] != raw:
+            findings.append(("snapshot_not_canonical", f"group {group}: {node} and {ref[0]} at applied index "
+                             f"{state.applied_index} encode different states"))
+    return findings
+
+
+def _first_difference(a: bytes, b: bytes) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))

@@ -1,0 +1,233 @@
+"""The cluster simulator's world-state checks (moorline/sim/cluster/world_checks.py) and the taps
+that feed them: each check passes on what the node code does and fails on a planted break."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from moorline.broker.shard import ShardState
+from moorline.broker.topic_state import TopicLimits
+from moorline.cluster.wire import Heartbeats, Payload, RaftMessages, encode_frame, preamble
+from moorline.mqtt import codec
+from moorline.mqtt import packets as p
+from moorline.node.raft_group import build_replica
+from moorline.node.shard_host import ApplyHooks, ShardHost
+from moorline.raft import Message, MessageType
+from moorline.raft.coalesce import HeartbeatBatch
+from moorline.raft.types import ReadState
+from moorline.sim.cluster.world import TimedSync, _FrameTap, _MqttTap
+from moorline.sim.cluster.world_checks import (
+    PromiseLedger,
+    ReadBarrierCheck,
+    canonical_state_findings,
+    watch_barriers,
+)
+from moorline.storage.msgstore import MessageStore
+from moorline.storage.snapshots import SnapshotStore
+
+MT = MessageType
+A, B = (1, "a"), (2, "b")
+
+
+# --- durable promises ---------------------------------------------------------------------------
+def _acked(ledger: PromiseLedger, term: int = 3, index: int = 10, entry_term: int = 3) -> None:
+    ledger.on_send("n1", 0, Message(type=MT.APP_RESP, from_=A, to=B, term=term, index=index),
+                   lambda i: entry_term if i == index else None)
+
+
+def test_a_restart_that_kept_what_it_acknowledged_passes() -> None:
+    ledger = PromiseLedger()
+    _acked(ledger)
+    ledger.on_send("n1", 0, Message(type=MT.VOTE_RESP, from_=A, to=B, term=3), lambda i: None)
+    ledger.on_recovered("n1", 0, 3, B, 0, 12, lambda i: 3)
+    ledger.on_recovered("n1", 0, 4, None, 0, 8, lambda i: 2)  # a later term: free to have been truncated
+    assert ledger.findings == []
+    assert ledger.recoveries_checked == 2
+
+
+def test_a_recovered_log_that_lost_an_acknowledged_entry_is_caught() -> None:
+    ledger = PromiseLedger()
+    _acked(ledger)
+    ledger.on_recovered("n1", 0, 3, None, 0, 9, lambda i: 3)  # the log ends before entry 10
+    assert [k for k, _ in ledger.findings] == ["promise_broken"]
+    assert "acknowledged entries up to 10" in ledger.findings[0][1]
+
+
+def test_an_acknowledged_entry_recovered_with_another_term_is_caught() -> None:
+    ledger = PromiseLedger()
+    _acked(ledger, entry_term=3)
+    ledger.on_recovered("n1", 0, 3, None, 0, 10, lambda i: 2)
+    assert len(ledger.findings) == 1 and "holding term 2" in ledger.findings[0][1]
+
+
+def test_an_acknowledged_entry_under_the_recovered_snapshot_is_covered() -> None:
+    ledger = PromiseLedger()
+    _acked(ledger)
+    ledger.on_recovered("n1", 0, 3, None, 10, 10, lambda i: 0)
+    assert ledger.findings == []
+
+
+def test_a_granted_vote_forgotten_at_restart_is_caught() -> None:
+    ledger = PromiseLedger()
+    ledger.on_send("n1", 0, Message(type=MT.VOTE_RESP, from_=A, to=B, term=5), lambda i: None)
+    ledger.on_recovered("n1", 0, 5, None, 0, 0, lambda i: None)
+    assert len(ledger.findings) == 1 and "free to vote again" in ledger.findings[0][1]
+
+
+def test_a_term_recovered_below_one_sent_in_is_caught_and_pre_votes_promise_nothing() -> None:
+    ledger = PromiseLedger()
+    ledger.on_send("n1", 0, Message(type=MT.PRE_VOTE_RESP, from_=A, to=B, term=9), lambda i: None)
+    ledger.on_send("n1", 0, Message(type=MT.APP_RESP, from_=A, to=B, term=6, reject=True), lambda i: None)
+    ledger.on_recovered("n1", 0, 6, None, 0, 0, lambda i: None)
+    assert ledger.findings == []
+    ledger.on_recovered("n1", 0, 5, None, 0, 0, lambda i: None)
+    assert len(ledger.findings) == 1 and "sent messages in term 6" in ledger.findings[0][1]
+
+
+def test_two_votes_in_one_term_are_caught() -> None:
+    ledger = PromiseLedger()
+    ledger.on_send("n1", 0, Message(type=MT.VOTE_RESP, from_=A, to=B, term=5), lambda i: None)
+    ledger.on_send("n1", 0, Message(type=MT.VOTE_RESP, from_=A, to=(3, "c"), term=5), lambda i: None)
+    assert len(ledger.findings) == 1
+
+
+# --- the taps: what the checks and aimed crashes see -----------------------------------------------
+def test_the_frame_tap_reads_raft_messages_written_in_pieces() -> None:
+    m1 = Message(type=MT.APP_RESP, from_=A, to=B, term=2, index=7)
+    m2 = Message(type=MT.VOTE_RESP, from_=A, to=B, term=3)
+    wire = (preamble() + encode_frame(Payload("member", b"x" * 50)) + encode_frame(RaftMessages([(1, m1)]))
+            + encode_frame(Heartbeats(HeartbeatBatch(1, 2, []))) + encode_frame(RaftMessages([(4, m2)])))
+    seen: list[tuple[int, Message]] = []
+    tap = _FrameTap(lambda g, m: seen.append((g, m)))
+    rng = random.Random(1)
+    pos = 0
+    while pos < len(wire):
+        step = rng.randint(1, 9)
+        tap.feed(wire[pos:pos + step])
+        pos += step
+    assert seen == [(1, m1), (4, m2)]
+
+
+def test_the_mqtt_tap_names_each_packet_written_in_pieces() -> None:
+    wire = (codec.encode_puback(7) + codec.encode(p.Publish(topic="t", payload=b"y" * 300, qos=1, packet_id=3),
+                                                  codec.MQTT_5)
+            + codec.encode_pubrec(8))
+    seen: list[int] = []
+    tap = _MqttTap(seen.append)
+    for i in range(0, len(wire), 5):
+        tap.feed(wire[i:i + 5])
+    assert seen == [4, 3, 5]
+
+
+def test_a_timed_sync_completes_after_its_duration_and_not_before() -> None:
+    synced: list[float] = []
+
+    class Wal:
+        def sync(self) -> int:
+            synced.append(asyncio.get_running_loop().time())
+            return 42
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        runner = TimedSync(Wal(), lambda: 0.05)  # type: ignore[arg-type]
+        t0 = loop.time()
+        fut = runner.sync()
+        await asyncio.sleep(0.01)
+        assert not fut.done() and synced == []  # the loop goes on; nothing synced yet
+        assert await fut == 42
+        assert synced[0] - t0 >= 0.05
+        assert (runner.started, runner.completed) == (1, 1)
+
+    asyncio.run(body())
+
+
+# --- read barriers ----------------------------------------------------------------------------------
+def _leader_host(tmp_path: Path) -> ShardHost:
+    store = MessageStore(tmp_path / "store", segment_bytes=1 << 20, cache_bytes=0)
+    store.open()
+    raft, raft_log = build_replica(A, [A], [], 0, 0, [], None, 0, random.Random(0))
+    host = ShardHost(0, ShardState(0, "inc", TopicLimits(), 3600), raft, raft_log, store,
+                     SnapshotStore(tmp_path / "snap"), ApplyHooks(on_effects=lambda h, fx: None),
+                     snapshot_every_entries=1_000_000, max_entry_bytes=1 << 20)
+    host.raft.campaign()
+    assert host.raft.is_leader
+    return host
+
+
+def _barrier_run(tmp_path: Path) -> tuple[ReadBarrierCheck, asyncio.Future[None]]:
+    check = ReadBarrierCheck()
+
+    async def body() -> asyncio.Future[None]:
+        host = _leader_host(tmp_path)
+        watch_barriers(check, "n1", host)
+        fut = host.read_barrier()
+        ctx = next(iter(host._reads_asked))
+        host.state.applied_index = 5
+        host._serve_reads(SimpleNamespace(read_states=[ReadState(index=9, ctx=ctx)]))  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        host.state.applied_index = 9
+        host._serve_reads(SimpleNamespace(read_states=[]))  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        return fut
+
+    return check, asyncio.run(body())
+
+
+def test_a_read_barrier_that_waits_for_its_read_index_passes(tmp_path: Path) -> None:
+    check, fut = _barrier_run(tmp_path)
+    assert fut.done() and fut.exception() is None
+    assert check.findings == [] and check.resolved == 1
+
+
+def test_a_read_barrier_that_resolves_early_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    serve = ShardHost._serve_reads
+
+    def early(self: ShardHost, rd: object) -> None:  # the slip: served as soon as the leader answers
+        serve(self, rd)  # type: ignore[arg-type]
+        for _, fut in self._reads_confirmed:
+            if not fut.done():
+                fut.set_result(None)
+
+    monkeypatch.setattr(ShardHost, "_serve_reads", early)
+    check, _ = _barrier_run(tmp_path)
+    assert [k for k, _ in check.findings] == ["read_barrier_early"]
+    assert "applied index 5, below the read index 9" in check.findings[0][1]
+
+
+# --- snapshots ---------------------------------------------------------------------------------------
+def _state(applied: int = 7) -> ShardState:
+    st = ShardState(2, "inc", TopicLimits(), 3600)
+    st.applied_index = applied
+    st.proposals = {3: (1, 4), 1: (2, 9)}
+    st.sink_markers = {"s": 5}
+    return st
+
+
+def test_a_canonical_state_passes_and_equal_peers_pass() -> None:
+    assert canonical_state_findings([("n1", 2, _state()), ("n2", 2, _state()), ("n3", 2, _state(8))]) == []
+
+
+def test_a_state_that_its_snapshot_does_not_restore_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    restore = ShardState.restore.__func__  # type: ignore[attr-defined]
+
+    def lossy(cls: type[ShardState], data: bytes, limits: TopicLimits, max_expiry_s: int) -> ShardState:
+        st = restore(cls, data, limits, max_expiry_s)
+        st.proposals.pop(next(iter(st.proposals)))  # the slip: restore loses an origin's admission
+        return st
+
+    monkeypatch.setattr(ShardState, "restore", classmethod(lossy))
+    findings = canonical_state_findings([("n1", 2, _state())])
+    assert [k for k, _ in findings] == ["snapshot_not_canonical"]
+    assert "encodes differently" in findings[0][1]
+
+
+def test_peers_at_one_applied_index_with_different_states_are_caught() -> None:
+    other = _state()
+    other.sink_markers = {"s": 6}
+    findings = canonical_state_findings([("n1", 2, _state()), ("n2", 2, other)])
+    assert len(findings) == 1 and "n2 and n1 at applied index 7" in findings[0][1]
