@@ -805,8 +805,10 @@ class Connection(asyncio.Protocol):
     def _drain_acks(self) -> None:
         """Acks leave in arrival order of their PUBLISHes (MQTT-4.6.0-2), each after its sync."""
         acks = self._acks
+        latency = self.node.ack_latency
+        now = self.node.clock.monotonic()
         while acks and acks[0][0]:
-            _, result, exc, what, _ = acks.popleft()
+            _, result, exc, what, since = acks.popleft()
             kind, pid, forced = what[0], what[1], what[2]
             self._acks_waiting -= len(pid) if kind == "puback_group" else 1
             if self._closing:
@@ -817,6 +819,7 @@ class Connection(asyncio.Protocol):
                 self.disconnect(RC.SERVER_BUSY, f"publish outcome unknown: {exc}")  # 0x89
                 return
             if kind == "puback_group":
+                latency.observe(now - since, len(pid))
                 if not self._send_group_pubacks(pid, result):
                     return
                 continue
@@ -831,11 +834,14 @@ class Connection(asyncio.Protocol):
                 reason = result.reason_code
             if kind == "puback":
                 if reason == 0:
+                    latency.observe(now - since)
                     self.state.note_inbound_acked(pid)
                     self._write(encode_puback(pid))
                 else:
                     self.send_packet(p.Puback(pid, reason, self._reason_props(what)))
             else:
+                if reason == 0:
+                    latency.observe(now - since)
                 self.send_packet(p.Pubrec(pid, reason, self._reason_props(what)))
                 if reason >= 0x80:
                     self.state.note_inbound_acked(pid)

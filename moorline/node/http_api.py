@@ -599,11 +599,12 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
         lines.append("# TYPE moorline_shard_failed gauge")
         for h in node.hosts:
             lines.append(f'moorline_shard_failed{{shard="{h.shard}"}} {1 if h.failed else 0}')
+        lines += node.ack_latency.prometheus_lines()
         lines.append("# TYPE moorline_task_failures_total counter")
         for task, n in sorted(node.supervisor.failures.items()):
             lines.append(f'moorline_task_failures_total{{task="{task}"}} {n}')
+        lines.append("# TYPE moorline_cluster_frames_refused_total counter")  # samples in cluster mode only
         if node.link is not None:
-            lines.append("# TYPE moorline_cluster_frames_refused_total counter")
             for peer, n in sorted(node.link.frames_refused.items()):
                 lines.append(f'moorline_cluster_frames_refused_total{{peer="{peer}"}} {n}')
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")

@@ -35,6 +35,7 @@ from moorline.config import NodeConfig
 from moorline.hashing import guid128, shard_of
 from moorline.invariant import InvariantViolation, invariant
 from moorline.mqtt.topics import is_wildcard, parse_shared
+from moorline.node.ack_latency import AckLatency
 from moorline.node.aio import cancel_all
 from moorline.node.cluster_link import ClusterLink, parse_cluster
 from moorline.node.delivery import LiveSession
@@ -131,6 +132,7 @@ class Node:
         self._topic_shards: dict[str, int] = {}
         self._guid_prefix = seams.random_bytes(8)
         self._guid_counter = 0
+        self.ack_latency = AckLatency(seams.clock.monotonic)  # PUBLISH read -> PUBACK/PUBREC written
         self.supervisor = Supervisor(self._on_fatal, cfg.supervisor.backoff_initial_s, cfg.supervisor.backoff_max_s)
         self._background: set[asyncio.Task[Any]] = set()  # one-off cleanups nobody awaits
         self.fatal: BaseException | None = None

@@ -156,7 +156,7 @@ function renderOverview() {
       h("div", { class: "chart-head" }, h("span", { class: "chart-label" }, "p99 ack latency"),
         h("span", { class: "chart-value" }, snap.p99_ack_ms === null ? "–" : fmtNum(snap.p99_ack_ms),
           h("small", {}, " ms"))),
-      h("p", { class: "muted" }, snap.p99_ack_ms === null ? "not measured by the node yet" : "")),
+      h("p", { class: "muted" }, snap.p99_ack_ms === null ? "no acknowledgement in the last minute" : "")),
   ];
   document.getElementById("charts").replaceChildren(...charts);
 }

@@ -1,0 +1,65 @@
+"""Issue 33 item 1 across a leader failover: which member of a single-active $share group is
+active is the topic shard's replicated state. The shard's leader (which runs the dispatcher) is
+SIGKILLed: the new leader keeps serving the same active member only; when that member's session
+ends, the standby continues from the first unacknowledged message, in order, nothing skipped."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from cluster_clients import connect, subscribe
+from cluster_harness import ClusterFactory, wait_for
+from rawclient import PUBACK, encode_ack
+
+pytestmark = [pytest.mark.cluster_e2e, pytest.mark.timeout(240)]
+
+CONFIG = '[share]\nsingle_active = ["sa"]\n'
+
+
+def test_single_active_survives_a_leader_kill_and_hands_over_in_order(cluster_factory: ClusterFactory) -> None:
+    cluster = cluster_factory(3, config_text=CONFIG)
+    topic = cluster.topic_led_by("n3", "sa/t")
+    shard = cluster.shard_of(topic)
+    m1 = connect(cluster["n1"], "sa-m1", clean=True, expiry=0)
+    subscribe(m1, [(f"$share/sa/{topic}", 1)])
+    m2 = connect(cluster["n2"], "sa-m2", clean=True, expiry=0)
+    subscribe(m2, [(f"$share/sa/{topic}", 1)])
+    pub = connect(cluster["n1"], "sa-pub", clean=True, expiry=0)
+
+    def publish(lo: int, hi: int) -> list[bytes]:
+        out = []
+        for i in range(lo, hi):
+            ack = pub.publish_and_wait(topic, f"{i:04}".encode(), 1, timeout=30)
+            assert ack.reason == 0, ack
+            out.append(f"{i:04}".encode())
+        return out
+
+    sent = publish(0, 100)
+    got1 = [m1.next_message(20) for _ in range(100)]
+    assert [m.payload for m in got1] == sent, "the active member receives everything, in order"
+    for m in got1[:40]:
+        m1.send(encode_ack(PUBACK, m.pid, 5))  # type: ignore[arg-type]
+    m1.ping()
+    assert m2.recv_or_none(2.0) is None, "the standby receives nothing"
+    time.sleep(1.0)  # the acknowledgements reach the topic shard
+
+    cluster.kill9("n3")  # the shard's leader: the dispatcher moves with the leadership
+    new_leader = wait_for("a new leader", lambda: (ld := cluster.leader_of(shard, via=["n1", "n2"]))
+                          and ld != "n3" and ld, 60)
+    assert new_leader in ("n1", "n2")
+    sent += publish(100, 150)
+    got1b = [m1.next_message(30) for _ in range(50)]
+    assert [m.payload for m in got1b] == sent[100:150], "still the same active member after the failover"
+    assert m2.recv_or_none(2.0) is None, "the new leader gives the standby nothing"
+
+    m1.abort()  # the active member's session ends (expiry 0): m2 takes over
+    got2 = []
+    while len(got2) < 110:
+        m = m2.next_message(60)
+        m2.send(encode_ack(PUBACK, m.pid, 5))  # type: ignore[arg-type]
+        got2.append(m.payload)
+    assert got2 == sent[40:], "from the first unacknowledged message, in order, nothing skipped"
+    assert m2.recv_or_none(1.5) is None, "nothing twice"
+    for c in (m2, pub):
+        c.disconnect()
