@@ -190,6 +190,9 @@ class TopicState:
         # Registration -> bytes of the messages it is owed (payload + topic, as meta sizes count),
         # for session.max_queued_bytes. Only grows at apply and shrinks wherever owed shrinks.
         self.owed_bytes: dict[str, int] = {}
+        # The $share registrations' keys (a dict: a deterministic order), so the leader's timers
+        # (ack timeouts, dead letters) look at groups only, not at every subscription.
+        self.share_keys: dict[str, None] = {}
 
     def _trie_changed(self) -> None:
         self._match_cache.clear()
@@ -204,6 +207,7 @@ class TopicState:
         size_of = self.meta.size_of
         self.owed_bytes = {rk: sum(size_of(o) or 0 for o in reg.owed) for rk, reg in self.regs.items() if reg.owed}
         self.retained_index = RetainedIndex(self.retained)
+        self.share_keys = {rk: None for rk, reg in self.regs.items() if reg.share_group is not None}
 
     def _owed_gone(self, reg_key: str, offsets: Iterable[int]) -> None:
         """``offsets`` are no longer owed to ``reg_key`` (acked, dropped, expired, returned)."""
@@ -412,6 +416,7 @@ class TopicState:
             )
             if cmd.share_group is not None:
                 self._share_policy(reg, cmd)
+                self.share_keys[cmd.reg_key] = None
             self.regs[cmd.reg_key] = reg
             self._trie_changed()
             self.trie.insert(reg.filter, reg.reg_key, None)
@@ -468,6 +473,7 @@ class TopicState:
             self._trie_changed()
             self.trie.remove(reg.filter, reg.reg_key)
         del self.regs[reg.reg_key]
+        self.share_keys.pop(reg.reg_key, None)
         self.owed_bytes.pop(reg.reg_key, None)
 
     def apply_ack_report(self, cmd: AckReport, fx: Effects) -> None:

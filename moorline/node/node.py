@@ -65,6 +65,7 @@ from moorline.storage.wal import WriteAheadLog
 from moorline.testing.faults import NO_FAULTS, Faults
 
 log = logging.getLogger("moorline.node")
+OFFLINE_EPOCH = -2  # the ack-timeout scan's mark of a claim holder it saw disconnected
 
 SHARE_PREFIX = c.SHARE_PREFIX
 SINGLE_NODE_ID = 1  # a node started without cluster flags is member 1 of every group
@@ -125,6 +126,9 @@ class Node:
         self._share_rr: dict[str, int] = {}  # $share registration -> next member (pruned: _prune_share_rr)
         self._share_activating: set[tuple[str, str]] = set()  # (group, active member) a ShareActivate is pending for
         self._dlq_pending: set[tuple[int, str, int]] = set()  # (shard, group, offset) being dead-lettered
+        # shard -> (member, incarnation) -> (its session's epoch, since when this node's ack-timeout
+        # scan saw that epoch connected; 0: the first epoch it saw)
+        self._share_online_since: dict[int, dict[tuple[str, int], tuple[int, int]]] = {}
         self.share_dead_lettered = 0  # messages this node moved to a dead-letter topic
         self.share_ack_timeouts = 0  # claims this node took back from connected members (ack timeout)
         self._housekeeping_rounds = 0
@@ -1417,25 +1421,42 @@ class Node:
         """On the shard's leader, each housekeeping round: claims of connected members held past
         their group's ack timeout go back (ShareTimeout, decided again at apply by the entry's
         time), and dead letters not yet published are tried again."""
-        for reg_key, reg in host.state.topics.regs.items():
-            if reg.share_group is None:
+        topics = host.state.topics
+        was_online = self._share_online_since.get(host.shard, {})
+        online_since: dict[tuple[str, int], tuple[int, int]] = {}
+        for reg_key in list(topics.share_keys):
+            reg = topics.regs.get(reg_key)
+            if reg is None or reg.share_group is None:
                 continue
             if reg.dead:
                 self._dead_letter(host, reg_key)
             if reg.ack_timeout_ms <= 0 or not reg.claim_ts:
                 continue
-            late: dict[tuple[str, int], list[int]] = {}
+            held: dict[tuple[str, int], list[tuple[int, int]]] = {}
             for offset, at in reg.claim_ts.items():
                 holder = reg.claims.get(offset)
-                if holder is not None and now - at >= reg.ack_timeout_ms:
-                    late.setdefault(holder, []).append(offset)
-            for (member, inc), offsets in late.items():
+                if holder is not None:
+                    held.setdefault(holder, []).append((offset, at))
+            for (member, inc), claims in held.items():
                 if not self._member_connected(member, inc):
+                    online_since[(member, inc)] = (OFFLINE_EPOCH, 0)  # its next connection is a new one
                     continue  # offline: its session's end returns them (MQTT: resent on reconnect)
+                # A member seen to reconnect (a new epoch of its session) while holding claims
+                # has the timeout from then: its resends need time too. The apply checks only a
+                # claim's age, so this can only make a timeout later, never earlier.
+                sess = self.hosts[self.session_shard(member)].state.sessions.sessions.get(member)
+                epoch = sess.epoch if sess is not None else -1
+                prev = was_online.get((member, inc))
+                since = 0 if prev is None else prev[1] if prev[0] == epoch else now
+                online_since[(member, inc)] = (epoch, since)
+                offsets = [o for o, at in claims if now - max(at, since) >= reg.ack_timeout_ms]
+                if not offsets:
+                    continue
                 log.info("$share group %s: client %s held %d message(s) past share.ack_timeout_s: taken back",
                          reg.share_group, member, len(offsets))
                 self.share_ack_timeouts += len(offsets)
                 self.propose(host.shard, c.ShareTimeout(now, reg_key, member, inc, tuple(offsets)), want=False)
+        self._share_online_since[host.shard] = online_since
 
     def _member_connected(self, client_id: str, inc: int) -> bool:
         """Whether ``client_id``'s session incarnation ``inc`` is connected: here, or on some node as

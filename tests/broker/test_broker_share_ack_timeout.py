@@ -48,3 +48,14 @@ def test_a_group_without_a_timeout_records_no_claim_times() -> None:
     assert not reg.claim_ts
     assert s.apply(c.ShareTimeout(99_000, KEY, "a", 1, (o,)), Effects()) == ()
     assert o in reg.claims
+
+
+def test_the_groups_index_follows_registrations_and_restores() -> None:
+    from moorline.broker.shard import ShardState
+    from moorline.broker.topic_state import TopicLimits
+
+    s = group("a", ack_timeout_ms=1000)
+    s.apply(c.Register(0, "cl\0jobs/#", "cl", 1, "jobs/#", 1), Effects())
+    assert list(s.topics.share_keys) == [KEY]
+    restored = ShardState.restore(s.snapshot(), TopicLimits(), 3600)
+    assert list(restored.topics.share_keys) == [KEY]
