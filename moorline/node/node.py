@@ -1420,7 +1420,8 @@ class Node:
     def _share_timers(self, host: ShardHost, now: int) -> None:
         """On the shard's leader, each housekeeping round: claims of connected members held past
         their group's ack timeout go back (ShareTimeout, decided again at apply by the entry's
-        time), and dead letters not yet published are tried again."""
+        time), dead letters not yet published are tried again, and groups with unclaimed messages
+        and a member online are dispatched."""
         topics = host.state.topics
         was_online = self._share_online_since.get(host.shard, {})
         online_since: dict[tuple[str, int], tuple[int, int]] = {}
@@ -1430,6 +1431,11 @@ class Node:
                 continue
             if reg.dead:
                 self._dead_letter(host, reg_key)
+            if (len(reg.owed) > len(reg.claims) + len(reg.dead)
+                    and any(self._member_connected(m, inc) for m, inc in reg.members.items())):
+                # A safety net: a member's connection applied in its session shard's replica here
+                # after the group's last change (nothing else would dispatch to it until the next).
+                self._schedule_dispatch(host.shard, reg_key)
             if reg.ack_timeout_ms <= 0 or not reg.claim_ts:
                 continue
             held: dict[tuple[str, int], list[tuple[int, int]]] = {}
