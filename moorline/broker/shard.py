@@ -31,9 +31,9 @@ from moorline.broker.topic_state import (
 )
 
 # 2: message index and GUID history as columns; 3: $share incarnations; 4: sequenced producers keyed
-# by (principal, producer), registrations without a copy of the client id; 5: $share work-queue
-# policies (single-active, delivery attempts, dead letters, ack timeouts: fields with defaults, so a
-# version-4 snapshot decodes as it is)
+# by (principal, producer), registrations without a copy of the client id; 5: a $share group's
+# work-queue policy and state (Registration.queue: single-active, delivery attempts, dead letters,
+# ack timeouts; None elsewhere, and absent, so None, in a version-4 snapshot)
 SNAPSHOT_VERSION = 5
 
 

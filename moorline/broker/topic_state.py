@@ -42,6 +42,25 @@ from moorline.mqtt.topics import SubscriptionTrie
 
 
 @dataclass(slots=True)
+class WorkQueue:
+    """A $share group's work-queue policy (from its Registers) and the state it keeps."""
+
+    single_active: bool = False  # one member (``active``) receives at a time
+    active: str = ""  # the single-active group's active member (client id); "" while it has none
+    max_deliveries: int = 0  # hand-outs without acknowledgement before dead-lettering; 0: unlimited
+    ack_timeout_ms: int = 0  # 0: claims are never taken back from a connected member
+    # offset -> times it was handed out and came back unacknowledged (session end, ack timeout)
+    attempts: dict[int, int] = field(default_factory=dict)
+    # offset -> entry time of its claim (groups with an ack timeout only)
+    claim_ts: dict[int, int] = field(default_factory=dict)
+    # offset -> (attempts, last member): past max_deliveries, to be published to the dead-letter
+    # topic by the shard's leader (ShareDeadLettered ends it); never claimed again
+    dead: dict[int, tuple[int, str]] = field(default_factory=dict)
+    # offset -> the member it was last taken back from (ack timeout): offered to another first
+    timed_out: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class Registration:
     reg_key: str  # client_id \0 filter, or "$share" \0 group \0 filter: the one copy of the client id
     session_inc: int
@@ -61,31 +80,23 @@ class Registration:
     # $share: offset -> members (client ids) whose read ACL refused it (ShareDecline), in order; an
     # offset every member declined is dropped ("acl_no_reader"). Gone with the offset's ownership.
     declined: dict[int, list[str]] = field(default_factory=dict)
-    # Work-queue policies of a $share group (docs/work-queues.md; snapshot version 5, absent before):
-    single_active: bool = False  # one member (``active``) receives at a time
-    active: str = ""  # the single-active group's active member (client id); "" while it has none
-    max_deliveries: int = 0  # hand-outs without acknowledgement before dead-lettering; 0: unlimited
-    ack_timeout_ms: int = 0  # 0: claims are never taken back from a connected member
-    # offset -> times it was handed out and came back unacknowledged (session end, ack timeout)
-    attempts: dict[int, int] = field(default_factory=dict)
-    # offset -> entry time of its claim (groups with an ack timeout only)
-    claim_ts: dict[int, int] = field(default_factory=dict)
-    # offset -> (attempts, last member): past max_deliveries, to be published to the dead-letter
-    # topic by the shard's leader (ShareDeadLettered ends it); never claimed again
-    dead: dict[int, tuple[int, str]] = field(default_factory=dict)
-    # offset -> the member it was last taken back from (ack timeout): offered to another first
-    timed_out: dict[int, str] = field(default_factory=dict)
+    # A $share group's work-queue policy and state (docs/work-queues.md); None for every other
+    # registration and group (snapshot version 5: absent before, and one nil for each of those).
+    queue: WorkQueue | None = None
 
     def forget_offset(self, offset: int) -> None:
         """``offset`` is no longer owed: its work-queue bookkeeping goes with it."""
-        if self.attempts:
-            self.attempts.pop(offset, None)
-        if self.claim_ts:
-            self.claim_ts.pop(offset, None)
-        if self.dead:
-            self.dead.pop(offset, None)
-        if self.timed_out:
-            self.timed_out.pop(offset, None)
+        q = self.queue
+        if q is None:
+            return
+        if q.attempts:
+            q.attempts.pop(offset, None)
+        if q.claim_ts:
+            q.claim_ts.pop(offset, None)
+        if q.dead:
+            q.dead.pop(offset, None)
+        if q.timed_out:
+            q.timed_out.pop(offset, None)
 
     @property
     def client_id(self) -> str:
@@ -435,12 +446,17 @@ class TopicState:
     def _share_policy(reg: Registration, cmd: Register) -> None:
         """A $share Register's work-queue policy: single-active only ever turns on; the limits are
         the latest Register's (every node is expected to run the same configuration)."""
-        if cmd.single_active and not reg.single_active:
-            reg.single_active = True
-            if not reg.active and reg.members:
-                reg.active = next(iter(reg.members))
-        reg.max_deliveries = cmd.max_deliveries
-        reg.ack_timeout_ms = cmd.ack_timeout_ms
+        q = reg.queue
+        if q is None:
+            if not (cmd.single_active or cmd.max_deliveries or cmd.ack_timeout_ms):
+                return  # a plain group: no work-queue state at all
+            q = reg.queue = WorkQueue()
+        if cmd.single_active and not q.single_active:
+            q.single_active = True
+            if not q.active and reg.members:
+                q.active = next(iter(reg.members))
+        q.max_deliveries = cmd.max_deliveries
+        q.ack_timeout_ms = cmd.ack_timeout_ms
 
     def apply_unregister(self, cmd: Unregister, fx: Effects) -> bool:
         reg = self.regs.get(cmd.reg_key)
@@ -560,15 +576,17 @@ class TopicState:
                 for who in reg.declined.values():
                     if cmd.member in who:
                         who.remove(cmd.member)
-            if reg.single_active and not reg.active:
-                reg.active = cmd.member
+            q = reg.queue
+            if q is not None and q.single_active and not q.active:
+                q.active = cmd.member
         elif current is not None and (same_incarnation(current, cmd.session_inc) or cmd.session_inc > current):
             # An ended incarnation's leave, applied after a newer one joined, leaves that one in.
             del reg.members[cmd.member]
-            if reg.active == cmd.member:
+            q = reg.queue
+            if q is not None and q.active == cmd.member:
                 # The next member in join order: the leader's dispatcher moves it on from there to
                 # the first one online (ShareActivate), once this one's claims are back.
-                reg.active = next(iter(reg.members), "")
+                q.active = next(iter(reg.members), "")
             if reg.declined:  # perhaps every member left now declined some
                 self._drop_unreadable(reg, list(reg.declined))
         fx.owed(cmd.reg_key)
@@ -578,16 +596,18 @@ class TopicState:
         current = reg.members.get(cmd.member) if reg is not None else None
         if reg is None or current is None or not same_incarnation(current, cmd.session_inc):
             return ()  # not a member, or claimed for an incarnation that is no longer the member
-        if reg.single_active and reg.active != cmd.member:
+        q = reg.queue
+        if q is not None and q.single_active and q.active != cmd.member:
             return ()  # a single-active group's standby members receive nothing
         holder = (cmd.member, cmd.session_inc)
         granted = []
-        timed = reg.ack_timeout_ms > 0 and cmd.ts_ms > 0
+        claim_ts = q.claim_ts if q is not None and q.ack_timeout_ms > 0 and cmd.ts_ms > 0 else None
+        dead = q.dead if q is not None else None
         for offset in cmd.offsets:
-            if offset in reg.owed and offset not in reg.claims and offset not in reg.dead:
+            if offset in reg.owed and offset not in reg.claims and not (dead and offset in dead):
                 reg.claims[offset] = holder
-                if timed:
-                    reg.claim_ts[offset] = cmd.ts_ms
+                if claim_ts is not None:
+                    claim_ts[offset] = cmd.ts_ms
                 granted.append(offset)
         fx.claimed(cmd.reg_key, cmd.member, tuple(granted))
         return tuple(granted)
@@ -604,7 +624,8 @@ class TopicState:
             if holder is None or holder[0] != cmd.member or not same_incarnation(holder[1], cmd.session_inc):
                 continue
             del reg.claims[offset]
-            reg.claim_ts.pop(offset, None)
+            if reg.queue is not None:
+                reg.queue.claim_ts.pop(offset, None)
             who = reg.declined.setdefault(offset, [])
             if cmd.member not in who:
                 who.append(cmd.member)
@@ -658,26 +679,30 @@ class TopicState:
     def _handed_back(self, reg: Registration, offset: int, member: str) -> None:
         """A claim of ``offset`` (no longer in ``reg.claims``) came back unacknowledged: one
         delivery attempt more; at the group's max_deliveries it waits for the dead-letter topic."""
-        reg.claim_ts.pop(offset, None)
+        q = reg.queue
+        if q is None:
+            return  # a plain group counts nothing
+        q.claim_ts.pop(offset, None)
         if offset not in reg.owed:
             return
-        n = reg.attempts.get(offset, 0) + 1
-        if 0 < reg.max_deliveries <= n:
-            reg.attempts.pop(offset, None)
-            reg.timed_out.pop(offset, None)
-            reg.dead[offset] = (n, member)
+        n = q.attempts.get(offset, 0) + 1
+        if 0 < q.max_deliveries <= n:
+            q.attempts.pop(offset, None)
+            q.timed_out.pop(offset, None)
+            q.dead[offset] = (n, member)
         else:
-            reg.attempts[offset] = n
+            q.attempts[offset] = n
 
     def apply_share_activate(self, cmd: ShareActivate, fx: Effects) -> bool:
         """Whether the single-active group's active member moved from ``cmd.prev`` to ``cmd.member``."""
         reg = self.regs.get(cmd.reg_key)
-        if (reg is None or not reg.single_active or reg.active != cmd.prev or cmd.member not in reg.members
+        q = reg.queue if reg is not None else None
+        if (reg is None or q is None or not q.single_active or q.active != cmd.prev or cmd.member not in reg.members
                 or cmd.member == cmd.prev):
             return False
         if cmd.prev and any(m == cmd.prev for m, _ in reg.claims.values()):
             return False  # what the active member holds comes back first: the order holds
-        reg.active = cmd.member
+        q.active = cmd.member
         fx.owed(cmd.reg_key)
         return True
 
@@ -685,20 +710,21 @@ class TopicState:
         """Claims of (member, incarnation) held past the group's ack timeout at the entry's time go
         back to the group; returns them."""
         reg = self.regs.get(cmd.reg_key)
-        if reg is None or reg.ack_timeout_ms <= 0:
+        q = reg.queue if reg is not None else None
+        if reg is None or q is None or q.ack_timeout_ms <= 0:
             return ()
         back: list[int] = []
         for offset in cmd.offsets:
             holder = reg.claims.get(offset)
-            at = reg.claim_ts.get(offset)
+            at = q.claim_ts.get(offset)
             if (holder is None or holder[0] != cmd.member or not same_incarnation(holder[1], cmd.session_inc)
-                    or at is None or cmd.ts_ms - at < reg.ack_timeout_ms):
+                    or at is None or cmd.ts_ms - at < q.ack_timeout_ms):
                 continue
             del reg.claims[offset]
             back.append(offset)
             self._handed_back(reg, offset, cmd.member)
-            if offset in reg.owed and offset not in reg.dead:
-                reg.timed_out[offset] = cmd.member
+            if offset in reg.owed and offset not in q.dead:
+                q.timed_out[offset] = cmd.member
         if back:
             fx.owed(cmd.reg_key)
         return tuple(back)
@@ -706,11 +732,12 @@ class TopicState:
     def apply_share_dead_lettered(self, cmd: ShareDeadLettered, fx: Effects) -> tuple[int, ...]:
         """Dead-lettered messages leave the group, recorded and counted as ``delivery_limit``."""
         reg = self.regs.get(cmd.reg_key)
-        if reg is None:
+        if reg is None or reg.queue is None:
             return ()
         done: list[int] = []
+        dead = reg.queue.dead
         for offset in cmd.offsets:
-            if offset not in reg.dead or offset not in reg.owed:
+            if offset not in dead or offset not in reg.owed:
                 continue
             del reg.owed[offset]
             reg.claims.pop(offset, None)

@@ -465,8 +465,8 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
                     continue
                 row = agg.setdefault((reg.share_group, reg.filter), {
                     "group": reg.share_group, "filter": reg.filter, "members": [], "backlog": 0, "in_flight": 0,
-                    "shards": 0, "single_active": False, "active": [], "max_deliveries": reg.max_deliveries,
-                    "ack_timeout_ms": reg.ack_timeout_ms, "dead_letter_pending": 0, "redelivering": 0})
+                    "shards": 0, "single_active": False, "active": [], "max_deliveries": 0, "ack_timeout_ms": 0,
+                    "dead_letter_pending": 0, "redelivering": 0})
                 for m in reg.members:
                     if m not in row["members"]:
                         row["members"].append(m)
@@ -475,12 +475,16 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
                 row["shards"] += 1
                 # Work queues (docs/work-queues.md): a single-active group's active member per
                 # shard (one member, but a handover may be under way in one shard and not another).
-                if reg.single_active:
-                    row["single_active"] = True
-                    if reg.active and reg.active not in row["active"]:
-                        row["active"].append(reg.active)
-                row["dead_letter_pending"] += len(reg.dead)
-                row["redelivering"] += len(reg.attempts)
+                wq = reg.queue
+                if wq is not None:
+                    if wq.single_active:
+                        row["single_active"] = True
+                        if wq.active and wq.active not in row["active"]:
+                            row["active"].append(wq.active)
+                    row["max_deliveries"] = max(row["max_deliveries"], wq.max_deliveries)
+                    row["ack_timeout_ms"] = max(row["ack_timeout_ms"], wq.ack_timeout_ms)
+                    row["dead_letter_pending"] += len(wq.dead)
+                    row["redelivering"] += len(wq.attempts)
         return web.json_response(_paged((agg[k] for k in sorted(agg)), *page))
 
     # --- live stream ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from itertools import groupby
@@ -1158,9 +1158,12 @@ class Node:
         self.propose(self.session_shard(client_id), c.SessionClose(self.now_ms(), client_id, epoch, False),
                      want=False)
 
-    def close_session(self, live: LiveSession, send_will: bool, expiry_s: int | None) -> asyncio.Task[None]:
+    def close_session(self, live: LiveSession, send_will: bool, expiry_s: int | None,
+                      on_outcome: Callable[[asyncio.Future[Any]], None] | None = None) -> asyncio.Task[None]:
         """Proposes the close at once (before any later CONNECT of the same client can be proposed,
-        so the session shard sees them in the order they happened), then finishes asynchronously."""
+        so the session shard sees them in the order they happened), then finishes asynchronously.
+        ``on_outcome`` gets the proposal's future once the close is applied or has failed (a clean
+        DISCONNECT waits for it: only a committed close discards the will)."""
         self._lease_deadline.pop((live.client_id, live.epoch), None)
         live.stop()  # pending acks are proposed first, in the same entry
         if self.live.get(live.client_id) is live:
@@ -1168,6 +1171,8 @@ class Node:
             self._views.pop(live.client_id, None)
         fut = self.propose(live.shard, c.SessionClose(self.now_ms(), live.client_id, live.epoch, send_will, expiry_s))
         assert fut is not None
+        if on_outcome is not None:
+            fut.add_done_callback(on_outcome)
         return asyncio.get_running_loop().create_task(self._finish_close(live, fut, send_will))
 
     async def _finish_close(self, live: LiveSession, fut: asyncio.Future[Any], send_will: bool) -> None:
@@ -1284,7 +1289,8 @@ class Node:
         reg = host.state.topics.regs.get(reg_key)
         if reg is None:
             return
-        dead = reg.dead
+        q = reg.queue  # the group's work-queue policy and state (docs/work-queues.md), if any
+        dead = q.dead if q is not None else {}
         if dead:
             self._dead_letter(host, reg_key)
         if not reg.members:
@@ -1303,11 +1309,11 @@ class Node:
         online = [m for m, inc in members.items() if self._member_connected(m, inc)]
         if not online:
             return
-        if reg.single_active:
+        if q is not None and q.single_active:
             # One member receives: the active one (replicated). Offline, and holding nothing (what
             # it holds comes back when its session ends), it hands over to the first member
             # online in join order; the apply re-checks both and re-runs this dispatcher.
-            active = reg.active
+            active = q.active
             if active not in online:
                 if (online[0] != active and (reg_key, active) not in self._share_activating
                         and not any(m == active for m, _ in reg.claims.values())):
@@ -1337,7 +1343,7 @@ class Node:
         assigned: dict[str, list[int]] = {}
         rr = self._share_rr.get(reg_key, 0)
         declined = reg.declined  # offset -> members whose read ACL refused it: offered to the others
-        timed_out = reg.timed_out  # offset -> the member it was taken back from: offered to another first
+        timed_out = q.timed_out if q is not None else None  # offset -> the member it was taken back from
         for offset in unclaimed:
             refused = declined.get(offset) if declined else None
             avoid = timed_out.get(offset) if timed_out else None
@@ -1367,20 +1373,20 @@ class Node:
             room[member] -= 1
             assigned.setdefault(member, []).append(offset)
         self._share_rr[reg_key] = rr
-        now = self.now_ms() if reg.ack_timeout_ms > 0 else 0
+        now = self.now_ms() if q is not None and q.ack_timeout_ms > 0 else 0
         for member, offsets in assigned.items():
             self.propose(shard, c.ShareClaim(reg_key, member, tuple(offsets), members[member], now), want=False)
 
     def _dead_letter(self, host: ShardHost, reg_key: str) -> None:
-        """Messages of a $share group past its delivery limit (``reg.dead``, replicated): each is
+        """Messages of a $share group past its delivery limit (``reg.queue.dead``, replicated): each is
         published to the dead-letter topic under a GUID derived from (group, shard, offset), then
         ShareDeadLettered releases it from the group. A leader change in between publishes it
         again, a duplicate the GUID history refuses: it appears once."""
         reg = host.state.topics.regs.get(reg_key)
-        if reg is None or reg.share_group is None or not host.raft.is_leader:
+        if reg is None or reg.share_group is None or reg.queue is None or not host.raft.is_leader:
             return
         shard = host.shard
-        todo = [(o, n, last) for o, (n, last) in reg.dead.items() if (shard, reg_key, o) not in self._dlq_pending]
+        todo = [(o, n, last) for o, (n, last) in reg.queue.dead.items() if (shard, reg_key, o) not in self._dlq_pending]
         if not todo:
             return
         now = self.now_ms()
@@ -1429,17 +1435,18 @@ class Node:
             reg = topics.regs.get(reg_key)
             if reg is None or reg.share_group is None:
                 continue
-            if reg.dead:
+            q = reg.queue
+            if q is not None and q.dead:
                 self._dead_letter(host, reg_key)
-            if (len(reg.owed) > len(reg.claims) + len(reg.dead)
+            if (len(reg.owed) > len(reg.claims) + (len(q.dead) if q is not None else 0)
                     and any(self._member_connected(m, inc) for m, inc in reg.members.items())):
                 # A safety net: a member's connection applied in its session shard's replica here
                 # after the group's last change (nothing else would dispatch to it until the next).
                 self._schedule_dispatch(host.shard, reg_key)
-            if reg.ack_timeout_ms <= 0 or not reg.claim_ts:
+            if q is None or q.ack_timeout_ms <= 0 or not q.claim_ts:
                 continue
             held: dict[tuple[str, int], list[tuple[int, int]]] = {}
-            for offset, at in reg.claim_ts.items():
+            for offset, at in q.claim_ts.items():
                 holder = reg.claims.get(offset)
                 if holder is not None:
                     held.setdefault(holder, []).append((offset, at))
@@ -1455,7 +1462,7 @@ class Node:
                 prev = was_online.get((member, inc))
                 since = 0 if prev is None else prev[1] if prev[0] == epoch else now
                 online_since[(member, inc)] = (epoch, since)
-                offsets = [o for o, at in claims if now - max(at, since) >= reg.ack_timeout_ms]
+                offsets = [o for o, at in claims if now - max(at, since) >= q.ack_timeout_ms]
                 if not offsets:
                     continue
                 log.info("$share group %s: client %s held %d message(s) past share.ack_timeout_s: taken back",

@@ -8,7 +8,7 @@ from moorline.broker import commands as c
 from moorline.broker.effects import Effects
 from moorline.broker.messages import StoredMessage
 from moorline.broker.shard import ShardState
-from moorline.broker.topic_state import TopicLimits
+from moorline.broker.topic_state import TopicLimits, WorkQueue
 from moorline.hashing import guid128
 
 KEY = "$share\0g\0jobs/#"
@@ -42,8 +42,12 @@ def as_version_4(snap: bytes) -> bytes:
     """The snapshot as version 4 wrote it: registrations without the work-queue fields."""
     raw = msgspec.msgpack.decode(snap)
     for reg in raw["regs"]:
-        for k in ("single_active", "active", "max_deliveries", "ack_timeout_ms", "attempts", "claim_ts",
-                  "dead", "timed_out"):
-            reg.pop(k)
+        reg.pop("queue")
     raw["version"] = 4
     return msgspec.msgpack.encode(raw)
+
+
+def queue_of(s: ShardState) -> WorkQueue:
+    q = s.topics.regs[KEY].queue
+    assert q is not None, "the group has a work-queue policy"
+    return q

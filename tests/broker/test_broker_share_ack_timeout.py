@@ -6,27 +6,27 @@ from __future__ import annotations
 
 from moorline.broker import commands as c
 from moorline.broker.effects import Effects
-from tests.broker.share_helpers import KEY, group, publish, same_after_restore
+from tests.broker.share_helpers import KEY, group, publish, queue_of, same_after_restore
 
 
 def test_a_claim_past_the_timeout_goes_back_and_counts() -> None:
     s = group("a", "b", ack_timeout_ms=5000, max_deliveries=5)
     (o,) = publish(s, 1)
     s.apply(c.ShareClaim(KEY, "a", (o,), 1, ts_ms=10_000), Effects())
-    reg = s.topics.regs[KEY]
-    assert reg.claim_ts == {o: 10_000}
+    assert queue_of(s).claim_ts == {o: 10_000}
     assert s.apply(c.ShareTimeout(14_999, KEY, "a", 1, (o,)), Effects()) == ()  # too early
     assert s.apply(c.ShareTimeout(15_000, KEY, "b", 2, (o,)), Effects()) == ()  # not the holder
     assert s.apply(c.ShareTimeout(15_000, KEY, "a", 9, (o,)), Effects()) == ()  # another incarnation
     fx = Effects()
     assert s.apply(c.ShareTimeout(15_000, KEY, "a", 1, (o,)), fx) == (o,)
-    assert o not in reg.claims and not reg.claim_ts and reg.attempts == {o: 1} and reg.timed_out == {o: "a"}
+    q, reg = queue_of(s), s.topics.regs[KEY]
+    assert o not in reg.claims and not q.claim_ts and q.attempts == {o: 1} and q.timed_out == {o: "a"}
     assert KEY in fx.owed_regs
     same_after_restore(s)
     assert s.apply(c.ShareClaim(KEY, "b", (o,), 2, ts_ms=15_100), Effects()) == (o,)
     s.apply(c.AckReport(KEY, (o,)), Effects())  # a's late PUBACK, or b's: once
     s.apply(c.AckReport(KEY, (o,)), Effects())
-    assert not reg.owed and not reg.attempts and not reg.timed_out and not reg.claims and not reg.claim_ts
+    assert not reg.owed and not q.attempts and not q.timed_out and not reg.claims and not q.claim_ts
     assert s.topics.owed_count == {}
 
 
@@ -36,8 +36,7 @@ def test_timeouts_reach_the_delivery_limit() -> None:
     for t in (0, 2000):
         s.apply(c.ShareClaim(KEY, "a", (o,), 1, ts_ms=10_000 + t), Effects())
         assert s.apply(c.ShareTimeout(11_000 + t, KEY, "a", 1, (o,)), Effects()) == (o,)
-    reg = s.topics.regs[KEY]
-    assert reg.dead == {o: (2, "a")} and not reg.timed_out
+    assert queue_of(s).dead == {o: (2, "a")} and not queue_of(s).timed_out
 
 
 def test_a_group_without_a_timeout_records_no_claim_times() -> None:
@@ -45,7 +44,7 @@ def test_a_group_without_a_timeout_records_no_claim_times() -> None:
     (o,) = publish(s, 1)
     s.apply(c.ShareClaim(KEY, "a", (o,), 1, ts_ms=10_000), Effects())
     reg = s.topics.regs[KEY]
-    assert not reg.claim_ts
+    assert reg.queue is None
     assert s.apply(c.ShareTimeout(99_000, KEY, "a", 1, (o,)), Effects()) == ()
     assert o in reg.claims
 

@@ -9,7 +9,7 @@ from moorline.broker import commands as c
 from moorline.broker.effects import Effects
 from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import TopicLimits
-from tests.broker.share_helpers import KEY, as_version_4, group, publish, same_after_restore
+from tests.broker.share_helpers import KEY, as_version_4, group, publish, queue_of, same_after_restore
 
 
 def hand_out_and_lose(s: ShardState, member: str, inc: int, offset: int) -> None:
@@ -23,15 +23,15 @@ def test_a_poison_message_is_dead_lettered_after_max_deliveries() -> None:
     reg = s.topics.regs[KEY]
     hand_out_and_lose(s, "a", 1, o)
     hand_out_and_lose(s, "b", 2, o)
-    assert reg.attempts == {o: 2} and not reg.dead
+    assert queue_of(s).attempts == {o: 2} and not queue_of(s).dead
     same_after_restore(s)  # the count is replicated state
     hand_out_and_lose(s, "a", 1, o)
-    assert reg.dead == {o: (3, "a")} and o not in reg.attempts and o in reg.owed
+    assert queue_of(s).dead == {o: (3, "a")} and o not in queue_of(s).attempts and o in reg.owed
     assert s.apply(c.ShareClaim(KEY, "b", (o, o2), 2), Effects()) == (o2,)  # never handed out again
     same_after_restore(s)
     fx = Effects()
     assert s.apply(c.ShareDeadLettered(KEY, (o,)), fx) == (o,)
-    assert o not in reg.owed and not reg.dead and s.topics.drop_counts == {"delivery_limit": 1}
+    assert o not in reg.owed and not queue_of(s).dead and s.topics.drop_counts == {"delivery_limit": 1}
     assert [(d.reason, d.offset) for d in s.topics.drops] == [("delivery_limit", o)]
     assert s.apply(c.ShareDeadLettered(KEY, (o,)), Effects()) == ()  # again (a new leader): nothing
     assert s.topics.drop_counts == {"delivery_limit": 1}
@@ -45,8 +45,7 @@ def test_an_acknowledged_message_forgets_its_attempts() -> None:
     hand_out_and_lose(s, "a", 1, o)
     s.apply(c.ShareClaim(KEY, "a", (o,), 1), Effects())
     s.apply(c.AckReport(KEY, (o,)), Effects())
-    reg = s.topics.regs[KEY]
-    assert not reg.attempts and not reg.dead and not s.topics.drop_counts
+    assert not queue_of(s).attempts and not queue_of(s).dead and not s.topics.drop_counts
 
 
 def test_without_a_limit_nothing_is_dead_lettered() -> None:
@@ -55,7 +54,7 @@ def test_without_a_limit_nothing_is_dead_lettered() -> None:
     for _ in range(5):
         hand_out_and_lose(s, "a", 1, o)
     reg = s.topics.regs[KEY]
-    assert reg.attempts == {o: 5} and not reg.dead
+    assert reg.queue is None  # a plain group counts nothing
     assert s.apply(c.ShareDeadLettered(KEY, (o,)), Effects()) == ()  # not waiting for the DLQ: refused
     assert o in reg.owed
 
@@ -65,12 +64,20 @@ def test_a_qos2_message_dropped_on_return_is_not_an_attempt() -> None:
     (o,) = publish(s, 1)
     s.apply(c.ShareClaim(KEY, "a", (o,), 1), Effects())
     s.apply(c.ShareReturn(KEY, "a", (o,), 1), Effects())
-    reg = s.topics.regs[KEY]
-    assert not reg.dead and s.topics.drop_counts == {"share_qos2_member_gone": 1}
+    assert not queue_of(s).dead and s.topics.drop_counts == {"share_qos2_member_gone": 1}
 
 
 def test_version_4_snapshot_of_a_group_restores_without_counts() -> None:
     s = group("a", max_deliveries=0)
     publish(s, 1)
     old = ShardState.restore(as_version_4(s.snapshot()), TopicLimits(), 3600)
-    assert old.topics.regs[KEY].attempts == {} and old.snapshot() == s.snapshot()
+    assert old.topics.regs[KEY].queue is None and old.snapshot() == s.snapshot()
+
+
+def test_plain_registrations_carry_no_work_queue_state_in_snapshots() -> None:
+    import msgspec
+
+    s = group("a")
+    s.apply(c.Register(0, "cl\0jobs/#", "cl", 1, "jobs/#", 1), Effects())
+    raw = msgspec.msgpack.decode(s.snapshot())
+    assert [r["queue"] for r in raw["regs"]] == [None, None]

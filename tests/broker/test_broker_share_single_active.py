@@ -8,13 +8,12 @@ from moorline.broker import commands as c
 from moorline.broker.effects import Effects
 from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import TopicLimits
-from tests.broker.share_helpers import KEY, as_version_4, group, publish, same_after_restore
+from tests.broker.share_helpers import KEY, as_version_4, group, publish, queue_of, same_after_restore
 
 
 def test_only_the_active_member_is_granted_claims() -> None:
     s = group("a", "b", single_active=True)
-    reg = s.topics.regs[KEY]
-    assert reg.active == "a"
+    assert queue_of(s).active == "a"
     offs = publish(s, 3)
     assert s.apply(c.ShareClaim(KEY, "b", tuple(offs), 2), Effects()) == ()  # standby
     assert s.apply(c.ShareClaim(KEY, "a", tuple(offs), 1), Effects()) == tuple(offs)
@@ -25,7 +24,7 @@ def test_a_plain_group_still_grants_any_member() -> None:
     s = group("a", "b")
     offs = publish(s, 2)
     assert s.apply(c.ShareClaim(KEY, "b", (offs[0],), 2), Effects()) == (offs[0],)
-    assert s.topics.regs[KEY].active == ""
+    assert s.topics.regs[KEY].queue is None  # a plain group keeps no work-queue state
 
 
 def test_the_next_member_takes_over_from_the_first_unacknowledged_after_the_active_one_ends() -> None:
@@ -36,8 +35,8 @@ def test_the_next_member_takes_over_from_the_first_unacknowledged_after_the_acti
     # a's session ends: its claims come back, then it leaves (as Node._end_session proposes them)
     s.apply(c.ShareReturn(KEY, "a", (), 1), Effects())
     s.apply(c.ShareMember(KEY, "a", False, 1), Effects())
+    assert queue_of(s).active == "b"
     reg = s.topics.regs[KEY]
-    assert reg.active == "b"
     unclaimed = [o for o in reg.owed if o not in reg.claims]
     assert unclaimed == offs[1:]  # from the first unacknowledged, in order
     assert s.apply(c.ShareClaim(KEY, "c", tuple(unclaimed), 3), Effects()) == ()
@@ -55,7 +54,7 @@ def test_activate_moves_on_only_from_the_active_member_holding_nothing() -> None
     s.apply(c.AckReport(KEY, (offs[0],)), Effects())
     fx = Effects()
     assert s.apply(c.ShareActivate(KEY, "b", "a"), fx) is True
-    assert s.topics.regs[KEY].active == "b" and KEY in fx.owed_regs
+    assert queue_of(s).active == "b" and KEY in fx.owed_regs
     assert s.apply(c.ShareActivate(KEY, "b", "a"), Effects()) is False  # applied twice: once
     assert s.apply(c.ShareClaim(KEY, "a", (offs[1],), 1), Effects()) == ()
 
@@ -64,18 +63,17 @@ def test_a_register_turns_an_existing_group_single_active_for_good() -> None:
     s = group("a", "b")
     s.apply(c.Register(0, KEY, "", 1, "jobs/#", 1, share_group="g", want_retained=False, single_active=True),
             Effects())
-    reg = s.topics.regs[KEY]
-    assert reg.single_active and reg.active == "a"
+    assert queue_of(s).single_active and queue_of(s).active == "a"
     s.apply(c.Register(0, KEY, "", 1, "jobs/#", 1, share_group="g", want_retained=False), Effects())
-    assert reg.single_active
+    assert queue_of(s).single_active
 
 
 def test_the_last_member_leaving_leaves_no_active_member_and_the_next_join_is_active() -> None:
     s = group("a", single_active=True)
     s.apply(c.ShareMember(KEY, "a", False, 1), Effects())
-    assert s.topics.regs[KEY].active == ""
+    assert queue_of(s).active == ""
     s.apply(c.ShareMember(KEY, "b", True, 5), Effects())
-    assert s.topics.regs[KEY].active == "b"
+    assert queue_of(s).active == "b"
 
 
 def test_version_4_snapshots_still_restore() -> None:
