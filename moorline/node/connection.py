@@ -978,7 +978,67 @@ class Connection(asyncio.Protocol):
                 self.protocol_error(RC.PROTOCOL_ERROR, "session expiry set on DISCONNECT after 0 in CONNECT")
                 return
             self.session_expiry_override = se
-        self.abort(f"client sent DISCONNECT (0x{pk.reason_code:02x})")
+        why = f"client sent DISCONNECT (0x{pk.reason_code:02x})"
+        live = self.live
+        connect = self.state.connect
+        if self.will_on_close or live is None or connect is None or connect.will is None:
+            self.abort(why)
+            return
+        self._close_once_will_discarded(live, why)
+
+    def _close_once_will_discarded(self, live: LiveSession, why: str) -> None:
+        """A clean DISCONNECT discards the will (MQTT-3.14.4-3), but only once the session shard
+        commits the close: until then, a majority that lost touch with this node ends the session
+        when its owner's lease lapses and publishes the will. So the connection is closed only when
+        the close is committed. If it fails, or is not committed within mqtt.publish_timeout_s, an
+        MQTT 5 client gets DISCONNECT 0x80 first (the will may still be published); a 3.1.1 client,
+        which has no way to be told, is left to close the connection itself (it is bound to, after
+        its DISCONNECT), or it is closed at that timeout."""
+        self._closing = True  # reads nothing more; the handler and the delivery pump stop
+        self.close_reason = why
+        self.live = None
+        if self.transport is not None:
+            self.transport.pause_reading()
+        log.info("disconnect: client %r user %r from %s: %s", self.client_id, self.user, self.peer, why)
+        if self.node.connections.get(self.client_id) is self:
+            del self.node.connections[self.client_id]
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(self.cfg.publish_timeout_s, self._will_discard_unknown,
+                                "session close not committed within mqtt.publish_timeout_s")
+
+        def outcome(fut: asyncio.Future[Any]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                failed = "cancelled" if fut.cancelled() else f"{fut.exception()}"
+                if self.version == MQTT_5:
+                    timer.cancel()
+                    self._will_discard_unknown(f"session close failed: {failed}")
+                return  # 3.1.1: the client closes, or the timer does
+            timer.cancel()
+            self._close_transport()
+
+        try:
+            task = self.node.close_session(live, False, self.session_expiry_override, outcome)
+        except ShardUnavailable as exc:
+            log.warning("%r: session close not recorded: %s", self.client_id, exc)
+            if self.version == MQTT_5:
+                timer.cancel()
+                self._will_discard_unknown(f"session close not recorded: {exc}")
+            return
+        task.add_done_callback(_log_task_error)
+
+    def _will_discard_unknown(self, why: str) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        log.warning("%r: after its DISCONNECT: %s; its will may still be published", self.client_id, why)
+        if self.version == MQTT_5:
+            self._write(encode(p.Disconnect(RC.UNSPECIFIED_ERROR, p.Properties(
+                reason_string="will discard not committed: the will may still be published")), MQTT_5))
+        self._close_transport()
+
+    def _close_transport(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self._flush()
+            self.transport.close()
 
     # outbound (called by LiveSession)
     def _send_publishes(self, outs: list[OutboundPublish]) -> None:
