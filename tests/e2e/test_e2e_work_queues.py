@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from e2e_broker import BrokerProc, running_broker
-from rawclient import RawClient
+from rawclient import PUBREC, PUBREL, RawClient, encode_ack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.moorline_only]
 HOST = "127.0.0.1"
@@ -144,3 +144,33 @@ def test_ack_timeout_returns_a_held_message_to_another_member(wq_broker: BrokerP
     assert metric(wq_broker, "moorline_share_ack_timeouts_total") >= before + 1
     x.disconnect()
     y.disconnect()
+
+
+def test_single_active_qos2_pubrecd_stays_with_its_member(wq_broker: BrokerProc, uniq: str) -> None:
+    """MQTT-4.8.2-5 in a single-active group: a QoS 2 message the active member PUBREC'd is its
+    receipt and never goes to the next member; one it never PUBREC'd is dropped and counted; QoS 1
+    it did not acknowledge goes to the next member, in order."""
+    port, topic = wq_broker.mqtt_port, f"{uniq}/jobs"
+    flt = f"$share/sa-{uniq}/{topic}"
+    a = RawClient(HOST, port, 5)
+    assert a.connect(f"{uniq}-a", clean=True).reason == 0
+    a.subscribe([(flt, 2)])
+    b = RawClient(HOST, port, 5)
+    assert b.connect(f"{uniq}-b", clean=True).reason == 0
+    b.subscribe([(flt, 2)])
+    pub = RawClient(HOST, port, 5)
+    assert pub.connect(f"{uniq}-p").reason == 0
+    sent = [(b"q2-pubrecd", 2), (b"q1-a", 1), (b"q2-unreceived", 2), (b"q1-b", 1)]
+    for payload, qos in sent:
+        assert pub.publish_and_wait(topic, payload, qos).reason < 0x80
+    got = [a.next_message(10) for _ in sent]
+    assert [m.payload for m in got] == [p for p, _ in sent]
+    assert b.recv_or_none(1.0) is None
+    a.send(encode_ack(PUBREC, got[0].pid, 5))  # type: ignore[arg-type]
+    assert a.expect(PUBREL, 10).pid == got[0].pid  # and never PUBCOMP'd
+    time.sleep(0.3)
+    a.abort()
+    assert [b.next_message(10).payload for _ in range(2)] == [b"q1-a", b"q1-b"]
+    assert b.recv_or_none(1.5) is None, "neither QoS 2 message goes to the next member"
+    b.disconnect()
+    pub.disconnect()
