@@ -1338,7 +1338,8 @@ class Node:
                 room[m] = max(0, live._room())
             else:
                 room[m] = max(0, window - outstanding.get(m, 0))
-        sticky = self.cfg.share.dispatch == "sticky_topic"
+        # A single-active group has one member to give to: its commit order is every topic's order.
+        sticky = self.cfg.share.dispatch == "sticky_topic" and not (q is not None and q.single_active)
         order = list(members)
         assigned: dict[str, list[int]] = {}
         rr = self._share_rr.get(reg_key, 0)

@@ -174,3 +174,25 @@ def test_single_active_qos2_pubrecd_stays_with_its_member(wq_broker: BrokerProc,
     assert b.recv_or_none(1.5) is None, "neither QoS 2 message goes to the next member"
     b.disconnect()
     pub.disconnect()
+
+
+def test_single_active_with_sticky_topic_dispatch(tmp_path: Path, uniq: str) -> None:
+    """share.dispatch = "sticky_topic" picks a member per topic; a single-active group still gives
+    every topic to its active member (or it would give some topics to nobody)."""
+    cfg = '[share]\ndispatch = "sticky_topic"\nsingle_active = ["*"]\n'
+    with running_broker(tmp_path, config_text=cfg) as b:
+        flt = f"$share/g/{uniq}/#"
+        a = member(b.mqtt_port, f"{uniq}-a", flt)
+        s = member(b.mqtt_port, f"{uniq}-s", flt)
+        pub = RawClient(HOST, b.mqtt_port, 5)
+        assert pub.connect(f"{uniq}-p").reason == 0
+        sent = [(f"{uniq}/t{i % 5}", f"m{i}".encode()) for i in range(20)]
+        for topic, payload in sent:
+            assert pub.publish_and_wait(topic, payload, 1).reason < 0x80
+        got = [a.next_message(10) for _ in sent]
+        assert [m.payload for m in got] == [p for _, p in sent]
+        for m in got:
+            a.ack(m)
+        assert s.recv_or_none(1.0) is None
+        for c in (a, s, pub):
+            c.disconnect()
