@@ -231,3 +231,21 @@ def test_peers_at_one_applied_index_with_different_states_are_caught() -> None:
     other.sink_markers = {"s": 6}
     findings = canonical_state_findings([("n1", 2, _state()), ("n2", 2, other)])
     assert len(findings) == 1 and "n2 and n1 at applied index 7" in findings[0][1]
+
+
+# --- the whole world: syncs that take time, crashes aimed at a promise ------------------------------
+def test_a_node_that_acknowledges_before_its_sync_breaks_a_promise_the_ledger_sees() -> None:
+    """``unsafe_ack_before_sync`` (a crash-harness switch: group commit releases a batch's messages
+    a quarter second before syncing it) at seed 0 with timed syncs and aimed crashes: a node dies
+    right after an append response and restarts below the term it sent in. The default build of
+    the same seed and mix reports nothing."""
+    from moorline.sim.cluster.runner import RunConfig, run_seed
+
+    cfg = RunConfig(timed_sync=True, aimed_crashes=True)
+    broken = run_seed(0, 3, frozenset({"unsafe_ack_before_sync"}), cfg=cfg)
+    assert "promise_broken" in {f.kind for f in broken.findings}, broken.findings[:5]
+    default = run_seed(0, 3, cfg=cfg)
+    assert default.findings == []
+    assert default.counts.get("aimed_crash_fired", 0) >= 1 and default.counts["syncs_timed"] > 1000
+    assert default.counts["recoveries_checked"] > 0 and default.counts["read_barriers_judged"] > 0
+    assert "--timed-sync --aimed-crashes" in broken.replay_command()
