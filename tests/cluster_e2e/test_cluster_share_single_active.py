@@ -63,3 +63,39 @@ def test_single_active_survives_a_leader_kill_and_hands_over_in_order(cluster_fa
     assert m2.recv_or_none(1.5) is None, "nothing twice"
     for c in (m2, pub):
         c.disconnect()
+
+
+def test_single_active_member_node_killed_the_next_member_continues(cluster_factory: ClusterFactory) -> None:
+    """The active member's node is SIGKILLed: its session's lease lapses (session.owner_lease_s),
+    the session (expiry 0) ends, and the next member continues from the first unacknowledged
+    message, in order."""
+    cluster = cluster_factory(3, config_text=CONFIG + "[session]\nowner_lease_s = 4.0\n")
+    topic = cluster.topic_led_by("n3", "sk/t")
+    # The survivors' sessions in shards n1 does not lead: their leases outlive n1's death.
+    m2_id = cluster.client_id_on_shard("sk-m2", cluster.shard_of(cluster.topic_led_by("n2", "sk/x")))
+    pub_id = cluster.client_id_on_shard("sk-pub", cluster.shard_of(topic))
+    m1 = connect(cluster["n1"], "sk-m1", clean=True, expiry=0)
+    subscribe(m1, [(f"$share/sa/{topic}", 1)])
+    m2 = connect(cluster["n2"], m2_id, clean=True, expiry=0)
+    subscribe(m2, [(f"$share/sa/{topic}", 1)])
+    pub = connect(cluster["n3"], pub_id, clean=True, expiry=0)
+    sent = []
+    for i in range(60):
+        assert pub.publish_and_wait(topic, f"{i:04}".encode(), 1, timeout=30).reason == 0
+        sent.append(f"{i:04}".encode())
+    got1 = [m1.next_message(20) for _ in range(60)]
+    assert [m.payload for m in got1] == sent
+    for m in got1[:25]:
+        m1.send(encode_ack(PUBACK, m.pid, 5))  # type: ignore[arg-type]
+    m1.ping()
+    assert m2.recv_or_none(1.5) is None, "the standby receives nothing"
+    cluster.kill9("n1")  # the active member's node
+    got2 = []
+    while len(got2) < 35:
+        m = m2.next_message(60)
+        m2.send(encode_ack(PUBACK, m.pid, 5))  # type: ignore[arg-type]
+        got2.append(m.payload)
+    assert got2 == sent[25:], "from the first unacknowledged message, in order, nothing skipped"
+    assert m2.recv_or_none(1.5) is None, "nothing twice"
+    for c in (m2, pub):
+        c.disconnect()
