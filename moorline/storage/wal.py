@@ -451,6 +451,7 @@ class WriteAheadLog:
         self._sync_lock = threading.Lock()
         self._fd: int | None = None
         self._fd_seq = 0
+        self._fd_path = self.directory  # the open segment's path (once one is open)
         self._fd_length = 0
         self._synced_seq = 0
         self._written_unsynced = False  # a write-ahead put bytes in the file that no sync covers yet
@@ -990,7 +991,7 @@ class WriteAheadLog:
                 invariant(seq >= self._synced_seq, "sync sequence went back")
                 self._synced_seq = seq
             if self._ledger is not None:
-                self._ledger.record(self.directory / segment_name(self._fd_seq), self._fd_length)
+                self._ledger.record(self._fd_path, self._fd_length)
             return seq
 
     def _write_at_end(self, chunk: bytearray) -> None:
@@ -1019,7 +1020,7 @@ class WriteAheadLog:
             # Ledger lines are written as soon as each fact is durable: a harness that cuts files
             # after a SIGKILL in the middle of this sync must not cut what was already synced.
             if self._ledger is not None:
-                self._ledger.record(self.directory / segment_name(self._fd_seq), self._fd_length)
+                self._ledger.record(self._fd_path, self._fd_length)
         path = self.directory / segment_name(seg_seq)
         preparer = self._preparer
         prepared = preparer.take() if preparer is not None else None
@@ -1034,6 +1035,7 @@ class WriteAheadLog:
             self._fd_size = 0
         fsync_dir(self.directory)
         self._fd_seq = seg_seq
+        self._fd_path = path
         self._fd_length = 0
         self._syncs_in_segment = 0
         with self._lock:

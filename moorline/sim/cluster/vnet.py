@@ -167,6 +167,8 @@ class _End:
         self.remote_address = remote
         self.host = local[0]
         self.closed = False  # this side closed it
+        self.out = _Direction()  # what this side sends (set again by _Connection.attach)
+        self.peer: _End = self
 
     def _deliver(self, data: bytes) -> None:
         raise NotImplementedError
@@ -193,34 +195,38 @@ class _Connection:
         self.broken = False
         self.a: _End
         self.b: _End
-        self._dirs: dict[int, _Direction] = {}
 
     def attach(self, a: _End, b: _End) -> None:
         self.a, self.b = a, b
-        self._dirs = {id(a): _Direction(), id(b): _Direction()}
+        a.peer, b.peer = b, a
+        a.out, b.out = _Direction(), _Direction()
 
     def other(self, end: _End) -> _End:
-        return self.b if end is self.a else self.a
+        return end.peer
 
     def send(self, src: _End, data: bytes | None) -> None:
         """``data`` from ``src`` to its peer (``None``: end of stream)."""
         if self.broken:
             return
-        d = self._dirs[id(src)]
-        dst = self.other(src)
-        if d.held or self.net.is_blocked(src.host, dst.host):
+        d = src.out
+        dst = src.peer
+        if d.held or (src.host, dst.host) in self.net.blocked:
             d.held.append(data)
             return
         self._schedule(src, dst, d, data)
 
     def _schedule(self, src: _End, dst: _End, d: _Direction, data: bytes | None) -> None:
         net = self.net
-        at = max(net.scheduler.now + net.draw_delay(), d.arrive_at)
+        delay = net.delay
+        at = net.scheduler.now + (delay.base_s + net.rng.random() * delay.jitter_s)  # draw_delay()
+        if at < d.arrive_at:
+            at = d.arrive_at
         d.arrive_at = at
-        if dst.loop.crashed:
+        loop = dst.loop
+        if loop.crashed:
             return
         d.flight.append((at, data))
-        dst.loop.call_at(at * dst.loop.rate, self._arrive, dst, d)
+        loop.call_at(at * loop.rate, self._arrive, dst, d)
 
     def _arrive(self, dst: _End, d: _Direction) -> None:
         if not d.flight:
@@ -238,8 +244,8 @@ class _Connection:
         if self.broken:
             return
         for src in (self.a, self.b):
-            d = self._dirs[id(src)]
-            dst = self.other(src)
+            d = src.out
+            dst = src.peer
             while d.held and not self.net.is_blocked(src.host, dst.host):
                 self._schedule(src, dst, d, d.held.popleft())
 
@@ -257,6 +263,11 @@ class _Connection:
         self.send(end, None)
         if self.a.closed and self.b.closed and self in self.net.connections:
             self.net.connections.remove(self)
+
+
+def _time_out(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class SimStream(_End):
@@ -297,9 +308,30 @@ class SimStream(_End):
                 await self._waiter
             finally:
                 self._waiter = None
-        out = bytes(self._buf[:max_bytes])
-        del self._buf[:max_bytes]
+        buf = self._buf
+        if len(buf) <= max_bytes:
+            out = bytes(buf)
+            buf.clear()
+        else:
+            out = bytes(buf[:max_bytes])
+            del buf[:max_bytes]
         return out
+
+    async def read_within(self, max_bytes: int, timeout_s: float) -> bytes | None:
+        """``read``, or None when nothing came for ``timeout_s`` (``asyncio.wait_for`` on ``read``
+        without its task and cancellation: a model client reads thousands of times a seed)."""
+        if not self._buf and self._error is None and not self._eof_seen and not self.closed:
+            waiter = self.loop.create_future()
+            self._waiter = waiter
+            timer = self.loop.call_later(timeout_s, _time_out, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if not self._buf and self._error is None and not self._eof_seen and not self.closed:
+                return None
+        return await self.read(max_bytes)
 
     def write(self, data: bytes | memoryview) -> None:
         if self.closed or self._error is not None:
@@ -312,9 +344,11 @@ class SimStream(_End):
         await asyncio.sleep(0)
 
     def write_blocked(self) -> bool:
-        # Always drained, as before ByteStream had this: the drain is a scheduling point and
-        # reports a reset, and the simulated schedule should not change with the real one's economy.
-        return True
+        # Never: the simulated network takes every byte at once (a cut link holds them, as a
+        # socket's buffer would until it filled). As on a real socket with room, a frame written
+        # is not followed by a drain; a reset shows on the next read or write. (It was always
+        # True, a drain and a timer per frame sent: one scheduler step in six.)
+        return False
 
     def close(self) -> None:
         if not self.closed:

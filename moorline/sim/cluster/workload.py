@@ -65,7 +65,7 @@ from moorline.mqtt.packets import (
     Will,
 )
 from moorline.mqtt.topics import matches
-from moorline.sim.cluster.mqtt_client import ClientClosed, ClientConnection
+from moorline.sim.cluster.mqtt_client import Changed, ClientClosed, ClientConnection
 from moorline.sim.cluster.vloop import VirtualLoop
 from moorline.sim.cluster.vnet import HostNetwork
 from moorline.sim.cluster.world import EPOCH_MS, World, WorldConfig
@@ -178,7 +178,7 @@ class ModelClient:
         self.connected = False
         self.ever_connected = False
         self.done = False
-        self.changed = asyncio.Event()  # something arrived or the connection ended
+        self.changed = Changed()  # something arrived or the connection ended
         self._pending: dict[int, asyncio.Future[Packet]] = {}
         self._ctl_pid = 60000  # SUBSCRIBE / UNSUBSCRIBE packet ids (publish ids stay below)
         self.connections = 0  # successful CONNECTs so far
@@ -375,10 +375,7 @@ class ModelClient:
 
     async def wait_changed(self, timeout_s: float) -> None:
         self.changed.clear()
-        try:
-            await asyncio.wait_for(self.changed.wait(), timeout_s)
-        except TimeoutError:
-            pass
+        await self.changed.wait(timeout_s)
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
@@ -832,8 +829,10 @@ class RacePublisher(Publisher):
                 continue
             due = self.probes or (self.regular < self.messages and self.now() >= next_regular)
             if not due or len(self.inflight) >= cfg.publish_window + (4 if self.probes else 0):
-                # Woken by a probe, an acknowledgement, or the next paced message's time.
-                await self.wait_changed(0.5 if due else min(0.5, max(0.001, next_regular - self.now())))
+                # Woken by a probe, an acknowledgement, or the next paced message's time (none
+                # once the paced messages are all sent: it polled every millisecond then).
+                paced = not due and self.regular < self.messages
+                await self.wait_changed(min(0.5, max(0.001, next_regular - self.now())) if paced else 0.5)
                 continue
             if not self.probes:
                 next_regular = self.now() + self.rng.uniform(*cfg.publish_interval_s)
@@ -1142,6 +1141,8 @@ class Workload:
     def stop(self) -> None:
         """Publishers stop taking new messages (they still finish those in flight)."""
         self.stopping = True
+        for p in self.race_publishers:
+            p.changed.set()  # it may be waiting for a probe that will not come now
 
     def publishers_done(self) -> bool:
         return all(c.done for c in self.clients if isinstance(c, (Publisher, WillClient)))
