@@ -3,8 +3,9 @@
 
 Histories: two of the cluster simulator's CI seeds (tests/sim_cluster/test_sim_seeds.py runs
 them with faults; the seed's history is read back from its trace file, which holds the records
-in docs/history-format.md), and runs derived from them with anomalies injected by a seeded
-generator (lost, duplicated, swapped and re-numbered deliveries, unsubscribes, refused publishes,
+in docs/history-format.md), a short ``moorline chaos`` run against a real node (kill and
+truncate; real MQTT clients record it), and runs derived from all of them with anomalies injected
+by a seeded generator (lost, duplicated, swapped and re-numbered deliveries, unsubscribes, refused publishes,
 drops, reconnects, QoS changes, retained copies, equal acknowledgement times, ...). Every run is
 judged by one Spark job; any difference is a bug in one of the engines (docs/verification.md is
 the definition both implement).
@@ -245,12 +246,28 @@ def both_engines(spark: Any, records: list[Rec], tmp: Path) -> tuple[set[tuple[A
     return theirs, ours
 
 
+def chaos_history(tmp: Path) -> list[Rec]:
+    """A short chaos run's history (a real node killed and its log truncated); [] when no node can
+    start here (the chaos suite skips then too)."""
+    from moorline.chaos.harness import ChaosConfig, run_once
+    from moorline.chaos.node import NodeStartError
+
+    cfg = ChaosConfig(duration_s=5, faults=frozenset({"kill", "truncate"}), kills_per_run=1, seed=21)
+    try:
+        result = run_once(cfg, "chaos-21", tmp)
+    except (NodeStartError, OSError) as exc:  # pragma: no cover - CI can start a node
+        pytest.skip(f"moorline node cannot start: {exc}")
+    return [json.loads(line) for line in Path(result.history).read_text().splitlines() if line.strip()]
+
+
 @pytest.fixture(scope="module")
 def seed_histories(tmp_path_factory: pytest.TempPathFactory) -> list[list[Rec]]:
     tmp = tmp_path_factory.mktemp("seeds")
     # spawn: the test process holds a Spark gateway's threads a fork would copy half-alive.
     with ProcessPoolExecutor(len(SEEDS), mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(seed_history, SEEDS, [tmp] * len(SEEDS)))
+        seeds = pool.map(seed_history, SEEDS, [tmp] * len(SEEDS))
+        chaos = chaos_history(tmp)  # while the seeds run
+        return [*seeds, chaos]
 
 
 def test_verify_and_the_checkers_agree_on_seeds_and_injected_anomalies(
