@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 from e2e_broker import BrokerProc, running_broker
 from rawclient import PUBREC, PUBREL, RawClient, encode_ack
+from test_e2e_openapi import conforms
+
+from moorline.node.openapi import ROUTES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.moorline_only]
 HOST = "127.0.0.1"
@@ -87,8 +90,10 @@ def test_single_active_standby_takes_over_in_order(wq_broker: BrokerProc, uniq: 
     assert [b.next_message(10).payload for _ in more] == more
     with urllib.request.urlopen(wq_broker.http_url + f"/v1/groups?q={uniq}", timeout=10) as r:
         rows = json.loads(r.read())
-    row = (rows["items"] if isinstance(rows, dict) else rows)[0]
+    row = rows["items"][0]
     assert row["single_active"] and row["active"] == [f"{uniq}-b"]
+    route = next(r for r in ROUTES if r.method == "get" and r.path == "/v1/groups")
+    assert conforms(rows, route.responses[200][1]) == [], "GET /v1/groups answers what its OpenAPI entry says"
     b.disconnect()
 
 
