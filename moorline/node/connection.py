@@ -754,13 +754,23 @@ class Connection(asyncio.Protocol):
         cmd = c.Publish(msg, self.server.authorizer.owner_name(self.principal), producer, seq)
         self.node.published["mqtt"] += 1
         kind = "puback" if pk.qos == 1 else "pubrec"
-        try:
-            if pk.qos == 0:
+        if pk.qos == 0:
+            try:
                 self.node.propose(shard, cmd, want=False)
-                return
-            self.node.propose_cb(shard, cmd, self._queue_ack((kind, pk.packet_id, 0)))
+            except ShardUnavailable as exc:
+                self._refuse_unavailable([], kind, exc)
+            return
+        done = self._queue_ack((kind, pk.packet_id, 0))
+        try:
+            self.node.propose_cb(shard, cmd, done)
         except ShardUnavailable as exc:
-            self._refuse_unavailable([pk.packet_id] if pk.qos else [], kind, exc)
+            # Its slot, queued just above, would never complete: every later acknowledgement (the
+            # refusal too) would wait behind it until publish_timeout closed the connection, while
+            # later PUBLISHes of the same topic committed; the client then resent the refused one
+            # behind them (moorline sim --cluster seed 140, drawn configuration: out_of_order).
+            self._acks.pop()
+            self._acks_waiting -= 1
+            self._refuse_unavailable([pk.packet_id], kind, exc)
 
     def _refuse_unavailable(self, pids: list[Any], kind: str, exc: ShardUnavailable) -> None:
         """The shard refused before anything entered its log, so a refusal is true (promise 6):
