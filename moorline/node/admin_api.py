@@ -43,7 +43,7 @@ from moorline.mqtt.topics import TopicBounds, topic_filter_error
 from moorline.node.auth import Authorizer
 from moorline.node.http_api import CALLER, Caller, Handler, _err
 from moorline.node.node import Node, reg_key_for
-from moorline.node.shard_host import ShardUnavailable
+from moorline.node.shard_host import ShardUnavailable, consume_outcome
 
 log = logging.getLogger(__name__)
 
@@ -445,6 +445,8 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
             if fut.done() and not fut.cancelled() and fut.exception() is None and fut.result().status != "refused":
                 cleared += 1
             else:
+                if not fut.done():  # answered "try again": its outcome, later, is nobody's
+                    fut.add_done_callback(consume_outcome)
                 failed.append({"topic": topic, "error": "no outcome in time (or refused): try again"})
         return web.json_response({"filter": flt, "cleared": cleared, "failed": failed,
                                   "remaining": max(0, len(found) - max_page)})

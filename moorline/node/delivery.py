@@ -191,7 +191,12 @@ class LiveSession:
             if not asked:
                 await asyncio.sleep(READ_BARRIER_RETRY_S)
                 continue
-            await asyncio.wait(list(asked.values()), timeout=READ_BARRIER_WAIT_S)
+            try:
+                await asyncio.wait(list(asked.values()), timeout=READ_BARRIER_WAIT_S)
+            except asyncio.CancelledError:  # the session closed: nobody looks at these any more
+                for fut in asked.values():
+                    fut.cancel()
+                raise
             for shard, fut in asked.items():
                 if fut.done() and not fut.cancelled() and fut.exception() is None:
                     todo.discard(shard)

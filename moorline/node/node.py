@@ -49,7 +49,9 @@ from moorline.node.shard_host import (
     ShardHost,
     ShardUnavailable,
     SnapshotSettings,
+    consume_outcome,
     default_limits,
+    outcome_within,
     recorded_members,
 )
 from moorline.node.snapshot_install import recover_install
@@ -340,7 +342,7 @@ class Node:
                 fut = self.propose(self.meta_group, c.ClusterBootstrap(mine))
                 if fut is not None:
                     try:
-                        await asyncio.wait_for(asyncio.shield(fut), timeout=5.0)
+                        await outcome_within(fut, 5.0)
                     except (TimeoutError, ShardUnavailable):
                         pass
             if host.state.cluster is None:
@@ -917,7 +919,7 @@ class Node:
         a quorum commits nothing: the request is answered with a failure instead of hanging)."""
         limit = self.cfg.mqtt.control_timeout_s
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), limit)
+            return await outcome_within(fut, limit)
         except TimeoutError:
             where = f"shard {shard}" if shard >= 0 else "a shard"
             raise ShardUnavailable(f"{where} committed nothing within {limit:g} s (no quorum?)") from None
@@ -1321,7 +1323,11 @@ class Node:
                     coverage.hit("share_single_active_handover")
                     fut = self.propose(shard, c.ShareActivate(reg_key, online[0], active))
                     if fut is not None:
-                        fut.add_done_callback(lambda _f: self._share_activating.discard((reg_key, active)))
+                        def activated(f: asyncio.Future[Any], key: tuple[str, str] = (reg_key, active)) -> None:
+                            consume_outcome(f)  # nobody awaits it: an error (outcome unknown) is retried
+                            self._share_activating.discard(key)
+
+                        fut.add_done_callback(activated)
                     else:
                         self._share_activating.discard((reg_key, active))
                 return

@@ -225,6 +225,27 @@ def _resolve(waiter: Waiter, result: Any, exc: BaseException | None) -> None:
         log.exception("a command callback failed")
 
 
+def consume_outcome(fut: asyncio.Future[Any]) -> None:
+    """Done callback for a proposal's future its waiter gave up on (timed out, cancelled, or
+    never wanted it): the outcome settled later (a result, or an exception: outcome unknown after
+    an install, the shard failed) is taken, so asyncio does not report it as never retrieved."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+async def outcome_within(fut: asyncio.Future[Any], timeout: float) -> Any:
+    """``fut``'s result within ``timeout`` seconds, else TimeoutError; ``fut`` itself is never
+    cancelled (the command may still apply). ``asyncio.shield`` stops looking at ``fut`` once its
+    waiter timed out or was cancelled: a later exception there would be reported as never
+    retrieved (moorline sim --cluster seed 142: a SUBSCRIBE whose SessionSubscribe timed out was
+    settled "outcome unknown" when the replica installed a snapshot), so ``fut`` is consumed then."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+    finally:
+        if not fut.done():
+            fut.add_done_callback(consume_outcome)
+
+
 @dataclass(slots=True)
 class _Own:
     """A proposal of this node, kept (and resent to whoever leads) until this replica applies it."""
@@ -1056,6 +1077,10 @@ class ShardHost:
             for fut in own.futures:
                 _resolve(fut, None, ShardUnavailable(reason))
         self._own.clear()
+        # Proposed, not sealed yet: a failed shard is never sealed again, so they would wait forever.
+        batch, self._batch_cmds, self._batch_futs, self.batch_bytes = self._batch_futs, [], [], 0
+        for fut in batch:
+            _resolve(fut, None, ShardUnavailable(reason))
         if self.recent is not None:  # nothing of a failed shard is delivered, cached or not
             self.recent.drop(self.shard, list(self.state.topics.meta))
 
