@@ -35,7 +35,8 @@ from typing import Any
 
 import msgspec
 
-from moorline.cluster.wire import PREAMBLE_BYTES, RaftMessages
+from moorline.cluster.limits import TransportLimits
+from moorline.cluster.wire import MAGIC, PREAMBLE_BYTES, RaftMessages
 from moorline.config import NodeConfig
 from moorline.node.auth import Authorizer
 from moorline.node.node import Node
@@ -170,6 +171,7 @@ _MT = MessageType
 _LENGTH = struct.Struct(">I")
 _RAFT_FRAME_HEAD = b"\x92\x05"  # a RaftMessages frame body: msgpack array of 2, tag 5 (cluster/wire.py)
 _RAFT_DECODER = msgspec.msgpack.Decoder(RaftMessages)
+_TAP_MAX_FRAME_BYTES = TransportLimits().max_frame_bytes  # above it the receiver refuses the frame
 MOMENTS = ("vote", "append_response", "puback", "pubrec")  # what a crash may be aimed at
 
 
@@ -192,11 +194,19 @@ class _FrameTap:
         if self.need_preamble:
             if len(buf) < PREAMBLE_BYTES:
                 return
+            if not buf.startswith(MAGIC):  # not a plain cluster stream (TLS): not ours to read
+                self.dead = True
+                buf.clear()
+                return
             del buf[:PREAMBLE_BYTES]
             self.need_preamble = False
         pos, end = 0, len(buf)
         while end - pos >= 4:
             (size,) = _LENGTH.unpack_from(buf, pos)
+            if size > _TAP_MAX_FRAME_BYTES:  # the peer refuses it: stop reading
+                self.dead = True
+                buf.clear()
+                return
             start = pos + 4
             if end - start < size:
                 break
@@ -389,7 +399,7 @@ class World:
         self.promises = PromiseLedger()  # world_checks.py
         self.barriers = ReadBarrierCheck()
         self.canonical_findings: list[tuple[str, str]] = []  # snapshots restored at a restart
-        self.aimed_crashes = 0  # armed crashes whose moment came
+        self.aimed_crashes: dict[str, int] = {}  # moment -> armed crashes that fired on it
         self.syncs_timed = 0  # syncs of crashed boots' runners (the live ones are added at the end)
         self.syncs_cut = 0  # syncs a crash fell inside
 
@@ -522,10 +532,11 @@ class World:
     def _aimed(self, sn: SimNode, loop: VirtualLoop) -> None:
         """The moment came: the node's loop never runs another step (the bytes it wrote are on
         their way); the fault plan crashes it at its next look (``take_due_crashes``)."""
-        self.note(f"{sn.name}: sent a {sn.armed}; crashing")
+        moment = sn.armed or ""
+        self.note(f"{sn.name}: sent a {moment}; crashing")
         sn.armed, sn.crash_due = None, True
         loop.paused_until = math.inf
-        self.aimed_crashes += 1
+        self.aimed_crashes[moment] = self.aimed_crashes.get(moment, 0) + 1
 
     def take_due_crashes(self) -> list[SimNode]:
         due = [sn for sn in self.nodes if sn.crash_due and not sn.crashed]
@@ -560,6 +571,7 @@ class World:
                   "read_barriers_judged": self.barriers.resolved}
         if self.cfg.timed_sync:
             counts |= {"syncs_timed": self.syncs_timed + live, "crash_inside_sync": self.syncs_cut}
+        counts |= {f"aimed_crash_on_{moment}": n for moment, n in sorted(self.aimed_crashes.items())}
         return counts
 
     def world_findings(self) -> list[tuple[str, str]]:
