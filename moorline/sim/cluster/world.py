@@ -398,7 +398,8 @@ class World:
         self._sync_rngs = {n.name: random.Random(self.rng.getrandbits(64)) for n in self.nodes}
         self.promises = PromiseLedger()  # world_checks.py
         self.barriers = ReadBarrierCheck()
-        self.canonical_findings: list[tuple[str, str]] = []  # snapshots restored at a restart
+        self.canonical_findings: list[tuple[str, str]] = []  # snapshots installed, or restored at a restart
+        self.installs_checked = 0
         self.aimed_crashes: dict[str, int] = {}  # moment -> armed crashes that fired on it
         self.syncs_timed = 0  # syncs of crashed boots' runners (the live ones are added at the end)
         self.syncs_cut = 0  # syncs a crash fell inside
@@ -547,6 +548,17 @@ class World:
     # --- recovery and read barriers, watched (world_checks.py) -----------------------------------
     def _watch_recovery(self, sn: SimNode, node: Node) -> None:
         open_groups = node.open_groups
+        settings = node.snapshot_settings
+        on_installed = settings.on_installed
+
+        def installed(host: Any) -> None:
+            # A leader's snapshot just became this replica's state, before anything else applies.
+            self.installs_checked += 1
+            self.canonical_findings += canonical_state_findings([(sn.name, host.shard, host.state)])
+            if on_installed is not None:
+                on_installed(host)
+
+        settings.on_installed = installed
 
         def watched(*args: Any, **kwargs: Any) -> None:
             open_groups(*args, **kwargs)
@@ -568,7 +580,8 @@ class World:
         live = sum(sn.syncer.completed for sn in self.nodes if sn.syncer is not None and not sn.crashed)
         counts = {"raft_messages_seen": self.promises.messages_seen,
                   "recoveries_checked": self.promises.recoveries_checked,
-                  "read_barriers_judged": self.barriers.resolved}
+                  "read_barriers_judged": self.barriers.resolved,
+                  "snapshot_installs_checked": self.installs_checked}
         if self.cfg.timed_sync:
             counts |= {"syncs_timed": self.syncs_timed + live, "crash_inside_sync": self.syncs_cut}
         counts |= {f"aimed_crash_on_{moment}": n for moment, n in sorted(self.aimed_crashes.items())}
