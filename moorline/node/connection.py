@@ -474,6 +474,7 @@ class Connection(asyncio.Protocol):
         no_props = p.NO_PROPERTIES
         cmds: list[c.Command] = []
         pids: list[int] = []
+        resent = False  # a DUP=1 PUBLISH among them: a refusal would not be provably true
         size = 0
         n = len(packets)
         if not can_publish(who, topic):  # asked again only when the topic changes: same answer
@@ -491,6 +492,7 @@ class Connection(asyncio.Protocol):
                 StoredMessage(topic, pk.payload, 1, pk.retain, new_guid(), ts_ms, None, None, client_id), principal
             ))
             pids.append(pk.packet_id)  # type: ignore[arg-type]
+            resent = resent or pk.dup
             size += len(pk.payload)
             i += 1
         node.published["mqtt"] += len(cmds)
@@ -499,7 +501,7 @@ class Connection(asyncio.Protocol):
         except ShardUnavailable as exc:
             self._acks.pop()  # the group's slot, queued just above: its PUBLISHes are refused one by one
             self._acks_waiting -= len(pids)
-            self._refuse_unavailable(pids, "puback", exc)
+            self._refuse_unavailable(pids, "puback", exc, resent=resent)
         return i
 
     async def _handle(self, packet: p.Packet) -> None:
@@ -770,14 +772,22 @@ class Connection(asyncio.Protocol):
             # behind them (moorline sim --cluster seed 140, drawn configuration: out_of_order).
             self._acks.pop()
             self._acks_waiting -= 1
-            self._refuse_unavailable([pk.packet_id], kind, exc)
+            self._refuse_unavailable([pk.packet_id], kind, exc, resent=pk.dup)
 
-    def _refuse_unavailable(self, pids: list[Any], kind: str, exc: ShardUnavailable) -> None:
+    def _refuse_unavailable(self, pids: list[Any], kind: str, exc: ShardUnavailable, resent: bool = False) -> None:
         """The shard refused before anything entered its log, so a refusal is true (promise 6):
         5.0 gets 0x80 per message and keeps the connection for the other shards; 3.1.1, which
-        cannot refuse, is closed (the client resends later). QoS 0 is dropped, counted."""
+        cannot refuse, is closed (the client resends later). QoS 0 is dropped, counted.
+
+        Not so for a resend (DUP=1): its earlier copy may be in a log already (its connection was
+        lost with the outcome unknown), so a refusal could be a lie (moorline sim --cluster seed
+        123, drawn configuration: refused, then delivered). The outcome stays unknown: the
+        connection is closed (0x89) and the client resends again."""
         self.node.stats["refused"] += max(1, len(pids))
         if not pids:
+            return
+        if resent:
+            self.disconnect(RC.SERVER_BUSY, f"resent publish not taken now ({exc}); its earlier copy may be stored")
             return
         if self.version != MQTT_5:
             self.abort(f"publish refused: {exc}")
