@@ -15,7 +15,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from moorline.sim.cluster.runner import SeedResult, run_seed
+from moorline.coverage import RARE_NODE_PATHS
+from moorline.sim.cluster.runner import RunConfig, SeedResult, run_seed
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -41,6 +42,34 @@ def test_three_node_seeds_have_no_violation(seed: int, three_node_results: dict[
     assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:10]]}\nreplay: {r.replay_command()}"
     assert r.counts.get("records", 0) > 100  # the clients did work
     assert sum(v for k, v in r.counts.items() if k != "records") > 0  # faults were injected
+
+
+CI_DRAWN_SEEDS = range(100, 124)  # the same seeds with the node configuration each draws (tuning.py)
+
+
+def _run3_drawn(seed: int) -> SeedResult:
+    return run_seed(seed, nodes=3, cfg=RunConfig(draw_config=True))
+
+
+@pytest.fixture(scope="module")
+def drawn_results() -> Iterator[dict[int, SeedResult]]:
+    workers = max(1, min(2, os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield dict(zip(CI_DRAWN_SEEDS, pool.map(_run3_drawn, CI_DRAWN_SEEDS), strict=True))
+
+
+@pytest.mark.parametrize("seed", CI_DRAWN_SEEDS)
+def test_seeds_with_a_drawn_configuration_have_no_violation(seed: int, drawn_results: dict[int, SeedResult]) -> None:
+    r = drawn_results[seed]
+    assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:10]]}\nconfig {r.tuning}\nreplay: {r.replay_command()}"
+
+
+def test_the_drawn_seeds_reach_every_rare_node_path(drawn_results: dict[int, SeedResult]) -> None:
+    """Coverage is measured, not assumed (moorline/coverage.py): with production-sized defaults no
+    seed snapshots, installs or reclaims anything; the drawn configurations must reach every one."""
+    reached = {name for r in drawn_results.values() for name, n in r.paths.items() if n}
+    missing = sorted(set(RARE_NODE_PATHS) - reached)
+    assert missing == [], f"rare node paths no drawn seed reached: {missing}"
 
 
 @pytest.mark.parametrize("seed", CI_SEEDS_5)
