@@ -19,6 +19,7 @@ Nothing here reads a real clock, and the only randomness is the seeded generator
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import heapq
 import itertools
 import logging
@@ -54,6 +55,10 @@ class _NoWaitSelector(selectors.BaseSelector):
 
     def close(self) -> None:
         self._map.clear()
+
+
+_new_handle = events.Handle.__new__
+_copy_context = contextvars.copy_context
 
 
 class VirtualLoop(asyncio.SelectorEventLoop):
@@ -108,9 +113,19 @@ class VirtualLoop(asyncio.SelectorEventLoop):
 
     # --- asyncio.BaseEventLoop internals, same behaviour ------------------------------------------
     def _call_soon(self, callback: Any, args: Any, context: Any) -> asyncio.Handle:
-        handle = events.Handle(callback, args, self, context)
-        if handle._source_traceback:  # type: ignore[attr-defined]
-            del handle._source_traceback[-1]  # type: ignore[attr-defined]
+        if self._debug:  # type: ignore[attr-defined]
+            handle = events.Handle(callback, args, self, context)
+            if handle._source_traceback:  # type: ignore[attr-defined]
+                del handle._source_traceback[-1]  # type: ignore[attr-defined]
+        else:  # Handle.__init__ without its two calls (a quarter of a million handles a seed)
+            handle = _new_handle(events.Handle)
+            handle._context = _copy_context() if context is None else context  # type: ignore[attr-defined]
+            handle._loop = self  # type: ignore[attr-defined]
+            handle._callback = callback  # type: ignore[attr-defined]
+            handle._args = args  # type: ignore[attr-defined]
+            handle._cancelled = False  # type: ignore[attr-defined]
+            handle._repr = None  # type: ignore[attr-defined]
+            handle._source_traceback = None  # type: ignore[attr-defined]
         self._ready.append(handle)  # type: ignore[attr-defined]
         if self is not self.scheduler.current:
             self.scheduler.dirty = True  # another process's code gave this one work
@@ -120,13 +135,24 @@ class VirtualLoop(asyncio.SelectorEventLoop):
             self, when: float, callback: Any, *args: Any, context: Any = None) -> asyncio.TimerHandle:
         if when is None:
             raise TypeError("when cannot be None")
-        self._check_closed()  # type: ignore[attr-defined]
+        if self._closed:  # type: ignore[attr-defined]
+            raise RuntimeError("Event loop is closed")  # as _check_closed
         if self._debug:  # type: ignore[attr-defined]
             self._check_thread()  # type: ignore[attr-defined]
             self._check_callback(callback, "call_at")  # type: ignore[attr-defined]
-        timer = events.TimerHandle(when, callback, args, self, context)
-        if timer._source_traceback:  # type: ignore[attr-defined]
-            del timer._source_traceback[-1]  # type: ignore[attr-defined]
+            timer = events.TimerHandle(when, callback, args, self, context)
+            if timer._source_traceback:  # type: ignore[attr-defined]
+                del timer._source_traceback[-1]  # type: ignore[attr-defined]
+        else:  # TimerHandle.__init__ without its three calls
+            timer = _new_handle(events.TimerHandle)
+            timer._context = _copy_context() if context is None else context  # type: ignore[attr-defined]
+            timer._loop = self  # type: ignore[attr-defined]
+            timer._callback = callback  # type: ignore[attr-defined]
+            timer._args = args  # type: ignore[attr-defined]
+            timer._cancelled = False  # type: ignore[attr-defined]
+            timer._repr = None  # type: ignore[attr-defined]
+            timer._source_traceback = None  # type: ignore[attr-defined]
+            timer._when = when  # type: ignore[attr-defined]
         heapq.heappush(self._scheduled, (when, next(self._timer_seq), timer))  # type: ignore[has-type]
         timer._scheduled = True  # type: ignore[attr-defined]
         scheduler = self.scheduler
