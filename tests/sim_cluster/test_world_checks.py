@@ -249,3 +249,40 @@ def test_a_node_that_acknowledges_before_its_sync_breaks_a_promise_the_ledger_se
     assert default.counts.get("aimed_crash_fired", 0) >= 1 and default.counts["syncs_timed"] > 1000
     assert default.counts["recoveries_checked"] > 0 and default.counts["read_barriers_judged"] > 0
     assert "--timed-sync --aimed-crashes" in broken.replay_command()
+
+
+def test_a_crash_inside_a_timed_sync_keeps_nothing_of_it(tmp_path: Path) -> None:
+    """The ledger records a timed sync only when it completes: power loss before then cuts the
+    segment back to what the previous sync covered; after it, what it synced stays."""
+    from moorline.sim.cluster.world import MemoryLedger, _close_files_under
+    from moorline.storage.wal import WriteAheadLog
+
+    def last_index_after_power_loss(complete: bool) -> int:
+        d = tmp_path / ("completed" if complete else "crashed")
+        ledger = MemoryLedger()
+        # Every append is written at once (unsynced): only the ledger says what a crash keeps.
+        wal = WriteAheadLog(d, segment_bytes=1 << 20, ledger=ledger, write_ahead_bytes=1)
+        wal.open()
+        wal.append_entries(0, [(1, 1, 0, b"first")])
+        wal.sync()
+
+        async def body() -> None:
+            runner = TimedSync(wal, lambda: 0.05)
+            wal.append_entries(0, [(1, 2, 0, b"second" * 100)])
+            fut = runner.sync()
+            await asyncio.sleep(0.01)
+            assert not fut.done()  # the loop goes on while the sync runs
+            if complete:
+                assert await fut >= 1
+            # else: the crash falls here, inside the sync (its completion never runs)
+
+        asyncio.run(body())
+        wal.append_entries(0, [(1, 3, 0, b"never synced" * 10)])
+        _close_files_under(d)
+        ledger.cut_unsynced(random.Random(0), extra_bytes_max=0)
+        rec = WriteAheadLog(d, segment_bytes=1 << 20).open()
+        entries = rec.groups[0].entries if 0 in rec.groups else []
+        return entries[-1].index if entries else 0
+
+    assert last_index_after_power_loss(complete=True) == 2
+    assert last_index_after_power_loss(complete=False) == 1
