@@ -536,7 +536,9 @@ class LiveSession:
         if not items:
             return False
         await self._commit_and_send(items, msgs)
-        return more
+        # A shard whose notices were dropped and whose reloaded part is now taken has more to read
+        # from its state: nobody would wake the pump for it (its notices are not kept).
+        return more or any(not self.pending.get(s) for s in self.overflowed)
 
     def _plain_registration(
         self, topics: TopicState, subs: dict[str, SubscriptionState], reg_key: str

@@ -58,3 +58,38 @@ def test_a_client_that_does_not_read_holds_a_bounded_number_of_notices(tmp_path:
 
     acked: set[int] = set()
     asyncio.run(body())
+
+
+def test_past_the_bound_a_reading_client_still_gets_everything_without_being_woken(tmp_path: Path) -> None:
+    """The client reads (QoS 0 needs no acknowledgement) but the notices outran the pump: the part
+    of the shard reloaded from its state is taken, and so is the rest, with no new notice or ack
+    to wake the pump (it would otherwise sleep with 95 messages owed)."""
+    async def body() -> None:
+        cfg = NodeConfig()
+        cfg.data_dir = str(tmp_path / "data")
+        cfg.shard.count = 4
+        cfg.session.max_pending_notices = BOUND
+        node = Node(cfg)
+        node.open()
+        await node.start()
+        try:
+            _present, epoch, inc = await node.open_session("reader", False, 600, None, "")
+            got: list[OutboundPublish] = []
+            live = LiveSession(node, "reader", epoch, inc, 16, got.extend, lambda pid: None)
+            node.live["reader"] = live
+            await node.subscribe(live, "q/t", 1, False, False, 0, None)
+            live.start()
+            await node.publish(StoredMessage("q/t", b"first", 1, False, (999).to_bytes(16, "big"), node.now_ms()))
+            for i in range(100):
+                await node.publish(StoredMessage("q/t", str(i).encode(), 0, False, i.to_bytes(16, "big"),
+                                                 node.now_ms()), wait=False)
+            for _ in range(100):
+                if len(got) >= 101:
+                    break
+                await asyncio.sleep(0.02)
+            assert [p.msg.payload for p in got[1:]] == [str(i).encode() for i in range(100)], len(got)
+        finally:
+            await live.close()
+            await node.stop()
+
+    asyncio.run(body())
