@@ -326,8 +326,8 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
         stop.set()
 
     watcher = asyncio.create_task(watch_fatal())
-    lag_watcher = asyncio.create_task(server.watch_loop_lag())
-    sys_publisher = asyncio.create_task(server.sys_topics.run())
+    node.supervisor.spawn("loop-lag-watcher", server.watch_loop_lag, critical=False)
+    node.supervisor.spawn("sys-topics", server.sys_topics.run, critical=False)
     bound = " ".join(f"{li.key}={li.bound()[0]}:{li.bound()[1]}" for li in listeners)
     print(f"moorline ready {bound}", flush=True)
     log.info("data dir %s, %d shards", cfg.data_dir, node.shard_count)
@@ -335,8 +335,7 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
     watcher.cancel()
     if creds_watcher is not None:
         creds_watcher.cancel()
-    lag_watcher.cancel()
-    sys_publisher.cancel()
+    await node.supervisor.stop(["loop-lag-watcher", "sys-topics"])
     log.info("stopping%s: closing listeners and connections", f" ({signals[0]})" if signals else "")
     for srv in servers:
         srv.close()
