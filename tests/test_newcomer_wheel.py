@@ -42,24 +42,26 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_a_node(tmp_path: Path) -> Non
     assert not missing, missing
     assert not any(n.startswith(("tests/", "bench/")) for n in names)
 
+    # Another test may have put this checkout on PYTHONPATH for its own subprocesses: not for these.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120,
+                   env=env)
     py = venv / "bin" / "python"
     installed = subprocess.run(
         [str(py), "-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check", "-q",
-         str(wheels[0])], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+         str(wheels[0])], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
     )
     assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
     check = subprocess.run([str(py), "-m", "pip", "check"], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=120)
+                           timeout=120, env=env)
     assert check.returncode == 0, check.stdout + check.stderr  # its dependencies are all there
     where = subprocess.run([str(py), "-c", "import moorline; print(moorline.__file__)"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+                           capture_output=True, text=True, timeout=60, check=True, env=env).stdout.strip()
     assert where.startswith(str(venv)), where  # the wheel's moorline, not the checkout's
 
     mqtt_port, http_port = free_port(), free_port()
     log = tmp_path / "node.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
     with open(log, "w", encoding="utf-8") as sink:
         proc = subprocess.Popen(
             [str(venv / "bin" / "moorline"), "run", "--data-dir", str(tmp_path / "data"),
