@@ -318,8 +318,6 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
         listener.start()
     # SIGHUP re-reads the TLS certificates (if any) and the password and token files; never stops the node.
     loop.add_signal_handler(signal.SIGHUP, _on_sighup, tls, authorizer)
-    creds_watcher = (asyncio.create_task(authorizer.watch_credentials(cfg.auth.credentials_poll_s))
-                     if cfg.auth.credentials_poll_s > 0 and (cfg.auth.password_file or cfg.auth.token_file) else None)
 
     async def watch_fatal() -> None:
         await node.stopping.wait()
@@ -328,14 +326,17 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
     watcher = asyncio.create_task(watch_fatal())
     node.supervisor.spawn("loop-lag-watcher", server.watch_loop_lag, critical=False)
     node.supervisor.spawn("sys-topics", server.sys_topics.run, critical=False)
+    edge_tasks = ["loop-lag-watcher", "sys-topics"]
+    if cfg.auth.credentials_poll_s > 0 and (cfg.auth.password_file or cfg.auth.token_file):
+        node.supervisor.spawn("credentials-watcher",
+                              lambda: authorizer.watch_credentials(cfg.auth.credentials_poll_s), critical=False)
+        edge_tasks.append("credentials-watcher")
     bound = " ".join(f"{li.key}={li.bound()[0]}:{li.bound()[1]}" for li in listeners)
     print(f"moorline ready {bound}", flush=True)
     log.info("data dir %s, %d shards", cfg.data_dir, node.shard_count)
     await stop.wait()
     watcher.cancel()
-    if creds_watcher is not None:
-        creds_watcher.cancel()
-    await node.supervisor.stop(["loop-lag-watcher", "sys-topics"])
+    await node.supervisor.stop(edge_tasks)
     log.info("stopping%s: closing listeners and connections", f" ({signals[0]})" if signals else "")
     for srv in servers:
         srv.close()
