@@ -17,22 +17,30 @@ BOUND = 5
 MESSAGES = 60
 
 
+
+async def _subscribed(tmp_path: Path, client_id: str, receive_max: int) -> tuple[Node, LiveSession, list[OutboundPublish]]:
+    """A node with session.max_pending_notices = BOUND and a live session of ``client_id``
+    subscribed to q/t at QoS 1 whose deliveries go to the returned list."""
+    cfg = NodeConfig()
+    cfg.data_dir = str(tmp_path / "data")
+    cfg.shard.count = 4
+    cfg.session.max_pending_notices = BOUND
+    node = Node(cfg)
+    node.open()
+    await node.start()
+    _present, epoch, inc = await node.open_session(client_id, False, 600, None, "")
+    got: list[OutboundPublish] = []
+    live = LiveSession(node, client_id, epoch, inc, receive_max, got.extend, lambda pid: None)
+    node.live[client_id] = live
+    await node.subscribe(live, "q/t", 1, False, False, 0, None)
+    live.start()
+    return node, live, got
+
+
 def test_a_client_that_does_not_read_holds_a_bounded_number_of_notices(tmp_path: Path) -> None:
     async def body() -> None:
-        cfg = NodeConfig()
-        cfg.data_dir = str(tmp_path / "data")
-        cfg.shard.count = 4
-        cfg.session.max_pending_notices = BOUND
-        node = Node(cfg)
-        node.open()
-        await node.start()
+        node, live, got = await _subscribed(tmp_path, "slow", 4)
         try:
-            _present, epoch, inc = await node.open_session("slow", False, 600, None, "")
-            got: list[OutboundPublish] = []
-            live = LiveSession(node, "slow", epoch, inc, 4, got.extend, lambda pid: None)
-            node.live["slow"] = live
-            await node.subscribe(live, "q/t", 1, False, False, 0, None)
-            live.start()
             shard = node.topic_shard("q/t")
             peak = 0
             for i in range(MESSAGES):
@@ -65,20 +73,8 @@ def test_past_the_bound_a_reading_client_still_gets_everything_without_being_wok
     of the shard reloaded from its state is taken, and so is the rest, with no new notice or ack
     to wake the pump (it would otherwise sleep with 95 messages owed)."""
     async def body() -> None:
-        cfg = NodeConfig()
-        cfg.data_dir = str(tmp_path / "data")
-        cfg.shard.count = 4
-        cfg.session.max_pending_notices = BOUND
-        node = Node(cfg)
-        node.open()
-        await node.start()
+        node, live, got = await _subscribed(tmp_path, "reader", 16)
         try:
-            _present, epoch, inc = await node.open_session("reader", False, 600, None, "")
-            got: list[OutboundPublish] = []
-            live = LiveSession(node, "reader", epoch, inc, 16, got.extend, lambda pid: None)
-            node.live["reader"] = live
-            await node.subscribe(live, "q/t", 1, False, False, 0, None)
-            live.start()
             await node.publish(StoredMessage("q/t", b"first", 1, False, (999).to_bytes(16, "big"), node.now_ms()))
             for i in range(100):
                 await node.publish(StoredMessage("q/t", str(i).encode(), 0, False, i.to_bytes(16, "big"),
