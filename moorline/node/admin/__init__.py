@@ -1,0 +1,1 @@
+"""The operators' surface: the HTTP API and console, $SYS topics, the admin CLIs."""

@@ -1,0 +1,1 @@
+"""The client edge: MQTT connections over TCP, TLS and WebSocket, listeners and authentication."""

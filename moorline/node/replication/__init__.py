@@ -1,0 +1,1 @@
+"""Shard replicas: Raft groups and their stores, group commit, snapshots, the cluster link, placement."""

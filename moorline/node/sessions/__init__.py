@@ -1,0 +1,1 @@
+"""Live sessions: delivery to connected clients and the recently-applied message cache."""
