@@ -40,10 +40,10 @@ _COMMANDS: list[tuple[str, str, str]] = [
 # (group name, module, typer app): commands with subcommands (``moorline certs dev``).
 _GROUPS: list[tuple[str, str, str]] = [
     ("certs", "moorline.certs", "app"),
-    ("cluster", "moorline.node.cluster_cli", "app"),
-    ("clients", "moorline.node.console_cli", "clients_app"),
-    ("sessions", "moorline.node.console_cli", "sessions_app"),
-    ("retained", "moorline.node.console_cli", "retained_app"),
+    ("cluster", "moorline.node.admin.cluster_cli", "app"),
+    ("clients", "moorline.node.admin.console_cli", "clients_app"),
+    ("sessions", "moorline.node.admin.console_cli", "sessions_app"),
+    ("retained", "moorline.node.admin.console_cli", "retained_app"),
 ]
 
 for _name, _module, _func in _COMMANDS:

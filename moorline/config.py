@@ -64,7 +64,7 @@ class ListenerConfig:
 
 @dataclass
 class HttpConfig:
-    """Bounds of the HTTP API (moorline/node/http_api.py, docs/security.md)."""
+    """Bounds of the HTTP API (moorline/node/admin/http_api.py, docs/security.md)."""
 
     max_body_bytes: int = 8 << 20  # a larger request body is refused with 413 before it is read
     # A fetch looks at at most this many offsets per call (matching or not) and answers with

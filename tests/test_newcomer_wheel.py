@@ -34,7 +34,7 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_a_node(tmp_path: Path) -> Non
     assert len(wheels) == 1, wheels
     with zipfile.ZipFile(wheels[0]) as z:
         names = set(z.namelist())
-    assert "moorline/node/server.py" in names and "pyspark_moorline.py" in names
+    assert "moorline/node/edge/server.py" in names and "pyspark_moorline.py" in names
     # Every file the code reads beside its modules is in the wheel.
     data = [p for p in (REPO / "moorline").rglob("*")
             if p.is_file() and p.suffix not in (".py", ".pyc", ".md") and "__pycache__" not in p.parts]

@@ -129,8 +129,8 @@ def run(
     except ImportError:
         pass
     from moorline.cluster import ClusterConfigError
-    from moorline.node.cluster_link import StorageMismatch
-    from moorline.node.server import serve
+    from moorline.node.edge.server import serve
+    from moorline.node.replication.cluster_link import StorageMismatch
     from moorline.storage.dirlock import DataDirInUse, DataDirUnusable
     from moorline.storage.identity import StorageIdError
     from moorline.storage.wal import WalCorruption
@@ -155,7 +155,7 @@ def passwd(
     password: Annotated[str | None, typer.Argument(help="omit to be prompted")] = None,
 ) -> None:
     """Add or change a user in a password file (salted scrypt hashes)."""
-    from moorline.node.auth import set_password
+    from moorline.node.edge.auth import set_password
 
     if password is None:
         password = typer.prompt("password", hide_input=True, confirmation_prompt=True)
@@ -172,7 +172,7 @@ def token(
     user: Annotated[str, typer.Argument()],
 ) -> None:
     """Give a user a new HTTP bearer token (replacing an earlier one); prints it once, stores its hash."""
-    from moorline.node.auth import new_token
+    from moorline.node.edge.auth import new_token
 
     try:
         secret = new_token(file, user)

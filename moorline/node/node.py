@@ -37,14 +37,11 @@ from moorline.invariant import InvariantViolation, invariant
 from moorline.mqtt.topics import is_wildcard, parse_shared
 from moorline.node.ack_latency import AckLatency
 from moorline.node.aio import cancel_all
-from moorline.node.cluster_link import ClusterLink, parse_cluster
-from moorline.node.delivery import LiveSession
-from moorline.node.group_commit import GroupCommit, stage_hard_state, stage_ready
-from moorline.node.placement import ShardPlacement, layout_fingerprint, place_shards
-from moorline.node.raft_group import build_replica
-from moorline.node.recent import RecentMessages
-from moorline.node.seams import PRODUCTION, Seams
-from moorline.node.shard_host import (
+from moorline.node.replication.cluster_link import ClusterLink, parse_cluster
+from moorline.node.replication.group_commit import GroupCommit, stage_hard_state, stage_ready
+from moorline.node.replication.placement import ShardPlacement, layout_fingerprint, place_shards
+from moorline.node.replication.raft_group import build_replica
+from moorline.node.replication.shard_host import (
     ApplyHooks,
     ShardHost,
     ShardUnavailable,
@@ -54,7 +51,10 @@ from moorline.node.shard_host import (
     outcome_within,
     recorded_members,
 )
-from moorline.node.snapshot_install import recover_install
+from moorline.node.replication.snapshot_install import recover_install
+from moorline.node.seams import PRODUCTION, Seams
+from moorline.node.sessions.delivery import LiveSession
+from moorline.node.sessions.recent import RecentMessages
 from moorline.node.supervisor import Supervisor
 from moorline.raft import MemberId, Message, ProposalDropped
 from moorline.storage.dirlock import DataDirLock
@@ -1002,7 +1002,7 @@ class Node:
         allowed = auth.session_takeover_across_users
         if allowed is not None:
             return allowed
-        from moorline.node.auth import identities_proven  # unset: on only where no identity is proven
+        from moorline.node.edge.auth import identities_proven  # unset: on only where no identity is proven
 
         return not identities_proven(auth, self.cfg.tls.use_identity_as_username)
 

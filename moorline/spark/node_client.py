@@ -30,7 +30,7 @@ class MoorlineUnavailable(ConnectionError):
 NOT_HTTP_AFTER = 3
 ATTEMPT_MIN_S = 0.5  # socket timeout of an attempt started just before the call's deadline
 # Sent with every request, so the node tells the Spark integration's publishes from other HTTP
-# clients' (moorline_published_total{source="spark"}: moorline/node/http_api.py checks the prefix).
+# clients' (moorline_published_total{source="spark"}: moorline/node/admin/http_api.py checks the prefix).
 USER_AGENT = "moorline-spark/1"
 
 

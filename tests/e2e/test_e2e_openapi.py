@@ -1,4 +1,4 @@
-"""What the node's HTTP routes answer matches the OpenAPI table (moorline/node/openapi.py), with a
+"""What the node's HTTP routes answer matches the OpenAPI table (moorline/node/admin/openapi.py), with a
 real node behind them (moorline only): every route is called, the answers and some errors are
 checked against the schema of their route and status."""
 
@@ -14,7 +14,7 @@ import pytest
 from e2e_broker import BrokerProc
 from rawclient import RawClient
 
-from moorline.node.openapi import ROUTES, Schema
+from moorline.node.admin.openapi import ROUTES, Schema
 
 pytestmark = [pytest.mark.e2e, pytest.mark.moorline_only]
 HOST = "127.0.0.1"

@@ -21,7 +21,7 @@ from e2e_broker import BrokerProc, running_broker
 from rawclient import PUBREC, PUBREL, RawClient, encode_ack
 from test_e2e_openapi import conforms
 
-from moorline.node.openapi import ROUTES
+from moorline.node.admin.openapi import ROUTES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.moorline_only]
 HOST = "127.0.0.1"

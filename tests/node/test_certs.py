@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from moorline.cli import app
 from moorline.config import ConfigError, TlsConfig
-from moorline.node.tls import TlsContexts, certificate_login, server_context
+from moorline.node.edge.tls import TlsContexts, certificate_login, server_context
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import moorline.node.auth as auth
+import moorline.node.edge.auth as auth
 from moorline.config import AclRule, AuthConfig, ConfigError, NodeConfig
 from moorline.mqtt.topics import matches
-from moorline.node.auth import Authorizer, Login, Principal, intersect_filters
+from moorline.node.edge.auth import Authorizer, Login, Principal, intersect_filters
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -441,7 +441,7 @@ def _cfg(tmp_path: Path, http: str, **auth_cfg: object) -> NodeConfig:
 
 
 def test_http_off_loopback_without_auth_refuses_to_start(tmp_path: Path, password_file: Path) -> None:
-    from moorline.node.server import http_auth_required, serve
+    from moorline.node.edge.server import http_auth_required, serve
 
     with pytest.raises(ConfigError, match="without authentication"):
         asyncio.run(serve(_cfg(tmp_path, "0.0.0.0:0")))

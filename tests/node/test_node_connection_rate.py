@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moorline.node.server import ConnectionRateLimiter, rate_key
+from moorline.node.edge.server import ConnectionRateLimiter, rate_key
 
 
 def test_burst_then_the_rate() -> None:

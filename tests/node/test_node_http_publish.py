@@ -16,9 +16,9 @@ from moorline.broker import commands as c
 from moorline.broker.topic_state import PublishResult
 from moorline.config import AuthConfig, NodeConfig
 from moorline.hashing import shard_of
-from moorline.node.auth import Authorizer
-from moorline.node.http_api import make_app
-from moorline.node.shard_host import ShardUnavailable
+from moorline.node.admin.http_api import make_app
+from moorline.node.edge.auth import Authorizer
+from moorline.node.replication.shard_host import ShardUnavailable
 
 pytestmark = pytest.mark.timeout(60)
 

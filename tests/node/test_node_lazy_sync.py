@@ -9,7 +9,7 @@ import asyncio
 from pathlib import Path
 
 from moorline.broker import commands as c
-from moorline.node.group_commit import GroupCommit
+from moorline.node.replication.group_commit import GroupCommit
 from moorline.storage.wal import WriteAheadLog
 from tests.node.test_node_command_groups import make_host, publish
 

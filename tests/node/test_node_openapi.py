@@ -1,5 +1,5 @@
 """The HTTP API's description holds: every route the node registers is in the OpenAPI table
-(moorline/node/openapi.py) and has a section in docs/http-api.md, and neither names a route the
+(moorline/node/admin/openapi.py) and has a section in docs/http-api.md, and neither names a route the
 node lacks; each section mentions its route's parameters, body and answer fields and error
 statuses; GET /v1/openapi.json serves the document."""
 
@@ -15,9 +15,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from moorline.config import AuthConfig, NodeConfig
-from moorline.node.auth import Authorizer
-from moorline.node.http_api import make_app
-from moorline.node.openapi import ROUTES, Route, Schema, openapi_document
+from moorline.node.admin.http_api import make_app
+from moorline.node.admin.openapi import ROUTES, Route, Schema, openapi_document
+from moorline.node.edge.auth import Authorizer
 
 pytestmark = pytest.mark.timeout(60)
 DOC = Path(__file__).resolve().parents[2] / "docs" / "http-api.md"
@@ -55,8 +55,8 @@ def test_every_registered_route_is_described_and_nothing_else() -> None:
     table = {(r.method, r.path) for r in ROUTES}
     assert len(table) == len(ROUTES), "a route is in the table twice"
     routes = registered()
-    assert routes - table == set(), "routes the node serves that moorline/node/openapi.py lacks"
-    assert table - routes == set(), "routes in moorline/node/openapi.py the node does not serve"
+    assert routes - table == set(), "routes the node serves that moorline/node/admin/openapi.py lacks"
+    assert table - routes == set(), "routes in moorline/node/admin/openapi.py the node does not serve"
     documented = doc_sections()
     assert routes - set(documented) == set(), "routes without a section in docs/http-api.md"
     assert set(documented) - routes == set(), "sections of docs/http-api.md for routes the node does not serve"

@@ -16,7 +16,7 @@ import pytest
 
 from moorline.broker import commands as c
 from moorline.config import NodeConfig
-from moorline.node.shard_host import ShardUnavailable
+from moorline.node.replication.shard_host import ShardUnavailable
 from tests.node.inproc_cluster import InProcCluster
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from moorline.broker.messages import StoredMessage
 from moorline.config import NodeConfig
-from moorline.node.delivery import LiveSession, OutboundPublish
 from moorline.node.node import Node
+from moorline.node.sessions.delivery import LiveSession, OutboundPublish
 
 BOUND = 5
 MESSAGES = 60

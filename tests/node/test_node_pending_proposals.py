@@ -14,8 +14,8 @@ from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage
 from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import TopicLimits
-from moorline.node.raft_group import build_replica
-from moorline.node.shard_host import ApplyHooks, ShardHost, ShardUnavailable
+from moorline.node.replication.raft_group import build_replica
+from moorline.node.replication.shard_host import ApplyHooks, ShardHost, ShardUnavailable
 from moorline.storage.msgstore import MessageStore
 from moorline.storage.snapshots import SnapshotStore
 

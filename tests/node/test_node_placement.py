@@ -1,4 +1,4 @@
-"""Shard placement (moorline/node/placement.py): every node computes the same voters for every
+"""Shard placement (moorline/node/replication/placement.py): every node computes the same voters for every
 shard from the cluster's key, evenly spread, with the preferred leaders spread too."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from moorline.invariant import InvariantViolation
-from moorline.node.placement import layout_fingerprint, place_shards
+from moorline.node.replication.placement import layout_fingerprint, place_shards
 
 NAMES5 = ["n1", "n2", "n3", "n4", "n5"]
 

@@ -16,9 +16,9 @@ import pytest
 from moorline.config import NodeConfig
 from moorline.mqtt.codec import encode
 from moorline.mqtt.packets import Connect, Properties, Publish
-from moorline.node.auth import Authorizer
+from moorline.node.edge.auth import Authorizer
+from moorline.node.edge.server import MqttServer
 from moorline.node.node import Node
-from moorline.node.server import MqttServer
 
 pytestmark = pytest.mark.timeout(60)
 

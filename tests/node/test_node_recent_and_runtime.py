@@ -9,8 +9,8 @@ import pytest
 
 from moorline.broker.messages import StoredMessage
 from moorline.config import ConfigError, RuntimeConfig, load_config
-from moorline.node.recent import ENTRY_OVERHEAD_BYTES, RecentMessages
 from moorline.node.runtime import tune_allocator, tune_gc
+from moorline.node.sessions.recent import ENTRY_OVERHEAD_BYTES, RecentMessages
 
 
 def msg(i: int, size: int = 100) -> StoredMessage:

@@ -17,9 +17,9 @@ from moorline.broker.effects import Effects
 from moorline.broker.messages import StoredMessage
 from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import TopicLimits
-from moorline.node import snapshot_install as si
-from moorline.node.group_commit import stage_ready
-from moorline.node.shard_host import encode_conf
+from moorline.node.replication import snapshot_install as si
+from moorline.node.replication.group_commit import stage_ready
+from moorline.node.replication.shard_host import encode_conf
 from moorline.raft import ConfState, Ready
 from moorline.raft.types import Entry, EntryType, HardState, Snapshot, SnapshotMeta
 from moorline.storage.msgstore import MessageStore

@@ -19,8 +19,8 @@ from moorline.broker.effects import Effects
 from moorline.broker.messages import StoredMessage
 from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import TopicLimits
-from moorline.node.raft_group import build_replica
-from moorline.node.shard_host import ApplyHooks, ShardHost, SnapshotSettings, decode_conf
+from moorline.node.replication.raft_group import build_replica
+from moorline.node.replication.shard_host import ApplyHooks, ShardHost, SnapshotSettings, decode_conf
 from moorline.storage.msgstore import MessageStore
 from moorline.storage.snapshots import SnapshotStore, read_snapshot_file
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from moorline.config import NodeConfig
-from moorline.node import snapshot_transfer as st
+from moorline.node.replication import snapshot_transfer as st
 from tests.node.inproc_cluster import InProcCluster
 
 pytestmark = pytest.mark.timeout(120)

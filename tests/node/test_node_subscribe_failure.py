@@ -13,9 +13,9 @@ from moorline.broker.effects import Effects
 from moorline.broker.messages import StoredMessage
 from moorline.broker.topic_state import TopicLimits, TopicState
 from moorline.config import NodeConfig
-from moorline.node.delivery import LiveSession
 from moorline.node.node import Node, reg_key_for
-from moorline.node.shard_host import ShardUnavailable
+from moorline.node.replication.shard_host import ShardUnavailable
+from moorline.node.sessions.delivery import LiveSession
 
 
 async def _node_with_session(tmp_path: Path) -> tuple[Node, LiveSession]:

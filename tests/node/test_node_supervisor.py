@@ -19,9 +19,9 @@ import pytest
 from moorline.broker.messages import StoredMessage
 from moorline.config import NodeConfig
 from moorline.invariant import InvariantViolation
-from moorline.node.delivery import LiveSession
 from moorline.node.node import Node, NodeFailure
-from moorline.node.shard_host import ShardUnavailable
+from moorline.node.replication.shard_host import ShardUnavailable
+from moorline.node.sessions.delivery import LiveSession
 from moorline.node.supervisor import Supervisor, TaskFailed
 from moorline.raft import Message, MessageType
 

@@ -3,7 +3,7 @@ and probes the disk again from the loop now and then."""
 
 from __future__ import annotations
 
-from moorline.node.group_commit import SyncTimer
+from moorline.node.replication.group_commit import SyncTimer
 
 
 def _decisions(timer: SyncTimer, n: int, inline_s: float) -> list[bool]:

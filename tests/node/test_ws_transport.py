@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from moorline.node.ws_transport import FRAME_BYTES, WebSocketTransport
+from moorline.node.edge.ws_transport import FRAME_BYTES, WebSocketTransport
 
 pytestmark = pytest.mark.timeout(30)
 

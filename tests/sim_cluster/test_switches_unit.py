@@ -20,8 +20,8 @@ from moorline.broker.effects import Effects
 from moorline.broker.messages import StoredMessage
 from moorline.broker.topic_state import PublishResult, TopicLimits, TopicState
 from moorline.config import NodeConfig
-from moorline.node.delivery import LiveSession, OutboundPublish
 from moorline.node.node import Node, reg_key_for
+from moorline.node.sessions.delivery import LiveSession, OutboundPublish
 from moorline.sim.cluster.vloop import Deadlock
 from moorline.sim.cluster.world import SimNode, World, quiet_logs, run_coro
 from moorline.testing.faults import CLUSTER_SWITCHES, Faults

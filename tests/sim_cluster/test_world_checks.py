@@ -15,8 +15,8 @@ from moorline.broker.topic_state import TopicLimits
 from moorline.cluster.wire import Heartbeats, Payload, RaftMessages, encode_frame, preamble
 from moorline.mqtt import codec
 from moorline.mqtt import packets as p
-from moorline.node.raft_group import build_replica
-from moorline.node.shard_host import ApplyHooks, ShardHost
+from moorline.node.replication.raft_group import build_replica
+from moorline.node.replication.shard_host import ApplyHooks, ShardHost
 from moorline.raft import Message, MessageType
 from moorline.raft.coalesce import HeartbeatBatch
 from moorline.raft.types import ReadState

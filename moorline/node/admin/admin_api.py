@@ -40,10 +40,10 @@ from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage
 from moorline.broker.session_state import Session
 from moorline.mqtt.topics import TopicBounds, topic_filter_error
-from moorline.node.auth import Authorizer
-from moorline.node.http_api import CALLER, Caller, Handler, _err
+from moorline.node.admin.http_api import CALLER, Caller, Handler, _err
+from moorline.node.edge.auth import Authorizer
 from moorline.node.node import Node, reg_key_for
-from moorline.node.shard_host import ShardUnavailable, consume_outcome
+from moorline.node.replication.shard_host import ShardUnavailable, consume_outcome
 
 log = logging.getLogger(__name__)
 

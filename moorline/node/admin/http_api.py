@@ -56,10 +56,10 @@ from moorline.mqtt.topics import (
     topic_name_error,
     validate_topic_name,
 )
-from moorline.node.auth import Authorizer, Login, Principal
+from moorline.node.admin.openapi import openapi_document
+from moorline.node.edge.auth import Authorizer, Login, Principal
 from moorline.node.node import Node
-from moorline.node.openapi import openapi_document
-from moorline.node.shard_host import ShardUnavailable
+from moorline.node.replication.shard_host import ShardUnavailable
 
 MAX_FETCH = 10_000
 MAX_PUBLISH_BATCH = 10_000
@@ -610,7 +610,9 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     app.add_routes(routes)
-    from moorline.node.admin_api import register_admin  # the console and admin routes (imports this module)
+    from moorline.node.admin.admin_api import (
+        register_admin,  # the console and admin routes (imports this module)
+    )
     register_admin(app, node, authorizer)
     return app
 

@@ -237,7 +237,7 @@ ROUTES: tuple[Route, ...] = (
     }, tags=("admin",)),
 )
 
-# The web console and the admin API behind it (moorline/node/admin_api.py, docs/console.md).
+# The web console and the admin API behind it (moorline/node/admin/admin_api.py, docs/console.md).
 PAGE_PARAMS = (
     Param("offset", "query", integer(minimum=0, default=0), "skip this many items of the list"),
     Param("limit", "query", integer(minimum=1, default=100), "at most this many items (up to http.max_admin_page)"),

@@ -30,8 +30,8 @@ from moorline import __version__
 from moorline.mqtt.topics import matches
 
 if TYPE_CHECKING:
-    from moorline.node.auth import Authorizer, Principal
-    from moorline.node.connection import Connection
+    from moorline.node.edge.auth import Authorizer, Principal
+    from moorline.node.edge.connection import Connection
     from moorline.node.node import Node
 
 log = logging.getLogger("moorline.sys")

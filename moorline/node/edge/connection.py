@@ -29,15 +29,15 @@ from moorline.mqtt.protocol import SPLIT_PAYLOAD_BYTES, ProtocolState
 from moorline.mqtt.reasons import ReasonCode as RC
 from moorline.mqtt.reasons import suback_v5_to_v3, v3_connack_applicable
 from moorline.mqtt.topics import parse_shared
-from moorline.node.auth import Principal
-from moorline.node.delivery import LiveSession, OutboundPublish, ReadFilter
+from moorline.node.admin.sys_topics import is_sys_filter
+from moorline.node.edge.auth import Principal
+from moorline.node.edge.tls import certificate_login
 from moorline.node.node import NodeFailure, SessionOwnedByOther, SessionQuotaExceeded
-from moorline.node.shard_host import Callback, ShardUnavailable
-from moorline.node.sys_topics import is_sys_filter
-from moorline.node.tls import certificate_login
+from moorline.node.replication.shard_host import Callback, ShardUnavailable
+from moorline.node.sessions.delivery import LiveSession, OutboundPublish, ReadFilter
 
 if TYPE_CHECKING:
-    from moorline.node.server import MqttServer
+    from moorline.node.edge.server import MqttServer
 
 log = logging.getLogger("moorline.conn")
 
@@ -960,7 +960,7 @@ class Connection(asyncio.Protocol):
             self.server.sys_topics.send_current(self, flt)  # type: ignore[union-attr]
 
     def _subscribe_sys(self, flt: str, qos: int, shared: bool, v5: bool) -> int:
-        """A $SYS filter is node-local (moorline/node/sys_topics.py), never registered in a shard.
+        """A $SYS filter is node-local (moorline/node/admin/sys_topics.py), never registered in a shard.
         Needs a grant; no $share group. Granted at the QoS asked (as Mosquitto): its messages are
         QoS 0, and a message is delivered at the lower of the two."""
         sys_topics = self.server.sys_topics

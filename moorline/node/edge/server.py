@@ -18,14 +18,14 @@ from moorline.mqtt.codec import MQTT_5, encode
 from moorline.mqtt.packets import Disconnect
 from moorline.mqtt.reasons import ReasonCode as RC
 from moorline.mqtt.topics import TopicBounds
-from moorline.node.auth import Authorizer
-from moorline.node.connection import Connection, FailedLoginLog
-from moorline.node.listeners import BACKLOG, Listener, bind_all, close_all, configured
-from moorline.node.listeners import parse_hostport as parse_hostport
+from moorline.node.admin.sys_topics import SysTopics
+from moorline.node.edge.auth import Authorizer
+from moorline.node.edge.connection import Connection, FailedLoginLog
+from moorline.node.edge.listeners import BACKLOG, Listener, bind_all, close_all, configured
+from moorline.node.edge.listeners import parse_hostport as parse_hostport
+from moorline.node.edge.tls import TlsContexts
 from moorline.node.node import Node
 from moorline.node.runtime import tune_allocator, tune_gc
-from moorline.node.sys_topics import SysTopics
-from moorline.node.tls import TlsContexts
 from moorline.testing.faults import NO_FAULTS, Faults
 
 log = logging.getLogger("moorline.server")
@@ -176,7 +176,7 @@ class MqttServer:
         """A new socket from ``host``: within its address's connection rate and the cap on
         connections that have not completed CONNECT? Counts it as pending when it is."""
         if conn in self.pending:
-            return True  # admitted at accept, before its TLS handshake or WebSocket upgrade (node/tls.py)
+            return True  # admitted at accept, before its TLS handshake or WebSocket upgrade (node/edge/tls.py)
         now = self.node.clock.monotonic()
         limiter = self.rate_limiter
         if (limiter is not None and (self.rate_limit_loopback or not is_loopback(host))
@@ -252,9 +252,9 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
                        tls: TlsContexts | None) -> int:
     from aiohttp import web
 
-    from moorline.node.http_api import make_app
-    from moorline.node.tls import AdmittingListener
-    from moorline.node.ws_transport import WebSocketListeners
+    from moorline.node.admin.http_api import make_app
+    from moorline.node.edge.tls import AdmittingListener
+    from moorline.node.edge.ws_transport import WebSocketListeners
 
     by_key = {li.key: li for li in listeners}
 

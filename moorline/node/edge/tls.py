@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 from moorline.config import ConfigError, TlsConfig
 
 if TYPE_CHECKING:
-    from moorline.node.connection import Connection
-    from moorline.node.server import MqttServer
+    from moorline.node.edge.connection import Connection
+    from moorline.node.edge.server import MqttServer
 
 log = logging.getLogger("moorline.tls")
 

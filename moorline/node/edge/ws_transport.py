@@ -13,7 +13,7 @@ did not take). ``pause_reading`` stops taking frames from aiohttp, whose bounded
 reading the socket. Text frames are refused (MQTT-6.0.0-1).
 
 Each socket of these listeners is admitted (rate, pending cap) before its HTTP request is read and
-must complete the upgrade within ``mqtt.connect_timeout_s`` (``moorline.node.tls.AdmittingListener``).
+must complete the upgrade within ``mqtt.connect_timeout_s`` (``moorline.node.edge.tls.AdmittingListener``).
 Until its CONNECT is accepted a socket may send at most ``mqtt.max_connect_packet_bytes`` plus
 ``UPGRADE_ALLOWANCE`` (the upgrade request and frame headers) in all: aiohttp reads a whole frame
 (up to twice ``mqtt.max_packet_size``) before handing it over, so the raw bytes are counted under it
@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import WSMsgType, web
 
 if TYPE_CHECKING:
-    from moorline.node.connection import Connection
-    from moorline.node.server import MqttServer
+    from moorline.node.edge.connection import Connection
+    from moorline.node.edge.server import MqttServer
 
 log = logging.getLogger("moorline.ws")
 
@@ -284,7 +284,7 @@ class WebSocketListeners:
 
     def refusal(self, request: web.Request) -> str | None:
         """Why a browser page may not open this WebSocket (module docstring), or None."""
-        from moorline.node.http_api import arrived_on_loopback
+        from moorline.node.admin.http_api import arrived_on_loopback
 
         host = request.headers.get("Host")
         if (host and (self.check_all_hosts or arrived_on_loopback(request))

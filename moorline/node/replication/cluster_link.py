@@ -44,9 +44,9 @@ from moorline.cluster.stats import escape
 from moorline.cluster.tls import ClusterTls, cert_node_name, load_cluster_tls
 from moorline.config import ClusterConfig, ConfigError
 from moorline.node.aio import cancel_all
+from moorline.node.replication.snapshot_transfer import PAYLOAD_KIND as SNAP_PAYLOAD
+from moorline.node.replication.snapshot_transfer import SnapshotTransfers, TransferLimits
 from moorline.node.seams import PRODUCTION, Seams
-from moorline.node.snapshot_transfer import PAYLOAD_KIND as SNAP_PAYLOAD
-from moorline.node.snapshot_transfer import SnapshotTransfers, TransferLimits
 from moorline.raft import Message, MessageType, Stream, coalesce, expand
 
 log = logging.getLogger("moorline.cluster.link")

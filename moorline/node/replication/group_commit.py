@@ -20,9 +20,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from moorline.node.raft_group import encode_vote
+from moorline.node.replication.raft_group import encode_vote
+from moorline.node.replication.shard_host import ShardHost
 from moorline.node.seams import SyncRunner
-from moorline.node.shard_host import ShardHost
 from moorline.raft import HardState, Ready
 from moorline.storage.wal import WriteAheadLog
 

@@ -44,8 +44,8 @@ from moorline.broker.messages import StoredMessage, decode_message
 from moorline.broker.shard import MAX_BOOT_JUMP, ShardState
 from moorline.broker.topic_state import PublishResult, TopicLimits
 from moorline.invariant import invariant
-from moorline.node import snapshot_install
-from moorline.node.recent import SHARD_SHIFT, RecentMessages
+from moorline.node.replication import snapshot_install
+from moorline.node.sessions.recent import SHARD_SHIFT, RecentMessages
 from moorline.raft import (
     ConfState,
     Entry,

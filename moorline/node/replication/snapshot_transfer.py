@@ -53,8 +53,8 @@ import msgspec
 from moorline import coverage
 from moorline.broker.shard import ShardState
 from moorline.hashing import crc32c
-from moorline.node import snapshot_install
-from moorline.node.shard_host import ShardHost, ShardUnavailable, decode_conf
+from moorline.node.replication import snapshot_install
+from moorline.node.replication.shard_host import ShardHost, ShardUnavailable, decode_conf
 from moorline.raft import MemberId, Message, MessageType
 from moorline.raft.types import Snapshot, SnapshotMeta
 from moorline.storage.fsutil import ensure_dir, fsync_dir, write_all

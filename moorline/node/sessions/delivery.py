@@ -32,7 +32,7 @@ from moorline.broker.session_state import (
     packet_id_of,
 )
 from moorline.broker.topic_state import ACL_NO_READER, Registration, TopicState, same_incarnation
-from moorline.node.recent import SHARD_SHIFT
+from moorline.node.sessions.recent import SHARD_SHIFT
 from moorline.raft import ProposalDropped
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ Two kinds of endpoints, matching what moorline uses:
 - ``SimStream`` is the cluster transport's ``ByteStream`` (read / write / drain / close); model
   clients use it too;
 - ``SimTransport`` is an ``asyncio.Transport`` driving a protocol, for the MQTT listener
-  (``moorline.node.connection.Connection`` is an asyncio protocol).
+  (``moorline.node.edge.connection.Connection`` is an asyncio protocol).
 """
 
 from __future__ import annotations

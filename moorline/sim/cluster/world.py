@@ -38,10 +38,10 @@ import msgspec
 from moorline.cluster.limits import TransportLimits
 from moorline.cluster.wire import MAGIC, PREAMBLE_BYTES, RaftMessages
 from moorline.config import NodeConfig
-from moorline.node.auth import Authorizer
+from moorline.node.edge.auth import Authorizer
+from moorline.node.edge.server import MqttServer
 from moorline.node.node import Node
 from moorline.node.seams import Seams, SyncRunner
-from moorline.node.server import MqttServer
 from moorline.raft import Message, MessageType
 from moorline.sim.cluster.tuning import DEFAULT_TUNING, NodeTuning
 from moorline.sim.cluster.vloop import Scheduler, VirtualLoop
