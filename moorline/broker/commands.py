@@ -306,6 +306,54 @@ class ClusterBootstrap(Cmd, tag="cboot"):
     record: ClusterRecord
 
 
+class MemberInfo(msgspec.Struct, array_like=True, frozen=True):
+    """A node as the metadata group's member table knows it (moorline/broker/membership.py)."""
+
+    name: str
+    node_id: int
+    storage_id: str
+    cluster: str = ""  # HOST:PORT of its cluster listener
+    client: str = ""  # HOST:PORT of its MQTT listener (what drain's Server Reference names)
+    zone: str = ""  # cluster.zone: no two voters of a shard in one zone while enough zones exist
+
+
+class MemberAnnounce(Cmd, tag="mann"):
+    """A node's own addresses and zone, proposed by it when they differ from the table's."""
+
+    member: MemberInfo
+    ts_ms: int = 0
+
+
+class MemberSetState(Cmd, tag="mstate"):
+    """An operator's (or the reconciler's) change of a member's state: forget, drain, leave."""
+
+    name: str
+    state: str
+    ts_ms: int = 0
+
+
+class MoveStart(Cmd, tag="mvs"):
+    """One configuration change of one shard, recorded before any shard leader proposes it: refused
+    (the result is a string saying why) while the shard has a change in progress."""
+
+    shard: int
+    kind: str  # "add_learner" | "promote" | "remove"
+    node: str
+    node_id: int
+    storage_id: str
+    origin: str  # "reconcile" | "manual"
+    ts_ms: int = 0
+
+
+class MoveEnd(Cmd, tag="mve"):
+    """The change ``move_id`` of ``shard`` is in the shard's configuration, or was given up."""
+
+    shard: int
+    move_id: int
+    outcome: str  # "done" or why it was abandoned
+    ts_ms: int = 0
+
+
 Command = (
     Publish
     | Register
@@ -334,6 +382,10 @@ Command = (
     | LeaseRelease
     | SetSinkMarker
     | ClusterBootstrap
+    | MemberAnnounce
+    | MemberSetState
+    | MoveStart
+    | MoveEnd
 )
 
 

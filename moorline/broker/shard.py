@@ -15,6 +15,7 @@ import msgspec
 from moorline.broker import commands as c
 from moorline.broker.effects import Effects
 from moorline.broker.guid_history import GuidHistory
+from moorline.broker.membership import MembershipSnapshot, MembershipState
 from moorline.broker.message_index import MessageIndex
 from moorline.broker.messages import StoredMessage
 from moorline.broker.session_state import (
@@ -49,6 +50,7 @@ class ShardState:
         self.sessions = SessionState(max_session_expiry_s)
         self.sink_markers: dict[str, int] = {}
         self.cluster: c.ClusterRecord | None = None  # the metadata group's record of the cluster
+        self.membership: MembershipState | None = None  # the metadata group's member table (from the record on)
         self.applied_index = 0
         # Proposer node -> (boot, last seq applied). A node's proposals to a shard apply strictly in
         # their order: the next seq of its boot (1 for a new boot) or nothing. A copy already applied
@@ -138,7 +140,12 @@ class ShardState:
             case c.ClusterBootstrap():
                 if self.cluster is None:
                     self.cluster = cmd.record
+                    self.membership = MembershipState.from_record(cmd.record)
                 return self.cluster
+            case c.MemberAnnounce() | c.MemberSetState() | c.MoveStart() | c.MoveEnd():
+                if self.membership is None:
+                    return "the metadata group holds no cluster record yet"
+                return self.membership.apply(cmd)
         raise ValueError(f"unknown command {type(cmd).__name__}")
 
     def apply_publishes(self, cmds: list[c.Publish], fx: Effects) -> list[Any]:
@@ -173,6 +180,7 @@ class ShardState:
             sink_markers=dict(sorted(self.sink_markers.items())),
             proposals=sorted((o, b, s) for o, (b, s) in self.proposals.items()),
             cluster=self.cluster,
+            membership=self.membership.to_snapshot() if self.membership is not None else None,
         )
         return msgspec.msgpack.encode(snap)
 
@@ -223,6 +231,10 @@ class ShardState:
         st.sink_markers = dict(snap.sink_markers)
         st.proposals = {o: (b, s) for o, b, s in snap.proposals}
         st.cluster = snap.cluster
+        if snap.membership is not None:
+            st.membership = MembershipState.from_snapshot(snap.membership)
+        elif snap.cluster is not None:  # a metadata snapshot from before the member table
+            st.membership = MembershipState.from_record(snap.cluster)
         return st
 
 
@@ -281,6 +293,9 @@ class _Snapshot:
     # (origin, boot, seq); absent in snapshots from before proposal ids
     proposals: list[tuple[int, int, int]] = field(default_factory=list)
     cluster: c.ClusterRecord | None = None  # the metadata group's; absent in shards' and older snapshots
+    # The metadata group's member table (versioned inside); absent in shards' snapshots and in the
+    # metadata group's from before it (then rebuilt from ``cluster``).
+    membership: MembershipSnapshot | None = None
 
 
 __all__ = ["ShardState", "InflightDelivery", "SubscriptionState"]
