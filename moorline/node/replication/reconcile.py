@@ -1,0 +1,191 @@
+"""The replica reconciler's planner: which configuration changes bring every shard to its target.
+
+Pure, synchronous and deterministic: the metadata group's leader calls ``plan`` with the member
+table, every group's configuration as its own replica sees it, which nodes it hears from, and what
+is in progress; it gets back at most one change per shard and at most ``max_moves`` in all.
+
+The order is RabbitMQ #7209's lesson: **shrink before grow**. First, members on forgotten or left
+nodes (and on nodes down longer than ``auto_remove_after_s``, when an operator opted into that) are
+removed, voters before learners — a shard of three with one dead voter becomes a shard of two with
+two live, never a shard of four with three live, whose majority (three) a second failure would
+take away. A removal that would leave the shard's voters without a live majority is not planned
+(it could not commit anyway; ``forget`` refuses it up front). Only then, a shard below its target
+gets one voter more, on a live active node chosen by:
+
+1. zone: a node in a zone none of the shard's voters is in, while there is one;
+2. fewest voters across the cluster (counting the changes planned in this round);
+3. fewest leaderships;
+4. a hash of (cluster key, shard, node name): deterministic, and spread.
+
+Every node already follows every shard as a learner, so growing is usually ``promote``; a learner
+is promoted only within ``promote_lag_entries`` of the leader's log (a lag not known to the planner
+is checked by the shard's leader before it proposes). A node that is not a member of the shard at
+all first becomes a learner (``add_learner``), and is promoted in a later round once caught up.
+
+A node that is down but not forgotten keeps its memberships: its voter still counts towards the
+target, so no replacement is placed while it restarts (scenario Three of #7209).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moorline.hashing import guid128
+
+MemberId = tuple[int, str]
+
+GONE_STATES = ("left", "forgotten")
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    node_id: int
+    storage_id: str
+    state: str = "active"  # the member table's: active, draining, leaving, left, forgotten
+    zone: str = ""
+    live: bool = True  # the planner's node hears from it
+    down_for_s: float = 0.0  # how long it has not been heard from (0 when live)
+
+    @property
+    def member_id(self) -> MemberId:
+        return (self.node_id, self.storage_id)
+
+
+@dataclass(frozen=True)
+class GroupView:
+    shard: int
+    voters: tuple[MemberId, ...]
+    learners: tuple[MemberId, ...] = ()
+    target: int | None = 3  # voters wanted; None: never grown (the metadata group)
+    leader: int | None = None  # node id of its leader, when known
+    busy: bool = False  # a change is in progress (the member table's move, or one pending in the log)
+    lag: dict[MemberId, int] | None = None  # entries each member is behind the leader; None: unknown
+
+
+@dataclass(frozen=True)
+class PlannedMove:
+    shard: int
+    kind: str  # "remove" | "promote" | "add_learner"
+    node: str
+    member: MemberId
+    reason: str
+
+
+@dataclass
+class PlanSettings:
+    cluster_key: str
+    max_moves: int = 2
+    promote_lag_entries: int = 1000
+    auto_remove_after_s: float = 0.0  # 0: never remove a down node's memberships by itself
+    in_progress: int = 0  # moves already under way (count against max_moves)
+    leaderships: dict[str, int] = field(default_factory=dict)  # node name -> groups it leads
+
+
+def _removable(node: NodeView | None, auto_remove_after_s: float) -> str | None:
+    """Why a member on this node goes (None: it stays)."""
+    if node is None:
+        return "its storage is no longer a member of the cluster"
+    if node.state in GONE_STATES:
+        return f"its node {node.name} is {node.state}"
+    if auto_remove_after_s > 0 and not node.live and node.down_for_s >= auto_remove_after_s:
+        return f"its node {node.name} has been down {node.down_for_s:.0f} s (cluster.auto_remove_after_s)"
+    return None
+
+
+def live_majority_after_removal(voters: tuple[MemberId, ...], removed: MemberId, live: set[MemberId]) -> bool:
+    """Whether the voters without ``removed`` still have a live majority (the change can commit
+    and the shard stays available)."""
+    rest = [v for v in voters if v != removed]
+    if not rest:
+        return False
+    return sum(1 for v in rest if v in live) * 2 > len(rest)
+
+
+def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings) -> list[PlannedMove]:
+    by_member = {n.member_id: n for n in nodes}
+    live = {n.member_id for n in nodes if n.live and n.state not in GONE_STATES}
+    budget = max(0, settings.max_moves - settings.in_progress)
+    out: list[PlannedMove] = []
+    touched: set[int] = set()
+    ordered = sorted(groups, key=lambda g: g.shard)
+
+    # 1. Shrink: memberships on gone nodes, voters first.
+    for g in ordered:
+        if budget <= 0:
+            return out
+        if g.busy:
+            continue
+        for m in (*g.voters, *g.learners):
+            node = by_member.get(m)
+            why = _removable(node, settings.auto_remove_after_s)
+            if why is None:
+                continue
+            if g.leader is not None and m[0] == g.leader:
+                continue  # a leader cannot remove itself; it is not gone if it leads
+            if m in g.voters and not live_majority_after_removal(g.voters, m, live):
+                continue
+            name = node.name if node is not None else f"node {m[0]} (storage {m[1]})"
+            out.append(PlannedMove(g.shard, "remove", name, m, why))
+            touched.add(g.shard)
+            budget -= 1
+            break
+
+    # 2. Grow: a shard below its target gets one voter more.
+    voters_of: dict[str, int] = {n.name: 0 for n in nodes}
+    for g in groups:
+        for v in g.voters:
+            node = by_member.get(v)
+            if node is not None:
+                voters_of[node.name] += 1
+    eligible = [n for n in nodes if n.state == "active" and n.live]
+    for g in ordered:
+        if budget <= 0:
+            break
+        if g.busy or g.shard in touched or g.target is None:
+            continue
+        counted = [v for v in g.voters if _removable(by_member.get(v), settings.auto_remove_after_s) is None]
+        if len(counted) >= g.target or len(counted) != len(g.voters):
+            continue  # at target, or a gone voter must go first (shrink before grow)
+        voter_nodes = {v[0] for v in g.voters}
+        zones_used = {by_member[v].zone for v in g.voters if v in by_member}
+        learners = set(g.learners)
+        candidates = []
+        for n in eligible:
+            if n.node_id in voter_nodes:
+                continue
+            if any(m[0] == n.node_id and m != n.member_id for m in (*g.voters, *g.learners)):
+                continue  # its old storage is still a member: that one is removed first
+            if n.member_id in learners:
+                lag = None if g.lag is None else g.lag.get(n.member_id)
+                if g.lag is not None and (lag is None or lag > settings.promote_lag_entries):
+                    continue  # not caught up (or not heard from by the leader): not yet
+            key = (1 if n.zone in zones_used else 0, voters_of.get(n.name, 0), settings.leaderships.get(n.name, 0),
+                   guid128("reconcile", settings.cluster_key, g.shard, n.name), n.name)
+            candidates.append((key, n))
+        if not candidates:
+            continue
+        _, best = min(candidates, key=lambda kv: kv[0])
+        kind = "promote" if best.member_id in learners else "add_learner"
+        out.append(PlannedMove(g.shard, kind, best.name, best.member_id,
+                               f"shard {g.shard} has {len(counted)} of {g.target} voters"))
+        if kind == "promote":
+            voters_of[best.name] = voters_of.get(best.name, 0) + 1
+        budget -= 1
+    return out
+
+
+def forget_check(voters_by_group: dict[int, tuple[MemberId, ...]], forgotten: MemberId,
+                 live: set[MemberId]) -> list[str]:
+    """What ``forget`` would break: per group where ``forgotten`` votes, why removing it leaves the
+    group without a live majority of its voters (empty: safe to forget)."""
+    problems = []
+    for shard, voters in sorted(voters_by_group.items()):
+        if forgotten not in voters:
+            continue
+        if not live_majority_after_removal(voters, forgotten, live):
+            rest = [v for v in voters if v != forgotten]
+            alive = sum(1 for v in rest if v in live)
+            problems.append(f"shard {shard}: {alive} of its {len(rest)} other voters are live; a majority is "
+                            f"{len(rest) // 2 + 1}")
+    return problems
