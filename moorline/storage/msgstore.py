@@ -40,6 +40,12 @@ off that thread: ``begin_sync`` (owner's thread: writes the buffer, lists what t
 (owner's thread: the bookkeeping). A new segment's directory entry is made durable by the next
 sync, not at once: its records are not durable before that sync either.
 
+Reading records for delivery off the owner's thread: ``plan_get`` (owner's thread) says where a
+record lies when only the disk has it, ``read_records`` (any thread, its own descriptors) reads
+and checks it while the store is held (``hold_reclaim``). A record it cannot confirm (moved,
+truncated, damaged) comes back as None, and the owner reads it with ``get``, the authority that
+reports damage.
+
 For a snapshot sent to another replica: ``hold_reclaim`` keeps every segment (released records
 included) until the transfer ends, and ``plan_read`` / ``read_plan`` read records as stored,
 released or not, the reading itself off the owner's thread.
@@ -169,6 +175,16 @@ class ReadPlan:
     length: int
     records: int
     next_offset: int  # the offset after the run's last record
+
+
+@dataclass(frozen=True, slots=True)
+class RecordRead:
+    """Where one record lies in a segment file (``MessageStore.plan_get``)."""
+
+    path: Path
+    position: int  # of its header
+    length: int  # of its payload
+    offset: int
 
 
 @dataclass(eq=False)
@@ -692,6 +708,51 @@ class MessageStore:
         except StoreCorruption as exc:
             self._damaged(exc)
             return None
+
+    def plan_get(self, offset: int) -> RecordRead | None:
+        """Where the record at ``offset`` lies when ``get`` would read it from a segment file;
+        None when it needs no disk read (cached, still in the write buffer) or is not there."""
+        if offset < 0 or offset >= self.next_offset or offset in self._cache:
+            return None
+        found = self._locate(offset)
+        if found is None:
+            return None
+        seg, i = found
+        if seg.released[i]:
+            return None
+        pos = seg.positions[i]
+        length = seg.lengths[i]
+        if seg is self._segments[-1] and pos + HEADER_BYTES + length > self._flushed:
+            return None
+        return RecordRead(seg.path, pos, length, offset)
+
+    @staticmethod
+    def read_records(reads: list[RecordRead]) -> list[bytes | None]:
+        """The payloads of ``plan_get`` results (any thread; one descriptor per file, opened
+        here). None for a record that cannot be read or fails its checks: the owner reads that
+        one with ``get`` (which reports damage) rather than trust a file that may have changed."""
+        out: list[bytes | None] = []
+        fds: dict[Path, int] = {}
+        try:
+            for r in reads:
+                try:
+                    fd = fds.get(r.path)
+                    if fd is None:
+                        fd = fds[r.path] = os.open(r.path, os.O_RDONLY)
+                    frame = os.pread(fd, HEADER_BYTES + r.length, r.position)
+                except OSError:
+                    out.append(None)
+                    continue
+                if len(frame) != HEADER_BYTES + r.length:
+                    out.append(None)
+                    continue
+                magic, _flags, crc, flen, offset = _HDR.unpack_from(frame, 0)
+                ok = magic == MAGIC and offset == r.offset and flen == r.length and _crc(memoryview(frame)[8:]) == crc
+                out.append(frame[HEADER_BYTES:] if ok else None)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return out
 
     def _damaged(self, exc: StoreCorruption) -> None:
         """A read found damage: remember it and tell the owner, or raise when nobody listens."""

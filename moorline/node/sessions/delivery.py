@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from moorline.broker import commands as c
-from moorline.broker.messages import StoredMessage
+from moorline.broker.messages import StoredMessage, decode_message
 from moorline.broker.session_state import (
     RELEASING,
     Session,
@@ -34,6 +34,7 @@ from moorline.broker.session_state import (
 from moorline.broker.topic_state import ACL_NO_READER, Registration, TopicState, same_incarnation
 from moorline.node.sessions.recent import SHARD_SHIFT
 from moorline.raft import ProposalDropped
+from moorline.storage.msgstore import MessageStore, RecordRead
 
 if TYPE_CHECKING:
     from moorline.node.node import Node
@@ -418,7 +419,66 @@ class LiveSession:
         entries.sort()
         return entries
 
+    async def _read_ahead(self) -> dict[int, StoredMessage]:
+        """The messages the next batch may take that neither the recent cache nor the store's
+        write buffer holds, read from the stores' files off the event loop (the node's file-work
+        executor; on the loop without one: the simulator's inline seam), so a cache miss never
+        stalls the loop (heartbeats included) for a disk read. Keyed as the recent cache is. Each
+        store is held (no segment reclaimed) while its records are read; what the read could not
+        confirm, or what a store replaced or failed meanwhile, is left out (``host.message``
+        reads it then)."""
+        limit = self.node.cfg.session.delivery_batch_max
+        recent = self.node.recent.by_key
+        hosts = self.node.hosts
+        jobs: list[tuple[int, Any, list[RecordRead]]] = []
+        for shard, dq in self.pending.items():
+            if not dq or shard in self.unconfirmed:
+                continue
+            host = hosts[shard]
+            if host.failed is not None:
+                continue
+            store = host.store
+            key_base = shard << SHARD_SHIFT
+            reads: list[RecordRead] = []
+            seen: set[int] = set()
+            for k, (offset, _rk) in enumerate(dq):
+                if k >= limit:
+                    break
+                if (key_base | offset) in recent or offset in seen:
+                    continue
+                seen.add(offset)
+                plan = store.plan_get(offset)
+                if plan is not None:
+                    reads.append(plan)
+            if reads:
+                jobs.append((shard, store, reads))
+        if not jobs:
+            return {}
+        executor = hosts[jobs[0][0]].snapshot_settings.executor
+        for _shard, store, _reads in jobs:
+            store.hold_reclaim()
+        try:
+            if executor is None:
+                results = _read_all([reads for _s, _st, reads in jobs])
+            else:
+                results = await asyncio.get_running_loop().run_in_executor(
+                    executor, _read_all, [reads for _s, _st, reads in jobs])
+        finally:
+            for _shard, store, _reads in jobs:
+                store.release_reclaim()
+        fetched: dict[int, StoredMessage] = {}
+        for (shard, store, reads), records in zip(jobs, results, strict=True):
+            host = hosts[shard]
+            if host.store is not store or host.failed is not None:
+                continue  # replaced by an installed snapshot, or failed, while reading
+            key_base = shard << SHARD_SHIFT
+            for plan, record in zip(reads, records, strict=True):
+                if record is not None:
+                    fetched[key_base | plan.offset] = decode_message(record)
+        return fetched
+
     async def _deliver_once(self) -> bool:
+        fetched = await self._read_ahead() if self.pending else {}
         sess = self.session()
         if sess is None or sess.epoch != self.epoch:
             return False
@@ -485,7 +545,9 @@ class LiveSession:
                     continue
                 msg = recent_get(key_base | offset)  # host.message(offset), inlined for a recent one
                 if msg is None:
-                    msg = host.message(offset)
+                    msg = fetched.get(key_base | offset) if fetched else None
+                    if msg is None:
+                        msg = host.message(offset)
                     if msg is None:
                         for _ in range(n):
                             dq.popleft()
@@ -782,3 +844,8 @@ class LiveSession:
         for shard, by_reg in by_shard.items():
             for rk, offs in by_reg.items():
                 self.node.propose_lazy(shard, c.AckReport(rk, tuple(offs)))
+
+
+def _read_all(jobs: list[list[RecordRead]]) -> list[list[bytes | None]]:
+    """``MessageStore.read_records`` for each store's reads (one executor call for all of them)."""
+    return [MessageStore.read_records(reads) for reads in jobs]
