@@ -295,6 +295,20 @@ class ClusterConfig:
     snapshot_window_chunks: int = 4
     max_snapshot_transfers: int = 2
     snapshot_stall_timeout_s: float = 10.0
+    # Membership (docs/operations.md, "Change a cluster"). The metadata group's leader compares every
+    # shard with its target (shard.replicas) every reconcile_interval_s (+-20 % jitter) and
+    # reconcile_after_event_s after a membership event: members on forgotten or left nodes go first,
+    # then a shard below target gets a voter on a live node (zone-aware). At most max_concurrent_moves
+    # changes cluster-wide at once, one per shard; a learner is promoted only within
+    # promote_lag_entries of the leader's log; a change not done within move_timeout_s is given up (and
+    # planned again). auto_remove_after_s > 0 removes the memberships of a node down that long (0: never).
+    zone: str = ""  # this node's zone (--zone): no two voters of a shard in one zone while enough zones exist
+    reconcile_interval_s: float = 30.0
+    reconcile_after_event_s: float = 3.0
+    max_concurrent_moves: int = 2
+    promote_lag_entries: int = 1000
+    move_timeout_s: float = 120.0
+    auto_remove_after_s: float = 0.0
 
 
 @dataclass
@@ -488,6 +502,12 @@ class NodeConfig:
             raise ConfigError("cluster.snapshot_window_chunks must be 1..64, cluster.max_snapshot_transfers 1 or more")
         if not cl.snapshot_stall_timeout_s > 0:
             raise ConfigError("cluster.snapshot_stall_timeout_s must be positive")
+        if not (cl.reconcile_interval_s > 0 and cl.reconcile_after_event_s >= 0 and cl.move_timeout_s > 0):
+            raise ConfigError("cluster.reconcile_interval_s and cluster.move_timeout_s must be positive, "
+                              "cluster.reconcile_after_event_s 0 or more")
+        if cl.max_concurrent_moves < 1 or cl.promote_lag_entries < 0 or cl.auto_remove_after_s < 0:
+            raise ConfigError("cluster.max_concurrent_moves must be 1 or more, cluster.promote_lag_entries and "
+                              "cluster.auto_remove_after_s 0 or more")
         if cl.max_pending_handshakes < 1 or cl.max_pending_handshakes_per_address < 1 or not cl.preauth_timeout_s > 0:
             raise ConfigError("cluster.max_pending_handshakes and max_pending_handshakes_per_address must be 1 or "
                               "more, cluster.preauth_timeout_s positive")

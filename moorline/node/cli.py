@@ -88,6 +88,8 @@ def run(
     cluster: Annotated[str | None, typer.Option(help="cluster: HOST:PORT for peers (outgoing traffic leaves from HOST)")] = None,
     initial_cluster: Annotated[str | None, typer.Option(help="cluster: n1=HOST:PORT,n2=HOST:PORT,n3=HOST:PORT")] = None,
     cluster_secret_file: Annotated[Path | None, typer.Option(help="cluster: shared secret file (required off loopback)")] = None,
+    zone: Annotated[str | None, typer.Option(help="cluster: this node's zone (cluster.zone): a shard's voters "
+                                             "go to distinct zones while there are enough")] = None,
 ) -> None:
     """Start a moorline node: one node with no cluster flags (the embedded default), else a member
     of the cluster named by --initial-cluster."""
@@ -102,7 +104,8 @@ def run(
         overrides["log.level"] = log_level.lower()
     for key, value in (("cluster.node_id", node_id), ("cluster.listen", cluster),
                        ("cluster.initial_cluster", initial_cluster),
-                       ("cluster.secret_file", str(cluster_secret_file) if cluster_secret_file else None)):
+                       ("cluster.secret_file", str(cluster_secret_file) if cluster_secret_file else None),
+                       ("cluster.zone", zone)):
         if value is not None:
             overrides[key] = value
     if data_dir is not None:

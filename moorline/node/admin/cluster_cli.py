@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from moorline.node.admin.membership_cli import print_membership, register
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Inspect a moorline cluster.")
 
 NARROW_BELOW_COLUMNS = 120  # a terminal narrower than this gets the compact shard table
@@ -146,3 +148,7 @@ def _print(console: Any, base: str, cluster: dict[str, Any], shards: dict[str, A
                           "ok" if s.get("available", True) else f"[red]{s.get('error', 'failed')}[/red]")
     console.print(table)
     console.print(REPLICAS_NOTE, highlight=False, style="dim")
+    print_membership(console, cluster)
+
+
+register(app)  # forget, shard add-replica|remove-replica

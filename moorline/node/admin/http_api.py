@@ -278,7 +278,10 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
     async def cluster(req: web.Request) -> web.Response:
         if (refused := admin_only()) is not None:
             return refused
-        return web.json_response(node.cluster_status())
+        body = node.cluster_status()
+        membership = getattr(node, "membership", None)  # the member table and shard targets (cluster mode)
+        body["membership"] = membership.status() if membership is not None else None
+        return web.json_response(body)
 
     @routes.get("/v1/shards/{shard}/messages")
     async def messages(req: web.Request) -> web.Response:
@@ -607,8 +610,14 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
         if node.link is not None:
             for peer, n in sorted(node.link.frames_refused.items()):
                 lines.append(f'moorline_cluster_frames_refused_total{{peer="{peer}"}} {n}')
+        lines += membership_metric_lines(node)
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
+    from moorline.node.admin.cluster_admin_api import (  # (imports this module)
+        membership_metric_lines,
+        register_cluster_admin,
+    )
+    register_cluster_admin(routes, node)
     app.add_routes(routes)
     from moorline.node.admin.admin_api import (
         register_admin,  # the console and admin routes (imports this module)

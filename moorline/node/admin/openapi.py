@@ -138,6 +138,25 @@ class Route:
     tags: tuple[str, ...] = field(default=())
 
 
+MOVE = obj({"id": integer(), "shard": integer("the group id (shard.count: the metadata group)"),
+            "kind": string(enum=["add_learner", "promote", "remove"]), "node": string(),
+            "origin": string(enum=["reconcile", "manual"]), "started_ms": integer(), "ended_ms": integer(),
+            "outcome": string("done, or why it was given up")}, ("id", "shard", "kind", "node", "origin"))
+MEMBERSHIP = obj({
+    "members": array(obj({
+        "name": string(), "node_id": integer(), "storage_id": string(), "cluster": string(), "client": string(),
+        "zone": string(), "state": string(enum=["active", "draining", "leaving", "left", "forgotten"]),
+        "since_ms": integer(), "live": boolean("this node hears from it")}, ("name", "state"), more=True)),
+    "shards": array(obj({"shard": integer(), "voters": array(string()), "learners": array(string()),
+                         "target": nullable(integer("voters wanted: shard.replicas")),
+                         "health": string(enum=["at target", "below target", "above target"])},
+                        ("shard", "voters", "target", "health"))),
+    "moves": array(MOVE, "configuration changes in progress: one per shard at most"),
+    "recent_moves": array(MOVE, "the last ones ended"),
+    "reconciler": obj({"interval_s": number(), "max_concurrent_moves": integer(),
+                       "runs_here": integer()}, more=True),
+}, ("members", "shards", "moves"), "the metadata group's member table and shard configurations (cluster mode)")
+
 ROUTES: tuple[Route, ...] = (
     Route("get", "/v1/shards", "Shards: incarnation, low-water mark and next offset of each", ADMIN, {
         200: ("every shard of the node", obj({"shard_count": integer(), "shards": array(SHARD)},
@@ -154,7 +173,8 @@ ROUTES: tuple[Route, ...] = (
                 "term": integer(), "commit": integer(), "applied_index": integer(),
                 "record": nullable(obj({"cluster_id": string(), "shard_count": integer(), "replicas": integer(),
                                         "feature_level": integer()}, ("shard_count", "replicas"), more=True)),
-            }, ("leader", "voters", "record"), more=True)}, ("nodes", "metadata"))),
+            }, ("leader", "voters", "record"), more=True),
+            "membership": nullable(MEMBERSHIP)}, ("nodes", "metadata"))),
     }, tags=("admin",)),
     Route("get", "/v1/shards/{shard}/messages", "Committed messages of a shard by offset (reading never consumes)",
           CALLER, {
@@ -342,6 +362,42 @@ CONSOLE_ROUTES: tuple[Route, ...] = (
     }, params=(*PAGE_PARAMS, Q_PARAM), tags=("console",)),
 )
 ROUTES += CONSOLE_ROUTES
+
+MEMBER_NAME = Param("name", "path", string(), "a member's node name", required=True)
+MEMBERSHIP_ROUTES: tuple[Route, ...] = (
+    Route("post", "/v1/cluster/members/{name}/forget", "Forget a node gone for good (its replicas are replaced)",
+          ADMIN, {
+              200: ("the member is forgotten; the reconciler removes its memberships, then grows the shards",
+                    obj({"member": string(), "state": string(), "forced": boolean(), "risks": array(string()),
+                         "shards": array(integer("groups it voted in"))}, ("member", "state"), more=True)),
+              400: ("force is not true or false", ERROR),
+              404: ("no such member", ERROR),
+              409: ("refused: the node is live, or removing it would leave a group without a live majority "
+                    "(reasons lists which and why); or no member table here", ERROR),
+              503: ("the metadata group did not commit the change", ERROR),
+          }, params=(MEMBER_NAME, Param("force", "query", string(enum=["true", "false"]),
+                                        "forget even so (disaster recovery): says what it risks")),
+          tags=("admin",)),
+    Route("post", "/v1/cluster/shards/{shard}/replicas/{name}", "Add a voter of a shard on a node (add-replica)",
+          ADMIN, {
+              202: ("recorded as a move; the shard's leader proposes it", obj({"shard": integer(), "move": MOVE},
+                                                                              ("shard", "move"), more=True)),
+              400: ("shard is not a number", ERROR), 404: ("no such shard or member", ERROR),
+              409: ("refused: a change is in progress on the shard, or the node is a voter already", ERROR),
+              503: ("the metadata group did not commit the change", ERROR),
+          }, params=(SHARD_PARAM_MEMBERSHIP := Param("shard", "path", integer(), "the shard", required=True),
+                     MEMBER_NAME), tags=("admin",)),
+    Route("delete", "/v1/cluster/shards/{shard}/replicas/{name}", "Remove a node's replica of a shard "
+          "(remove-replica)", ADMIN, {
+              202: ("recorded as a move; the shard's leader proposes it", obj({"shard": integer(), "move": MOVE},
+                                                                              ("shard", "move"), more=True)),
+              400: ("shard is not a number", ERROR), 404: ("no such shard or member", ERROR),
+              409: ("refused: a change is in progress on the shard, the node is not a member of it, or removing "
+                    "it would leave no live majority", ERROR),
+              503: ("the metadata group did not commit the change", ERROR),
+          }, params=(SHARD_PARAM_MEMBERSHIP, MEMBER_NAME), tags=("admin",)),
+)
+ROUTES += MEMBERSHIP_ROUTES
 
 
 def _operation(route: Route) -> Schema:

@@ -1,0 +1,463 @@
+"""The membership driver: the metadata group's member table put to work on a running node.
+
+One supervised task per node (``MembershipDriver.run``), every ``DRIVE_INTERVAL_S``:
+
+- it announces this node's addresses and zone to the member table when they differ from it;
+- on the metadata group's leader, every ``cluster.reconcile_interval_s`` (±20 % jitter) and
+  ``cluster.reconcile_after_event_s`` after a membership event, it runs the planner
+  (``reconcile.plan``: shrink before grow, zone-aware placement) and records each planned change
+  as a move (``MoveStart``): the member table holds at most one per shard, so an operator's manual
+  change and the reconciler's never both run on one shard (the second is refused there);
+- on every node, for each move of a shard this node leads, it proposes the configuration change
+  to that shard's Raft group (one pending change per group: the core refuses a second), promoting
+  a learner only within ``cluster.promote_lag_entries`` of the leader's log, and ends the move
+  (``MoveEnd``) once the shard's applied configuration shows it; a move not done within
+  ``cluster.move_timeout_s`` is given up by the metadata leader and planned again.
+
+The operators' commands (forget, add-replica, remove-replica) are methods here too, called by the
+HTTP routes (admin/cluster_admin_api.py); they go through the metadata group like the reconciler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from moorline.broker import commands as c
+from moorline.broker.membership import GONE, MembershipState, Move
+from moorline.node.replication.reconcile import (
+    GroupView,
+    NodeView,
+    PlannedMove,
+    PlanSettings,
+    forget_check,
+    live_majority_after_removal,
+    plan,
+)
+from moorline.node.replication.shard_host import ShardUnavailable, outcome_within
+from moorline.raft.confchange import ConfChangeInvalid, apply_conf_change
+from moorline.raft.types import ConfChange, ConfChangeType, ProposalDropped
+
+log = logging.getLogger("moorline.membership")
+
+DRIVE_INTERVAL_S = 0.5  # how often a node looks at the member table's moves and its own entry
+JITTER = 0.2  # reconcile_interval_s varies by this fraction either way
+ANNOUNCE_RETRY_S = 5.0
+END_RETRY_S = 2.0
+PROPOSE_TIMEOUT_S = 5.0
+KINDS = {"add_learner": ConfChangeType.ADD_LEARNER, "promote": ConfChangeType.PROMOTE,
+         "remove": ConfChangeType.REMOVE}
+
+
+@dataclass
+class OpResult:
+    """An operator command's answer: the HTTP status and its JSON body."""
+
+    status: int
+    body: dict[str, Any]
+
+
+def in_conf(move: Move, voters: tuple[Any, ...], learners: tuple[Any, ...]) -> bool:
+    """Whether a configuration already shows ``move`` done."""
+    m = (move.node_id, move.storage_id)
+    if move.kind == "promote":
+        return m in voters
+    if move.kind == "add_learner":
+        return m in voters or m in learners
+    return m not in voters and m not in learners
+
+
+class MembershipDriver:
+    def __init__(self, node: Any) -> None:
+        self.node = node
+        self.cfg = node.cfg.cluster
+        self.clock = node.clock
+        self.rng = node.seams.rng()
+        self.reconcile_runs = 0  # planner runs by this node as the metadata leader
+        self.moves_started = 0  # moves its reconciler recorded
+        self.changes_proposed = 0  # configuration changes this node proposed as a shard's leader
+        self._next_run: float | None = None
+        self._signature: tuple[Any, ...] | None = None
+        self._down_since: dict[str, float] = {}
+        self._announced_at = -1e9
+        self._ended_at: dict[tuple[int, int], float] = {}
+        self._proposed: dict[tuple[int, int], int] = {}  # (shard, move id) -> log index of our proposal
+
+    # --- views -------------------------------------------------------------------------------
+    @property
+    def table(self) -> MembershipState | None:
+        host = self.node.meta_host
+        return None if host is None else host.state.membership
+
+    def _live_names(self) -> set[str]:
+        link = self.node.link
+        if link is None:
+            return {self.node.node_name(self.node.member[0])}
+        peers = link.stats().get("peers", {})
+        live = {link.spec.me}
+        for name, peer in peers.items():
+            if peer.get("connected_streams"):
+                live.add(name)
+        return live
+
+    def _node_views(self, table: MembershipState, now: float) -> list[NodeView]:
+        live = self._live_names()
+        out = []
+        for m in table.members.values():
+            up = m.name in live
+            if up:
+                self._down_since.pop(m.name, None)
+            else:
+                self._down_since.setdefault(m.name, now)
+            out.append(NodeView(m.name, m.node_id, m.storage_id, m.state, m.zone, up,
+                                0.0 if up else now - self._down_since[m.name]))
+        return out
+
+    def _lag(self, host: Any) -> dict[tuple[int, str], int] | None:
+        raft = host.raft
+        if not raft.is_leader:
+            return None
+        last = raft.log.last_index()
+        return {m: last - pr.match for m, pr in raft.progress.items()}
+
+    def _group_views(self, table: MembershipState) -> list[GroupView]:
+        out = []
+        for host in self.node.groups:
+            raft = host.raft
+            conf = raft.active_conf_state
+            is_meta = host.shard == self.node.meta_group
+            target = None if is_meta else (table.targets[host.shard] if host.shard < len(table.targets) else None)
+            pending = conf != raft.conf_state  # a change in the log, not applied here yet
+            lead = raft.lead
+            out.append(GroupView(host.shard, conf.voters, conf.learners, target,
+                                 lead[0] if lead is not None else None,
+                                 busy=host.shard in table.moves or pending or host.failed is not None,
+                                 lag=self._lag(host)))
+        return out
+
+    def _leaderships(self) -> dict[str, int]:
+        led: dict[str, int] = {}
+        for h in self.node.groups:
+            if h.raft.lead is not None:
+                name = self.node.node_name(h.raft.lead[0])
+                led[name] = led.get(name, 0) + 1
+        return led
+
+    def below_target(self, table: MembershipState) -> list[int]:
+        """Shards with fewer voters on members that are not gone than their target (this replica's view)."""
+        keep = {m.member_id for m in table.members.values() if m.state not in GONE}
+        out = []
+        for host in self.node.hosts:
+            voters = host.raft.active_conf_state.voters
+            if host.shard < len(table.targets) and sum(v in keep for v in voters) < table.targets[host.shard]:
+                out.append(host.shard)
+        return out
+
+    # --- the task ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        while not self.node.stopping.is_set():
+            await asyncio.sleep(DRIVE_INTERVAL_S)
+            await self.step()
+
+    def kick(self) -> None:
+        """A membership event: reconcile soon (on the metadata leader)."""
+        soon = self.clock.monotonic() + self.cfg.reconcile_after_event_s
+        if self._next_run is None or soon < self._next_run:
+            self._next_run = soon
+
+    def _interval(self) -> float:
+        return self.cfg.reconcile_interval_s * (1 + self.rng.uniform(-JITTER, JITTER))
+
+    async def step(self) -> None:
+        table = self.table
+        if table is None or self.node.link is None:
+            return
+        now = self.clock.monotonic()
+        signature = (tuple(sorted((m.name, m.state) for m in table.members.values())), table.next_move_id,
+                     len(table.moves))
+        if self._signature is not None and signature[0] != self._signature[0]:
+            self.kick()  # a member's state changed (or a member came)
+        elif self._signature is not None and len(table.moves) < self._signature[2]:
+            self.kick()  # a move ended: the next change of that shard need not wait a whole interval
+        self._signature = signature
+        await self._announce(table, now)
+        self._drive_moves(table, now)
+        meta = self.node.meta_host
+        if meta is None or not meta.raft.is_leader or meta.failed is not None:
+            self._next_run = None
+            return
+        if self._next_run is None:
+            self._next_run = now + min(self._interval(), self.cfg.reconcile_after_event_s + DRIVE_INTERVAL_S)
+        if now >= self._next_run:
+            self._next_run = now + self._interval()
+            await self.reconcile(table, now)
+
+    async def _propose_meta(self, cmd: c.Command) -> Any:
+        fut = self.node.propose(self.node.meta_group, cmd)
+        if fut is None:
+            raise ShardUnavailable("the metadata group took no proposal")
+        return await outcome_within(fut, PROPOSE_TIMEOUT_S)
+
+    async def _announce(self, table: MembershipState, now: float) -> None:
+        link = self.node.link
+        me = link.spec.me
+        entry = table.members.get(me)
+        if entry is None or entry.member_id != tuple(self.node.member) or entry.state in GONE:
+            return  # not (or no longer) this storage's entry: nothing to announce
+        cluster = "{}:{}".format(*link.spec.addresses[me])
+        client = getattr(self.node.cfg.listeners, "advertise", None) or self.node.cfg.listeners.mqtt
+        if (entry.cluster, entry.client, entry.zone) == (cluster, client, self.cfg.zone):
+            return
+        if now - self._announced_at < ANNOUNCE_RETRY_S:
+            return
+        self._announced_at = now
+        info = c.MemberInfo(me, self.node.member[0], self.node.member[1], cluster, client, self.cfg.zone)
+        try:
+            why = await self._propose_meta(c.MemberAnnounce(info, self.node.now_ms()))
+        except (TimeoutError, ShardUnavailable):
+            return
+        if why is not None:
+            log.warning("the member table refused this node's announcement: %s", why)
+
+    # --- shard leaders: proposing the changes ------------------------------------------------
+    def _end(self, move: Move, outcome: str, now: float) -> None:
+        key = (move.shard, move.id)
+        if now - self._ended_at.get(key, -1e9) < END_RETRY_S:
+            return
+        self._ended_at[key] = now
+        if len(self._ended_at) > 256:
+            self._ended_at = {k: t for k, t in self._ended_at.items() if now - t < END_RETRY_S}
+        try:
+            self.node.propose(self.node.meta_group, c.MoveEnd(move.shard, move.id, outcome, self.node.now_ms()),
+                              want=False)
+        except ShardUnavailable:
+            pass
+        if outcome != "done":
+            log.warning("shard %d: %s %s (move %d, %s) given up: %s", move.shard, move.kind, move.node, move.id,
+                        move.origin, outcome)
+        else:
+            log.info("shard %d: %s %s done (move %d, %s)", move.shard, move.kind, move.node, move.id, move.origin)
+
+    def _drive_moves(self, table: MembershipState, now: float) -> None:
+        for shard, move in list(table.moves.items()):
+            if not 0 <= shard < len(self.node.groups):
+                continue
+            host = self.node.groups[shard]
+            raft = host.raft
+            if host.failed is not None or not raft.is_leader:
+                continue
+            applied = raft.conf_state
+            if in_conf(move, applied.voters, applied.learners):
+                self._end(move, "done", now)
+                continue
+            if raft.active_conf_state != applied:
+                continue  # a change in the log not applied yet (ours, or before ours): one at a time
+            member = (move.node_id, move.storage_id)
+            if move.kind == "remove" and member == tuple(self.node.member):
+                self._hand_over(host)  # a leader cannot remove itself
+                continue
+            if move.kind != "remove" and move.origin == "reconcile" and shard < len(table.targets):
+                keep = {m.member_id for m in table.members.values() if m.state not in GONE}
+                if move.kind == "promote" and sum(v in keep for v in applied.voters) >= table.targets[shard]:
+                    self._end(move, "not needed: the shard is at its target", now)
+                    continue
+            if move.kind == "promote":
+                pr = raft.progress.get(member)
+                if pr is None or raft.log.last_index() - pr.match > self.cfg.promote_lag_entries:
+                    continue  # not caught up yet: promoted once it is (or given up after move_timeout_s)
+            if move.kind == "remove" and member in applied.voters:
+                live = {m for m in applied.voters if raft.is_active(m) or m == tuple(self.node.member)}
+                if not live_majority_after_removal(applied.voters, member, live) and move.origin == "reconcile":
+                    continue  # would leave no live majority: wait (forget refuses this up front)
+            cc = ConfChange(KINDS[move.kind], member)
+            try:
+                apply_conf_change(raft.active_conf_state, cc)
+            except ConfChangeInvalid as exc:
+                self._end(move, f"refused by the shard: {exc}", now)
+                continue
+            try:
+                index = raft.propose_conf_change(cc)
+            except ProposalDropped as exc:
+                log.debug("shard %d: %s %s not proposed yet: %s", shard, move.kind, move.node, exc)
+                continue
+            self._proposed[(shard, move.id)] = index
+            self.changes_proposed += 1
+            self.node.commit.kick(shard)
+            log.info("shard %d: proposed %s %s (move %d, %s) at index %d", shard, move.kind, move.node, move.id,
+                     move.origin, index)
+
+    def _hand_over(self, host: Any) -> None:
+        raft = host.raft
+        others = [m for m in raft.active_conf_state.voters if m != tuple(self.node.member) and m in raft.progress]
+        if not others or raft.lead_transferee is not None:
+            return
+        best = max(others, key=lambda m: (raft.is_active(m), raft.progress[m].match))
+        try:
+            raft.transfer_leader(best)
+        except ProposalDropped:
+            return
+        self.node.commit.kick(host.shard)
+
+    # --- the metadata leader: planning ------------------------------------------------------
+    async def reconcile(self, table: MembershipState, now: float) -> list[PlannedMove]:
+        self.reconcile_runs += 1
+        wall = self.node.now_ms()
+        for move in list(table.moves.values()):
+            if move.started_ms and wall - move.started_ms > self.cfg.move_timeout_s * 1000:
+                self._end(move, f"not done within cluster.move_timeout_s ({self.cfg.move_timeout_s:.0f} s)", now)
+        nodes = self._node_views(table, now)
+        moves = plan(nodes, self._group_views(table), PlanSettings(
+            cluster_key=self.node.cfg.cluster.cluster_id + "/" + ",".join(sorted(table.members)),
+            max_moves=self.cfg.max_concurrent_moves, promote_lag_entries=self.cfg.promote_lag_entries,
+            auto_remove_after_s=self.cfg.auto_remove_after_s, in_progress=len(table.moves),
+            leaderships=self._leaderships()))
+        for mv in moves:
+            try:
+                result = await self._propose_meta(c.MoveStart(mv.shard, mv.kind, mv.node, mv.member[0], mv.member[1],
+                                                              "reconcile", self.node.now_ms()))
+            except (TimeoutError, ShardUnavailable) as exc:
+                log.info("reconcile: shard %d: %s %s not recorded: %s", mv.shard, mv.kind, mv.node, exc)
+                continue
+            if isinstance(result, str):
+                log.info("reconcile: shard %d: %s %s refused: %s", mv.shard, mv.kind, mv.node, result)
+                continue
+            self.moves_started += 1
+            log.info("reconcile: shard %d: %s %s (%s)", mv.shard, mv.kind, mv.node, mv.reason)
+        return moves
+
+    # --- operators' commands ------------------------------------------------------------------
+    def _require_table(self) -> MembershipState | OpResult:
+        table = self.table
+        if table is None or self.node.link is None:
+            return OpResult(409, {"error": "this node is not a cluster member with a member table yet "
+                                           "(single node, or the metadata group has no cluster record)"})
+        return table
+
+    async def forget(self, name: str, force: bool) -> OpResult:
+        table = self._require_table()
+        if isinstance(table, OpResult):
+            return table
+        m = table.members.get(name)
+        if m is None:
+            return OpResult(404, {"error": f"no member named {name!r}"})
+        if m.state == "forgotten":
+            return OpResult(200, {"member": name, "state": "forgotten", "note": "already forgotten"})
+        live_names = self._live_names()
+        risks: list[str] = []
+        if name in live_names:
+            risks.append(f"{name} is live (this node hears from it): forget is for a node gone for good; "
+                         f"a live node is taken out with leave")
+        live = {x.member_id for x in table.members.values() if x.name in live_names and x.name != name}
+        voters = {h.shard: h.raft.active_conf_state.voters for h in self.node.groups}
+        problems = forget_check(voters, m.member_id, live)
+        if problems:
+            risks.append("removing it would leave these groups without a live majority of their voters (they "
+                         "could not commit the change, nor anything else): " + "; ".join(problems))
+        if risks and not force:
+            return OpResult(409, {"error": f"refusing to forget {name}", "reasons": risks,
+                                  "force": "--force records the node as forgotten anyway: its memberships are "
+                                           "removed where a live majority remains; the groups named stay "
+                                           "unavailable until enough of their voters return, and a live node "
+                                           "forgotten keeps serving what it can until it is stopped"})
+        try:
+            why = await self._propose_meta(c.MemberSetState(name, "forgotten", self.node.now_ms()))
+        except (TimeoutError, ShardUnavailable) as exc:
+            return OpResult(503, {"error": f"the metadata group did not commit the change: {exc}"})
+        if why is not None:
+            return OpResult(409, {"error": str(why)})
+        self.kick()
+        return OpResult(200, {"member": name, "state": "forgotten", "forced": bool(risks),
+                              "risks": risks, "shards": sorted(s for s, v in voters.items() if m.member_id in v)})
+
+    async def change_replica(self, shard: int, name: str, kind: str) -> OpResult:
+        """``add-replica`` (kind "add": promote a caught-up learner, else add it as a learner first) or
+        ``remove-replica`` (kind "remove")."""
+        table = self._require_table()
+        if isinstance(table, OpResult):
+            return table
+        if not 0 <= shard < self.node.shard_count:
+            return OpResult(404, {"error": f"no shard {shard} (shards are 0..{self.node.shard_count - 1})"})
+        m = table.members.get(name)
+        if m is None:
+            return OpResult(404, {"error": f"no member named {name!r}"})
+        conf = self.node.groups[shard].raft.active_conf_state
+        if kind == "add":
+            if m.member_id in conf.voters:
+                return OpResult(409, {"error": f"{name} is already a voter of shard {shard}"})
+            move_kind = "promote" if m.member_id in conf.learners else "add_learner"
+        else:
+            if m.member_id not in conf.voters and m.member_id not in conf.learners:
+                return OpResult(409, {"error": f"{name} is not a member of shard {shard}"})
+            if m.member_id in conf.voters:
+                live_names = self._live_names()
+                live = {x.member_id for x in table.members.values() if x.name in live_names}
+                if not live_majority_after_removal(conf.voters, m.member_id, live):
+                    return OpResult(409, {"error": f"removing {name} would leave shard {shard} without a live "
+                                                   f"majority of its voters"})
+            move_kind = "remove"
+        try:
+            result = await self._propose_meta(c.MoveStart(shard, move_kind, name, m.node_id, m.storage_id, "manual",
+                                                          self.node.now_ms()))
+        except (TimeoutError, ShardUnavailable) as exc:
+            return OpResult(503, {"error": f"the metadata group did not commit the change: {exc}"})
+        if isinstance(result, str):
+            return OpResult(409, {"error": result})
+        return OpResult(202, {"shard": shard, "move": move_summary(result),
+                              "note": "the shard's leader proposes it; GET /v1/cluster shows it until it is done"
+                                      + (" (a learner first: add-replica again once it is caught up to make it a "
+                                         "voter)" if move_kind == "add_learner" else "")})
+
+    # --- status and metrics -------------------------------------------------------------------
+    def status(self) -> dict[str, Any] | None:
+        table = self.table
+        if table is None:
+            return None
+        live = self._live_names() if self.node.link is not None else set()
+        by_id = {m.member_id: m.name for m in table.members.values()}
+
+        def named(members: tuple[Any, ...]) -> list[str]:
+            return [by_id.get(tuple(x), f"node {x[0]} (storage {x[1]})") for x in members]
+
+        shards = []
+        keep = {m.member_id for m in table.members.values() if m.state not in GONE}
+        for host in self.node.hosts:
+            conf = host.raft.active_conf_state
+            target = table.targets[host.shard] if host.shard < len(table.targets) else None
+            counted = sum(v in keep for v in conf.voters)
+            shards.append({"shard": host.shard, "voters": named(conf.voters), "learners": named(conf.learners),
+                           "target": target,
+                           "health": ("below target" if target is not None and counted < target else
+                                      "above target" if target is not None and counted > target else "at target")})
+        return {
+            "members": [{"name": m.name, "node_id": m.node_id, "storage_id": m.storage_id, "cluster": m.cluster,
+                         "client": m.client, "zone": m.zone, "state": m.state, "since_ms": m.since_ms,
+                         "live": m.name in live} for m in sorted(table.members.values(), key=lambda x: x.name)],
+            "shards": shards,
+            "moves": [move_summary(mv) for mv in sorted(table.moves.values(), key=lambda x: x.shard)],
+            "recent_moves": [move_summary(mv) for mv in table.history],
+            "reconciler": {"interval_s": self.cfg.reconcile_interval_s,
+                           "max_concurrent_moves": self.cfg.max_concurrent_moves,
+                           "runs_here": self.reconcile_runs},
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        table = self.table
+        return {
+            "members": table.counts() if table is not None else {},
+            "shards_below_target": len(self.below_target(table)) if table is not None else 0,
+            "moves_in_progress": len(table.moves) if table is not None else 0,
+            "reconcile_runs": self.reconcile_runs,
+            "moves_started": self.moves_started,
+            "changes_proposed": self.changes_proposed,
+        }
+
+
+def move_summary(mv: Move) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": mv.id, "shard": mv.shard, "kind": mv.kind, "node": mv.node, "origin": mv.origin,
+                           "started_ms": mv.started_ms}
+    if mv.ended_ms:
+        out["ended_ms"] = mv.ended_ms
+        out["outcome"] = mv.outcome
+    return out
