@@ -34,6 +34,7 @@ _COMMANDS: list[tuple[str, str, str]] = [
     ("sim", "moorline.sim.cli", "sim"),
     ("verify", "moorline.verify.cli", "verify"),
     ("chaos", "moorline.chaos.cli", "chaos"),
+    ("groups", "moorline.node.admin.groups_cli", "groups"),
     ("bench", "bench.cli", "bench"),
 ]
 

@@ -39,6 +39,7 @@ from aiohttp import web
 from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage
 from moorline.broker.session_state import Session
+from moorline.broker.topic_state import DELIVERY_LIMIT
 from moorline.mqtt.topics import TopicBounds, topic_filter_error
 from moorline.node.admin.http_api import CALLER, Caller, Handler, _err
 from moorline.node.edge.auth import Authorizer
@@ -155,6 +156,45 @@ def _page(req: web.Request, max_page: int) -> tuple[int, int] | web.Response:
 def _paged(items: Iterable[dict[str, Any]], offset: int, limit: int) -> dict[str, Any]:
     every = list(items)
     return {"total": len(every), "offset": offset, "limit": limit, "items": every[offset:offset + limit]}
+
+
+def share_groups(node: Node, q: str = "") -> list[dict[str, Any]]:
+    """One row per $share group and filter whose name contains ``q``, summed over the shards
+    (GET /v1/groups, the group metrics, ``moorline groups``)."""
+    agg: dict[tuple[str, str], dict[str, Any]] = {}
+    for h in node.hosts:
+        topics = h.state.topics
+        dead_lettered: dict[str, int] = {}  # group registration -> recorded delivery_limit drops
+        for d in topics.drops:
+            if d.reason == DELIVERY_LIMIT:
+                dead_lettered[d.reg_key] = dead_lettered.get(d.reg_key, 0) + 1
+        for reg in topics.regs.values():
+            if reg.share_group is None or q not in reg.share_group:
+                continue
+            row = agg.setdefault((reg.share_group, reg.filter), {
+                "group": reg.share_group, "filter": reg.filter, "members": [], "backlog": 0, "in_flight": 0,
+                "shards": 0, "single_active": False, "active": [], "max_deliveries": 0, "ack_timeout_ms": 0,
+                "dead_letter_pending": 0, "redelivering": 0, "dead_lettered": 0})
+            for m in reg.members:
+                if m not in row["members"]:
+                    row["members"].append(m)
+            row["backlog"] += max(0, len(reg.owed) - len(reg.claims))
+            row["in_flight"] += len(reg.claims)
+            row["shards"] += 1
+            row["dead_lettered"] += dead_lettered.get(reg.reg_key, 0)
+            # Work queues (docs/queues.md): a single-active group's active member per shard (one
+            # member, but a handover may be under way in one shard and not another).
+            wq = reg.queue
+            if wq is not None:
+                if wq.single_active:
+                    row["single_active"] = True
+                    if wq.active and wq.active not in row["active"]:
+                        row["active"].append(wq.active)
+                row["max_deliveries"] = max(row["max_deliveries"], wq.max_deliveries)
+                row["ack_timeout_ms"] = max(row["ack_timeout_ms"], wq.ack_timeout_ms)
+                row["dead_letter_pending"] += len(wq.dead)
+                row["redelivering"] += len(wq.attempts)
+    return [agg[k] for k in sorted(agg)]
 
 
 def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> None:
@@ -459,35 +499,7 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
         page = _page(req, max_page)
         if isinstance(page, web.Response):
             return page
-        q = req.query.get("q", "")
-        agg: dict[tuple[str, str], dict[str, Any]] = {}
-        for h in node.hosts:
-            for reg in h.state.topics.regs.values():
-                if reg.share_group is None or q not in reg.share_group:
-                    continue
-                row = agg.setdefault((reg.share_group, reg.filter), {
-                    "group": reg.share_group, "filter": reg.filter, "members": [], "backlog": 0, "in_flight": 0,
-                    "shards": 0, "single_active": False, "active": [], "max_deliveries": 0, "ack_timeout_ms": 0,
-                    "dead_letter_pending": 0, "redelivering": 0})
-                for m in reg.members:
-                    if m not in row["members"]:
-                        row["members"].append(m)
-                row["backlog"] += max(0, len(reg.owed) - len(reg.claims))
-                row["in_flight"] += len(reg.claims)
-                row["shards"] += 1
-                # Work queues (docs/work-queues.md): a single-active group's active member per
-                # shard (one member, but a handover may be under way in one shard and not another).
-                wq = reg.queue
-                if wq is not None:
-                    if wq.single_active:
-                        row["single_active"] = True
-                        if wq.active and wq.active not in row["active"]:
-                            row["active"].append(wq.active)
-                    row["max_deliveries"] = max(row["max_deliveries"], wq.max_deliveries)
-                    row["ack_timeout_ms"] = max(row["ack_timeout_ms"], wq.ack_timeout_ms)
-                    row["dead_letter_pending"] += len(wq.dead)
-                    row["redelivering"] += len(wq.attempts)
-        return web.json_response(_paged((agg[k] for k in sorted(agg)), *page))
+        return web.json_response(_paged(share_groups(node, req.query.get("q", "")), *page))
 
     # --- live stream ----------------------------------------------------------------------------
     def snapshot(full: bool) -> dict[str, Any]:

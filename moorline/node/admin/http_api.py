@@ -599,6 +599,7 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
                   f"moorline_share_dlq_total {totals.get('delivery_limit', 0)}",
                   "# TYPE moorline_share_ack_timeouts_total counter",
                   f"moorline_share_ack_timeouts_total {node.share_ack_timeouts}"]
+        lines += _group_metric_lines(node)
         lines.append("# TYPE moorline_shard_failed gauge")
         for h in node.hosts:
             lines.append(f'moorline_shard_failed{{shard="{h.shard}"}} {1 if h.failed else 0}')
@@ -624,6 +625,30 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
     )
     register_admin(app, node, authorizer)
     return app
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value (group names and client ids come from clients)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _group_metric_lines(node: Node) -> list[str]:
+    """Per $share group (docs/queues.md): backlog, in flight, members, the single-active group's
+    active member, dead letters waiting to move; the first http.max_admin_page groups by name."""
+    from moorline.node.admin.admin_api import share_groups  # (imports this module)
+
+    rows = share_groups(node)[: node.cfg.http.max_admin_page]
+    out = ["# TYPE moorline_share_group_backlog gauge", "# TYPE moorline_share_group_in_flight gauge",
+           "# TYPE moorline_share_group_members gauge", "# TYPE moorline_share_group_dead_letter_waiting gauge",
+           "# TYPE moorline_share_group_active_member gauge"]
+    for r in rows:
+        lbl = f'group="{_label(r["group"])}",filter="{_label(r["filter"])}"'
+        out += [f"moorline_share_group_backlog{{{lbl}}} {r['backlog']}",
+                f"moorline_share_group_in_flight{{{lbl}}} {r['in_flight']}",
+                f"moorline_share_group_members{{{lbl}}} {len(r['members'])}",
+                f"moorline_share_group_dead_letter_waiting{{{lbl}}} {r['dead_letter_pending']}"]
+        out += [f'moorline_share_group_active_member{{{lbl},member="{_label(m)}"}} 1' for m in r["active"]]
+    return out
 
 
 async def start_http(node: Node, authorizer: Authorizer, auth_required: bool, host: str,

@@ -352,11 +352,12 @@ CONSOLE_ROUTES: tuple[Route, ...] = (
             "group": string(), "filter": string(), "members": array(string()),
             "backlog": integer("messages owed and not claimed by a member"),
             "in_flight": integer("claimed by a member, not acknowledged"), "shards": integer(),
-            # work queues (docs/work-queues.md)
+            # work queues (docs/queues.md)
             "single_active": boolean(), "active": array(string("the single-active group's active member")),
             "max_deliveries": integer(), "ack_timeout_ms": integer(),
             "dead_letter_pending": integer("past max_deliveries, not yet on the dead-letter topic"),
-            "redelivering": integer("handed out and returned unacknowledged at least once")},
+            "redelivering": integer("handed out and returned unacknowledged at least once"),
+            "dead_lettered": integer("moved to the dead-letter topic, as far as the shards' recorded drops go")},
             ("group", "filter", "members", "backlog")))),
         400: ("offset or limit out of range", ERROR),
     }, params=(*PAGE_PARAMS, Q_PARAM), tags=("console",)),
