@@ -399,6 +399,7 @@ class World:
         self.promises = PromiseLedger()  # world_checks.py
         self.barriers = ReadBarrierCheck()
         self.canonical_findings: list[tuple[str, str]] = []  # snapshots installed, or restored at a restart
+        self.states_checked_at_crash = 0  # replicas' states restored and compared as their node crashed
         self.installs_checked = 0
         self.aimed_crashes: dict[str, int] = {}  # moment -> armed crashes that fired on it
         self.syncs_timed = 0  # syncs of crashed boots' runners (the live ones are added at the end)
@@ -581,7 +582,8 @@ class World:
         counts = {"raft_messages_seen": self.promises.messages_seen,
                   "recoveries_checked": self.promises.recoveries_checked,
                   "read_barriers_judged": self.barriers.resolved,
-                  "snapshot_installs_checked": self.installs_checked}
+                  "snapshot_installs_checked": self.installs_checked,
+                  "states_checked_at_crash": self.states_checked_at_crash}
         if self.cfg.timed_sync:
             counts |= {"syncs_timed": self.syncs_timed + live, "crash_inside_sync": self.syncs_cut}
         counts |= {f"aimed_crash_on_{moment}": n for moment, n in sorted(self.aimed_crashes.items())}
@@ -599,6 +601,12 @@ class World:
         """kill -9 plus (optionally) power loss: what was not synced may be lost or torn."""
         if sn.loop is None or sn.crashed:
             return []
+        if sn.node is not None and sn.ready:
+            # Its replicas mid-run, as they die (owed messages, sessions connected): restored from
+            # their snapshot bytes they must equal what the node kept, derived indexes included.
+            self.states_checked_at_crash += 1
+            self.canonical_findings += canonical_state_findings(
+                [(sn.name, h.shard, h.state) for h in sn.node.groups if h.failed is None])
         if sn.syncer is not None and sn.syncer.started > sn.syncer.completed:
             self.syncs_cut += 1
             self.note(f"{sn.name}: crashed while a WAL sync ran")

@@ -14,8 +14,9 @@ check that reused that condition could not fail when the condition is wrong.
   applied at least the read index the group's read (``ReadState``) returned for it; a barrier that
   resolves with no read index answered is a violation too.
 - ``canonical_state_findings`` (snapshots): a replica's state encoded, restored with
-  ``ShardState.restore`` and encoded again gives the same bytes, and replicas at the same applied
-  index encode the same bytes.
+  ``ShardState.restore`` and encoded again gives the same bytes, the restored state's derived
+  indexes (``derived_state``: owed counts and bytes, retention candidates, ...) are those the
+  replica kept as it applied, and replicas at the same applied index encode the same bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moorline.broker.shard import ShardState
+from moorline.broker.topic_state import OFFSET_MASK
 from moorline.raft import Message, MessageType
 
 _MT = MessageType
@@ -200,7 +202,8 @@ def canonical_state_findings(replicas: Iterable[tuple[str, int, ShardState]]) ->
     for node, group, state in replicas:
         raw = state.snapshot()
         try:
-            again = ShardState.restore(raw, state.topics.limits, state.sessions.max_expiry_s).snapshot()
+            restored = ShardState.restore(raw, state.topics.limits, state.sessions.max_expiry_s)
+            again = restored.snapshot()
         except Exception as exc:  # noqa: BLE001 - a snapshot its own code cannot restore is the finding
             findings.append(("snapshot_not_canonical", f"{node} group {group}: its snapshot at index "
                              f"{state.applied_index} does not restore: {exc!r}"))
@@ -209,12 +212,49 @@ def canonical_state_findings(replicas: Iterable[tuple[str, int, ShardState]]) ->
             findings.append(("snapshot_not_canonical", f"{node} group {group}: state restored from its snapshot "
                              f"at index {state.applied_index} encodes differently ({len(raw)} vs {len(again)} "
                              f"bytes, first difference at byte {_first_difference(raw, again)})"))
+        else:
+            live, rebuilt = derived_state(state), derived_state(restored)
+            for name in live:
+                if live[name] != rebuilt[name]:
+                    findings.append(("snapshot_rebuild_differs", f"{node} group {group}: at index "
+                                     f"{state.applied_index} the {name} rebuilt by a restore differ from those "
+                                     f"kept as it applied: {_some_difference(live[name], rebuilt[name])}"))
         point = (group, state.applied_index)
         ref = by_point.setdefault(point, (node, raw))
         if ref[0] != node and ref[1] != raw:
             findings.append(("snapshot_not_canonical", f"group {group}: {node} and {ref[0]} at applied index "
                              f"{state.applied_index} encode different states"))
     return findings
+
+
+def derived_state(state: ShardState) -> dict[str, Any]:
+    """What a replica keeps beside its canonical state and a restore rebuilds (never snapshotted):
+    how many registrations owe each message, their owed bytes, the messages owed to nobody (the
+    retention candidates), the $share groups, each principal's persistent sessions. A restore that
+    rebuilds them differently from what the replica kept as it applied (a message owed twice counted
+    once: released while still owed) shows only much later, after retention."""
+    t = state.topics
+    owed = t.owed_count
+    unowed = {key & OFFSET_MASK for key in t._unowed_heap}  # stale entries (owed again, gone) aside
+    return {
+        "owed counts": dict(sorted(owed.items())),
+        "owed bytes": dict(sorted(t.owed_bytes.items())),
+        "unowed messages": sorted(o for o in unowed if o in t.meta and not owed.get(o)),
+        "unowed messages missing from the retention heap": sorted(
+            o for o, _, _ in t.meta.times() if not owed.get(o) and o not in unowed),
+        "$share groups": sorted(t.share_keys),
+        "persistent sessions per principal": dict(sorted(state.sessions.persistent.items())),
+    }
+
+
+def _some_difference(a: Any, b: Any) -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted({k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}, key=repr)[:3]
+        return ", ".join(f"{k!r}: kept {a.get(k)!r}, rebuilt {b.get(k)!r}" for k in keys)
+    if isinstance(a, list) and isinstance(b, list):
+        sa, sb = set(a), set(b)
+        return f"only kept {sorted(sa - sb)[:5]}, only rebuilt {sorted(sb - sa)[:5]}"
+    return f"kept {a!r}, rebuilt {b!r}"
 
 
 def _first_difference(a: bytes, b: bytes) -> int:
