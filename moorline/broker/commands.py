@@ -148,7 +148,9 @@ class DropOwed(Cmd, tag="drop"):
 
 class Housekeeping(Cmd, tag="hk"):
     ts_ms: int
-    pin_floor: int  # lowest offset pinned by a reader (retention holds from there); -1 = none
+    # Lowest offset pinned by a reader (retention holds from there); -1 = none. Pins are replicated
+    # now (``Pin``: the shard applies its own); entries of older nodes carry their local pins here.
+    pin_floor: int
 
 
 # --- session-shard commands -----------------------------------------------------------------
@@ -286,6 +288,31 @@ class SetSinkMarker(Cmd, tag="sink"):
     batch_id: int
 
 
+class Pin(Cmd, tag="pin"):
+    """A reader's retention pin on one topic shard (``POST /v1/pins``; the Spark source): nothing
+    at or above ``offset`` is released by retention there until ``ts_ms + ttl_ms`` (the leader's
+    entry time, as every replicated time) unless renewed. Set or renewed only by its ``owner``;
+    at most ``max_pins`` pins in the shard and ``max_per_owner`` of one owner (the proposer's
+    config: pins.max_pins, pins.max_pins_per_principal). Result: "ok", "held" (another owner's),
+    "too_many" or "too_many_for_owner"."""
+
+    reader: str
+    owner: str
+    offset: int
+    ttl_ms: int
+    max_pins: int
+    max_per_owner: int
+    ts_ms: int = 0
+
+
+class Unpin(Cmd, tag="unpin"):
+    """The pin of ``reader`` goes (result "ok", also when there was none), unless another owner
+    holds it ("held")."""
+
+    reader: str
+    owner: str
+
+
 class ClusterRecord(msgspec.Struct, array_like=True, frozen=True):
     """What the metadata group knows of the cluster: its members as (name, node id, storage id),
     the shard layout and each shard's voters and learners (node names). Membership changes will
@@ -381,6 +408,8 @@ Command = (
     | SessionRenew
     | LeaseRelease
     | SetSinkMarker
+    | Pin
+    | Unpin
     | ClusterBootstrap
     | MemberAnnounce
     | MemberSetState

@@ -34,8 +34,9 @@ from moorline.broker.topic_state import (
 # 2: message index and GUID history as columns; 3: $share incarnations; 4: sequenced producers keyed
 # by (principal, producer), registrations without a copy of the client id; 5: a $share group's
 # work-queue policy and state (Registration.queue: single-active, delivery attempts, dead letters,
-# ack timeouts; None elsewhere, and absent, so None, in a version-4 snapshot)
-SNAPSHOT_VERSION = 5
+# ack timeouts; None elsewhere, and absent, so None, in a version-4 snapshot); 6: readers' retention
+# pins (``Pin``; absent, so none, in older snapshots)
+SNAPSHOT_VERSION = 6
 
 
 # How far ahead of a node's last admitted boot (ShardState.admit) a new boot may be: a node starts
@@ -49,6 +50,8 @@ class ShardState:
         self.topics = TopicState(shard, incarnation, limits)
         self.sessions = SessionState(max_session_expiry_s)
         self.sink_markers: dict[str, int] = {}
+        # Readers' retention pins (``c.Pin``): reader -> (offset, until_ms, owner).
+        self.pins: dict[str, tuple[int, int, str]] = {}
         self.cluster: c.ClusterRecord | None = None  # the metadata group's record of the cluster
         self.membership: MembershipState | None = None  # the metadata group's member table (from the record on)
         self.applied_index = 0
@@ -112,7 +115,7 @@ class ShardState:
             case c.DropOwed():
                 return t.apply_drop_owed(cmd, fx)
             case c.Housekeeping():
-                return t.apply_housekeeping(cmd, fx)
+                return t.apply_housekeeping(self._pinned(cmd), fx)
             case c.SessionOpen():
                 return s.apply_open(cmd, fx)
             case c.SessionSubscribe():
@@ -137,6 +140,14 @@ class ShardState:
                 prev = self.sink_markers.get(cmd.query_id, -1)
                 self.sink_markers[cmd.query_id] = max(prev, cmd.batch_id)
                 return self.sink_markers[cmd.query_id]
+            case c.Pin():
+                return self._apply_pin(cmd)
+            case c.Unpin():
+                held = self.pins.get(cmd.reader)
+                if held is not None and held[2] != cmd.owner:
+                    return "held"
+                self.pins.pop(cmd.reader, None)
+                return "ok"
             case c.ClusterBootstrap():
                 if self.cluster is None:
                     self.cluster = cmd.record
@@ -147,6 +158,33 @@ class ShardState:
                     return "the metadata group holds no cluster record yet"
                 return self.membership.apply(cmd)
         raise ValueError(f"unknown command {type(cmd).__name__}")
+
+    def _apply_pin(self, cmd: c.Pin) -> str:
+        pins = self.pins
+        held = pins.get(cmd.reader)
+        if held is not None and held[2] != cmd.owner:
+            return "held"
+        if held is None:
+            if len(pins) >= cmd.max_pins:
+                return "too_many"
+            if sum(1 for p in pins.values() if p[2] == cmd.owner) >= cmd.max_per_owner:
+                return "too_many_for_owner"
+        pins[cmd.reader] = (cmd.offset, cmd.ts_ms + max(0, cmd.ttl_ms), cmd.owner)
+        return "ok"
+
+    def _pinned(self, cmd: c.Housekeeping) -> c.Housekeeping:
+        """``cmd`` with its pin floor lowered to the lowest offset pinned here; pins whose time
+        ran out by the entry's time go first."""
+        pins = self.pins
+        if not pins:
+            return cmd
+        for reader in [r for r, (_o, until, _w) in pins.items() if until < cmd.ts_ms]:
+            del pins[reader]
+        floor = cmd.pin_floor
+        for offset, _until, _owner in pins.values():
+            if floor < 0 or offset < floor:
+                floor = offset
+        return cmd if floor == cmd.pin_floor else msgspec.structs.replace(cmd, pin_floor=floor)
 
     def apply_publishes(self, cmds: list[c.Publish], fx: Effects) -> list[Any]:
         """``apply`` of each command of a run of ``Publish`` commands, in one call (the hot path)."""
@@ -178,6 +216,7 @@ class ShardState:
             epochs=s.epochs,
             session_ts_ms=s.last_ts_ms,
             sink_markers=dict(sorted(self.sink_markers.items())),
+            pins=sorted((r, o, u, w) for r, (o, u, w) in self.pins.items()),
             proposals=sorted((o, b, s) for o, (b, s) in self.proposals.items()),
             cluster=self.cluster,
             membership=self.membership.to_snapshot() if self.membership is not None else None,
@@ -197,7 +236,7 @@ class ShardState:
         if snap.version in (2, 3):  # (a version 2 without registrations fits version 3's types as it is)
             snap.producers = _attribute_producers(snap.producers, snap.dedup[0])
             snap.version = SNAPSHOT_VERSION
-        if snap.version == 4:  # registrations without work-queue fields: their defaults
+        if snap.version in (4, 5):  # no work-queue fields (4), no pins (4, 5): their defaults
             snap.version = SNAPSHOT_VERSION
         if snap.version != SNAPSHOT_VERSION:
             raise ValueError(f"unsupported snapshot version {snap.version}")
@@ -229,6 +268,7 @@ class ShardState:
         st.sessions.last_ts_ms = snap.session_ts_ms
         st.sessions.rebuild_counts()
         st.sink_markers = dict(snap.sink_markers)
+        st.pins = {r: (o, u, w) for r, o, u, w in snap.pins}
         st.proposals = {o: (b, s) for o, b, s in snap.proposals}
         st.cluster = snap.cluster
         if snap.membership is not None:
@@ -296,6 +336,7 @@ class _Snapshot:
     # The metadata group's member table (versioned inside); absent in shards' snapshots and in the
     # metadata group's from before it (then rebuilt from ``cluster``).
     membership: MembershipSnapshot | None = None
+    pins: list[tuple[str, int, int, str]] = field(default_factory=list)  # (reader, offset, until_ms, owner); v6
 
 
 __all__ = ["ShardState", "InflightDelivery", "SubscriptionState"]

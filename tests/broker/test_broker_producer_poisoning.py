@@ -60,7 +60,7 @@ def test_version_3_snapshot_producers_go_to_the_principal_of_their_guid() -> Non
     assert s.apply(c.Publish(msg(guid=p2 + (4).to_bytes(8, "big")), "", p2, 4), fx).status == "ok"
     s.apply(c.Register(0, "cl\x00orders/#", "cl", 1, "orders/#", 1), fx)
     raw = msgspec.msgpack.decode(s.snapshot())
-    assert raw["version"] == SNAPSHOT_VERSION == 5  # 5: $share work-queue fields (defaults when absent)
+    assert raw["version"] == SNAPSHOT_VERSION == 6  # 5: $share work-queue fields (defaults when absent); 6: pins
     # Version 3: producers keyed by the id alone, registrations with a copy of the client id.
     raw["version"] = 3
     raw["producers"] = [[P, 1, 0, 1000], [p2, 4, 1, 1000]]
