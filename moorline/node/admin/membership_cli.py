@@ -40,8 +40,9 @@ def _call(http: str, method: str, path: str, auth: str | None, timeout_s: float)
     """(node asked, HTTP status, JSON body) from the first node of ``http`` that answers."""
     err: list[str] = []
     for base in _bases(http):
-        req = urllib.request.Request(base + path, method=method, data=b"" if method != "GET" else None,
-                                     headers={"Authorization": auth} if auth else {})
+        headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+        req = urllib.request.Request(base + path, method=method, data=b"{}" if method != "GET" else None,
+                                     headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 return base, r.status, json.loads(r.read() or b"{}")

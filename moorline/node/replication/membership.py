@@ -42,7 +42,7 @@ from moorline.raft.types import ConfChange, ConfChangeType, ProposalDropped
 
 log = logging.getLogger("moorline.membership")
 
-DRIVE_INTERVAL_S = 0.5  # how often a node looks at the member table's moves and its own entry
+DRIVE_INTERVAL_S = 0.2  # how often a node looks at the member table's moves and its own entry
 JITTER = 0.2  # reconcile_interval_s varies by this fraction either way
 ANNOUNCE_RETRY_S = 5.0
 END_RETRY_S = 2.0

@@ -4,9 +4,9 @@ Pure, synchronous and deterministic: the metadata group's leader calls ``plan`` 
 table, every group's configuration as its own replica sees it, which nodes it hears from, and what
 is in progress; it gets back at most one change per shard and at most ``max_moves`` in all.
 
-The order is RabbitMQ #7209's lesson: **shrink before grow**. First, members on forgotten or left
+The order is RabbitMQ #7209's lesson: **shrink before grow**. First, voters on forgotten or left
 nodes (and on nodes down longer than ``auto_remove_after_s``, when an operator opted into that) are
-removed, voters before learners — a shard of three with one dead voter becomes a shard of two with
+removed — a shard of three with one dead voter becomes a shard of two with
 two live, never a shard of four with three live, whose majority (three) a second failure would
 take away. A removal that would leave the shard's voters without a live majority is not planned
 (it could not commit anyway; ``forget`` refuses it up front). Only then, a shard below its target
@@ -16,6 +16,8 @@ gets one voter more, on a live active node chosen by:
 2. fewest voters across the cluster (counting the changes planned in this round);
 3. fewest leaderships;
 4. a hash of (cluster key, shard, node name): deterministic, and spread.
+
+Last, learners on gone nodes are removed (they count for no quorum: nothing waits for them).
 
 Every node already follows every shard as a learner, so growing is usually ``promote``; a learner
 is promoted only within ``promote_lag_entries`` of the leader's log (a lag not known to the planner
@@ -110,13 +112,13 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
     touched: set[int] = set()
     ordered = sorted(groups, key=lambda g: g.shard)
 
-    # 1. Shrink: memberships on gone nodes, voters first.
+    # 1. Shrink: voters on gone nodes (their learners go last, in 3: nothing waits for them).
     for g in ordered:
         if budget <= 0:
             return out
         if g.busy:
             continue
-        for m in (*g.voters, *g.learners):
+        for m in g.voters:
             node = by_member.get(m)
             why = _removable(node, settings.auto_remove_after_s)
             if why is None:
@@ -171,7 +173,23 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
                                f"shard {g.shard} has {len(counted)} of {g.target} voters"))
         if kind == "promote":
             voters_of[best.name] = voters_of.get(best.name, 0) + 1
+        touched.add(g.shard)
         budget -= 1
+
+    # 3. Clean up: learners on gone nodes.
+    for g in ordered:
+        if budget <= 0:
+            break
+        if g.busy or g.shard in touched:
+            continue
+        for m in g.learners:
+            node = by_member.get(m)
+            why = _removable(node, settings.auto_remove_after_s)
+            if why is not None:
+                name = node.name if node is not None else f"node {m[0]} (storage {m[1]})"
+                out.append(PlannedMove(g.shard, "remove", name, m, why))
+                budget -= 1
+                break
     return out
 
 
