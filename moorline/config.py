@@ -60,6 +60,10 @@ class ListenerConfig:
     # port as the listener. "*" allows every Origin. A client that sends no Origin (not a browser) is
     # not affected.
     ws_allowed_origins: list[str] = field(default_factory=list)
+    # HOST:PORT of this node's MQTT listener as clients should reach it: announced to the cluster's
+    # peers, which name it in the Server Reference of an MQTT 5 CONNACK / DISCONNECT 0x9C (use another
+    # server) while they drain. Unset: the bound mqtt address (a wildcard host replaced by --cluster's).
+    advertise: str | None = None
 
 
 @dataclass
@@ -295,6 +299,12 @@ class ClusterConfig:
     snapshot_window_chunks: int = 4
     max_snapshot_transfers: int = 2
     snapshot_stall_timeout_s: float = 10.0
+    # A drain (SIGTERM, POST /v1/drain, `moorline cluster drain`) hands every leadership over, answers
+    # every publish in flight, sends MQTT 5 clients to another node (0x9C) and exits 0 within this.
+    drain_timeout_s: float = 20.0
+    # GET /v1/health?ready=cluster counts a replica caught up when its shard's leader knows it holds
+    # the log to within this many entries of the commit index (and heard from it recently).
+    ready_max_lag_entries: int = 100
     # Membership (docs/operations.md, "Change a cluster"). The metadata group's leader compares every
     # shard with its target (shard.replicas) every reconcile_interval_s (+-20 % jitter) and
     # reconcile_after_event_s after a membership event: members on forgotten or left nodes go first,
@@ -500,6 +510,8 @@ class NodeConfig:
             raise ConfigError("cluster.snapshot_chunk_bytes must be within 4 KiB..16 MiB")
         if not 1 <= cl.snapshot_window_chunks <= 64 or cl.max_snapshot_transfers < 1:
             raise ConfigError("cluster.snapshot_window_chunks must be 1..64, cluster.max_snapshot_transfers 1 or more")
+        if not 1.0 <= cl.drain_timeout_s <= 3600 or cl.ready_max_lag_entries < 0:
+            raise ConfigError("cluster.drain_timeout_s must be within 1..3600, cluster.ready_max_lag_entries 0 or more")
         if not cl.snapshot_stall_timeout_s > 0:
             raise ConfigError("cluster.snapshot_stall_timeout_s must be positive")
         if not (cl.reconcile_interval_s > 0 and cl.reconcile_after_event_s >= 0 and cl.move_timeout_s > 0):
@@ -544,6 +556,10 @@ class NodeConfig:
         if t.use_identity_as_username and not t.require_client_cert:
             raise ConfigError("tls.use_identity_as_username needs tls.require_client_cert = true: the certificate "
                               "is then the login")
+        if li.advertise is not None:
+            a_host, a_sep, a_port = li.advertise.rpartition(":")
+            if not a_sep or not a_host.strip("[]") or not a_port.isdigit() or not 0 < int(a_port) <= 65535:
+                raise ConfigError(f"listeners.advertise must be HOST:PORT, not {li.advertise!r}")
         if not 0 < li.ws_close_timeout_s <= 60:
             raise ConfigError("listeners.ws_close_timeout_s must be positive, at most 60")
         if not 0 <= self.sys.interval_s <= 86400:

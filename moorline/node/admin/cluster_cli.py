@@ -152,3 +152,91 @@ def _print(console: Any, base: str, cluster: dict[str, Any], shards: dict[str, A
 
 
 register(app)  # forget, shard add-replica|remove-replica
+
+
+def _auth_header(user: str | None, password: str | None, token: str | None) -> str | None:
+    if token:
+        return f"Bearer {token}"
+    if user is not None:
+        return "Basic " + base64.b64encode(f"{user}:{password or ''}".encode()).decode()
+    return None
+
+
+def _post(base: str, path: str, body: Any, auth: str | None, timeout_s: float) -> Any:
+    headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
+    req = urllib.request.Request(base.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers,
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        text = exc.read().decode(errors="replace")[:300]
+        raise Refused(f"{base}{path}: HTTP {exc.code} {text}") from exc
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        raise Unreachable(reason.strerror if isinstance(reason, OSError) and reason.strerror else str(reason)) from exc
+    except (OSError, ValueError) as exc:
+        raise Unreachable(str(exc)) from exc
+
+
+@app.command()
+def drain(
+    node: Annotated[str, typer.Argument(help="the node to drain, by its --node-id (e.g. n2)")],
+    http: Annotated[str, typer.Option(
+        help="any live node's HTTP listener HOST:PORT, or several separated by commas: the first that answers "
+             "is asked (and forwards the request to NODE over the cluster link)")] = "127.0.0.1:8888",
+    user: Annotated[str | None, typer.Option(help="HTTP Basic user (an admin)")] = None,
+    password: Annotated[str | None, typer.Option(help="HTTP Basic password")] = None,
+    token: Annotated[str | None, typer.Option(help="bearer token (instead of user/password)")] = None,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for each node's answer")] = 5.0,
+    wait: Annotated[float, typer.Option(
+        help="then wait up to this many seconds until NODE has stopped (no longer reachable from the node "
+             "asked); 0: do not wait")] = 0.0,
+) -> None:
+    """Drain NODE: it refuses new connections (MQTT 5: 0x9C naming another node), hands its leaderships
+    over, closes each client once its publishes are answered (MQTT 5: DISCONNECT 0x9C with a Server
+    Reference) and exits 0 within cluster.drain_timeout_s. Then restart it, and wait for
+    GET /v1/health?ready=cluster before draining the next one (docs/operations.md, rolling restart)."""
+    import time
+
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    auth = _auth_header(user, password, token)
+    bases = _addresses(http)
+    if not bases:
+        raise typer.BadParameter("give at least one HOST:PORT", param_hint="--http")
+    for i, base in enumerate(bases):
+        try:
+            answer = _post(base, "/v1/drain", {"node": node}, auth, timeout)
+        except Unreachable as exc:
+            more = f"; trying {bases[i + 1].removeprefix('http://')}" if i + 1 < len(bases) else ""
+            err.print(f"{base.removeprefix('http://')}: unreachable ({exc}){more}", markup=False, highlight=False)
+            continue
+        except Refused as exc:
+            err.print(f"moorline cluster drain: {exc}", markup=False, highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        how = f" (asked through {answer['forwarded_by']})" if answer.get("forwarded_by") else ""
+        print(f"{node} is draining{how}; it exits within {answer.get('timeout_s')} s")
+        if wait <= 0:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                cluster = _get(base, "/v1/cluster", auth, timeout)
+            except Unreachable:
+                if not answer.get("forwarded_by"):  # the node asked was NODE itself: it has stopped
+                    print(f"{node} has stopped")
+                    return
+                continue
+            except Refused as exc:
+                err.print(f"moorline cluster drain: {exc}", markup=False, highlight=False, soft_wrap=True)
+                raise typer.Exit(1) from None
+            if any(n.get("id") == node and not n.get("reachable") for n in cluster.get("nodes", [])):
+                print(f"{node} has stopped")
+                return
+        err.print(f"moorline cluster drain: {node} still running after {wait:g} s", markup=False, highlight=False)
+        raise typer.Exit(1)
+    err.print("moorline cluster drain: no node answered", markup=False, highlight=False)
+    raise typer.Exit(1)

@@ -58,6 +58,7 @@ from moorline.mqtt.topics import (
 )
 from moorline.node.admin.openapi import openapi_document
 from moorline.node.edge.auth import Authorizer, Login, Principal
+from moorline.node.edge.drain import Drain, cluster_readiness, node_readiness
 from moorline.node.node import Node
 from moorline.node.replication.shard_host import ShardUnavailable
 
@@ -153,7 +154,7 @@ def _consume(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.Application:
+def make_app(node: Node, authorizer: Authorizer, auth_required: bool, drain: Drain | None = None) -> web.Application:
     cfg = node.cfg
     open_status = cfg.auth.http_open_status
     anonymous = Caller(ANONYMOUS, admin=not auth_required)
@@ -551,9 +552,50 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
         return web.json_response({"drops": list(node.iter_drops())})
 
     @routes.get("/v1/health")
-    async def health(_req: web.Request) -> web.Response:
+    async def health(req: web.Request) -> web.Response:
+        """Liveness (no ``ready``: 503 only when a shard failed; a draining node is alive), or
+        readiness: ``ready=node`` (this node takes clients), ``ready=cluster`` (safe to take the next
+        node down: node/edge/drain.py cluster_readiness); 503 with the reasons when not."""
         failed = {h.shard: h.failed for h in node.hosts if h.failed}
-        return web.json_response({"ok": not failed, "failed_shards": failed}, status=200 if not failed else 503)
+        body: dict[str, Any] = {"ok": not failed, "failed_shards": failed,
+                                "draining": drain is not None and drain.draining}
+        if drain is not None and drain.draining:
+            body["drain"] = drain.status()
+        ready = req.query.get("ready")
+        if ready is None:
+            return web.json_response(body, status=200 if not failed else 503)
+        if ready == "node":
+            reasons = node_readiness(node, drain)
+        elif ready == "cluster":
+            reasons = cluster_readiness(node, drain, node.clock.monotonic())
+        else:
+            return _err(400, f"ready must be 'node' or 'cluster', not {ready[:40]!r}")
+        body.update(ready=not reasons, not_ready=reasons)
+        return web.json_response(body, status=503 if reasons else 200)
+
+    @routes.post("/v1/drain")
+    async def drain_route(req: web.Request) -> web.Response:
+        if (refused := admin_only()) is not None:
+            return refused
+        try:
+            asked = await read_json(req, hcfg.max_body_bytes)
+        except BodyError as exc:
+            return _err(exc.status, str(exc))
+        target = asked.get("node") if isinstance(asked, dict) else None
+        if not isinstance(asked, dict) or not (target is None or isinstance(target, str)):
+            return _err(400, 'the body must be an object: {} (this node) or {"node": NAME}')
+        me = node.link.spec.me if node.link is not None else node.node_name(node.member[0])
+        if target is None or target == me:
+            if drain is None:
+                return _err(503, "this node cannot drain here (no MQTT server)")
+            started = drain.request(f"POST /v1/drain by {CALLER.get().key or 'anonymous'}")
+            return web.json_response({"node": me, "draining": True, "already": not started,
+                                      "timeout_s": drain.timeout_s}, status=202)
+        if node.link is None or not node.link.request_drain(target):
+            known = ", ".join(node.link.spec.names) if node.link is not None else me
+            return _err(404, f"no node {target[:60]!r} in this cluster (nodes: {known})")
+        return web.json_response({"node": target, "draining": True, "forwarded_by": me,
+                                  "timeout_s": cfg.cluster.drain_timeout_s}, status=202)
 
     api_doc = openapi_document()
 
@@ -600,6 +642,9 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool) -> web.App
                   "# TYPE moorline_share_ack_timeouts_total counter",
                   f"moorline_share_ack_timeouts_total {node.share_ack_timeouts}"]
         lines += _group_metric_lines(node)
+        lines += ["# TYPE moorline_draining gauge", f"moorline_draining {int(drain is not None and drain.draining)}",
+                  "# TYPE moorline_cluster_ready gauge",
+                  f"moorline_cluster_ready {int(not cluster_readiness(node, drain, node.clock.monotonic()))}"]
         lines.append("# TYPE moorline_shard_failed gauge")
         for h in node.hosts:
             lines.append(f'moorline_shard_failed{{shard="{h.shard}"}} {1 if h.failed else 0}')

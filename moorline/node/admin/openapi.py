@@ -116,6 +116,14 @@ DROP = obj({
     "subscription": string("the subscription: client id / filter, or the $share group's key"),
 }, ("guid", "reason", "shard", "offset", "session", "subscription"))
 
+HEALTH = obj({
+    "ok": boolean("no shard failed on this node"), "failed_shards": obj({}, more=string()),
+    "draining": boolean("this node drains (it refuses new clients, then exits)"),
+    "drain": obj({}, (), "while draining: phase, reason, elapsed_s, timeout_s, clients_closed, clients_cut",
+                 more=True),
+    "ready": boolean("with ready=: ready"), "not_ready": array(string(), "with ready=: why not, one line each"),
+}, ("ok", "failed_shards", "draining"))
+
 
 @dataclass(frozen=True)
 class Param:
@@ -243,12 +251,24 @@ ROUTES: tuple[Route, ...] = (
     Route("get", "/v1/drops", "Messages removed by a counted limit before every owed ack", ADMIN, {
         200: ("every recorded drop still in shard state", obj({"drops": array(DROP)}, ("drops",))),
     }, tags=("admin",)),
-    Route("get", "/v1/health", "Whether every shard serves", OPEN_STATUS, {
-        200: ("every shard serves", obj({"ok": boolean(), "failed_shards": obj({}, more=string())},
-                                        ("ok", "failed_shards"))),
-        503: ("a shard stopped: failed_shards maps it to the reason",
-              obj({"ok": boolean(), "failed_shards": obj({}, more=string())}, ("ok", "failed_shards"))),
-    }, tags=("admin",)),
+    Route("get", "/v1/health", "Whether every shard serves; with ready=, whether the node (or cluster) is ready",
+          OPEN_STATUS, {
+              200: ("every shard serves (and, with ready=, ready)", HEALTH),
+              400: ("ready is neither node nor cluster", ERROR),
+              503: ("a shard stopped (failed_shards maps it to the reason), or, with ready=, not ready "
+                    "(not_ready says why)", HEALTH),
+          }, params=(Param("ready", "query", string(enum=["node", "cluster"]),
+                           "node: 503 unless this node takes clients (not draining, no shard failed), for a load "
+                           "balancer; cluster: 503 unless it is safe to take the next node down (every peer heard "
+                           "from and not draining, every group led and every replica caught up), for a rolling "
+                           "restart"),), tags=("admin",)),
+    Route("post", "/v1/drain", "Drain this node or another (then it exits 0)", ADMIN, {
+        202: ("the drain began (already: it had)", obj({
+            "node": string(), "draining": boolean(), "already": boolean(), "forwarded_by": string(),
+            "timeout_s": number("cluster.drain_timeout_s")}, ("node", "draining", "timeout_s"))),
+        400: ("the body is not {} or {\"node\": NAME}", ERROR),
+        404: ("no such node in the cluster", ERROR),
+    }, body=obj({"node": string("the node's name (--node-id); this node when absent")}), tags=("admin",)),
     Route("get", "/metrics", "Prometheus metrics (text exposition format; docs/metrics.md)", OPEN_STATUS, {
         200: ("metrics, text/plain", None),
     }, tags=("admin",)),

@@ -31,6 +31,7 @@ from moorline.mqtt.reasons import suback_v5_to_v3, v3_connack_applicable
 from moorline.mqtt.topics import parse_shared
 from moorline.node.admin.sys_topics import is_sys_filter
 from moorline.node.edge.auth import Principal
+from moorline.node.edge.drain import refusal_connack
 from moorline.node.edge.tls import certificate_login
 from moorline.node.node import NodeFailure, SessionOwnedByOther, SessionQuotaExceeded
 from moorline.node.replication.shard_host import Callback, ShardUnavailable
@@ -141,6 +142,7 @@ class Connection(asyncio.Protocol):
         self._q2_inprogress: set[int] = set()
         self._acks_paused = False  # reading paused because too many acknowledgements are pending
         self._busy = False  # the handler task is in the middle of a packet: keep arrival order
+        self.drain_stopped = False  # the node drains: this socket is read no more (node/edge/drain.py)
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.last_rx = self.node.clock.monotonic()
@@ -200,10 +202,48 @@ class Connection(asyncio.Protocol):
         """Node-wide back-pressure (event-loop lag): reading is what creates load."""
         if self.transport is None or self._closing:
             return
-        if on and not self._paused and not self._acks_paused:
+        if on and not self._paused and not self._acks_paused and not self.drain_stopped:
             self.transport.resume_reading()
         elif not on:
             self.transport.pause_reading()
+
+    def stop_reading_for_drain(self) -> None:
+        """The node drains: read nothing more (what the client sends now stays unacknowledged in
+        its socket, and is resent to the next node); what was read is still answered."""
+        self.drain_stopped = True
+        if self.transport is not None and not self._closing:
+            self.transport.pause_reading()
+
+    def close_session_for_drain(self) -> asyncio.Future[None] | None:
+        """The node drains: end this connection's session in its shard now (its will as on any close
+        by the server), before the client is sent elsewhere, so that its CONNECT there finds the
+        session released rather than waiting out this node's lease (session.owner_lease_s). The
+        future is done once the close is applied or failed; None: no session on this connection."""
+        live = self.live
+        if live is None:
+            return None
+        self.live = None
+        log.info("disconnect: client %r user %r from %s: node draining", self.client_id, self.user, self.peer)
+        if self.node.connections.get(self.client_id) is self:
+            del self.node.connections[self.client_id]
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def outcome(_fut: asyncio.Future[Any]) -> None:
+            if not done.done():
+                done.set_result(None)
+
+        try:
+            task = self.node.close_session(live, self.will_on_close, self.session_expiry_override, outcome)
+        except ShardUnavailable as exc:
+            log.warning("%r: session close not recorded: %s", self.client_id, exc)
+            return None
+        task.add_done_callback(_log_task_error)
+        return done
+
+    def has_unanswered_work(self) -> bool:
+        """A packet read and not yet answered: an acknowledgement queued, a packet queued or in the
+        handler (a CONNECT, a QoS 2 PUBLISH, a SUBSCRIBE being committed)."""
+        return bool(self._acks) or bool(self._queue) or self._busy
 
     def pause_writing(self) -> None:
         """The client reads slower than we deliver: stop the pump (messages stay queued, owed)."""
@@ -332,7 +372,7 @@ class Connection(asyncio.Protocol):
             # keepalive and timeouts only after the loop has polled the socket again.
             self._arm_timer(AFTER_STALL_RECHECK_S)
             return
-        if self.server.reading_paused or self._paused or self._acks_paused:
+        if self.server.reading_paused or self._paused or self._acks_paused or self.drain_stopped:
             # We are not reading this socket (back-pressure): the silence is ours, not the client's.
             self.last_rx = now
             if self.state.partial_since is not None:
@@ -382,7 +422,7 @@ class Connection(asyncio.Protocol):
                 if not self._queue:
                     if self._paused and self.transport is not None:
                         self._paused = False
-                        if not self.server.reading_paused and not self._acks_paused:
+                        if not self.server.reading_paused and not self._acks_paused and not self.drain_stopped:
                             self.transport.resume_reading()
                     self._queue_event.clear()
                     await self._queue_event.wait()
@@ -531,6 +571,13 @@ class Connection(asyncio.Protocol):
     async def _on_connect(self, pk: p.Connect) -> None:
         self.version = pk.protocol_level
         v5 = self.version == MQTT_5
+        drain = self.server.drain
+        if drain is not None and drain.draining:  # told where to go (5.0), before any login work
+            in_cluster = self.node.link is not None
+            ref = self.server.client_address_of_live_peer(pk.client_id) if in_cluster else None
+            self._write(encode(refusal_connack(self.version, ref, in_cluster), self.version))
+            self.abort("connect refused: node draining")
+            return
         props = pk.properties
         if v5 and props.authentication_method is not None:
             self._connack_refuse(RC.BAD_AUTH_METHOD)
@@ -867,7 +914,8 @@ class Connection(asyncio.Protocol):
                     self.state.note_inbound_acked(pid)
         if self._acks_paused and self._acks_waiting < self.cfg.receive_maximum // 2 and not self._closing:
             self._acks_paused = False
-            if not self._paused and not self.server.reading_paused and self.transport is not None:
+            if (not self._paused and not self.server.reading_paused and not self.drain_stopped
+                    and self.transport is not None):
                 self.transport.resume_reading()
 
     def _send_group_pubacks(self, pids: list[int], results: list[PublishResult]) -> bool:

@@ -21,6 +21,14 @@ from moorline.mqtt.topics import TopicBounds
 from moorline.node.admin.sys_topics import SysTopics
 from moorline.node.edge.auth import Authorizer
 from moorline.node.edge.connection import Connection, FailedLoginLog
+from moorline.node.edge.drain import (
+    Drain,
+    Phase,
+    advertised_address,
+    announcement,
+    client_address_of_live_peer,
+    close_clients,
+)
 from moorline.node.edge.listeners import BACKLOG, Listener, bind_all, close_all, configured
 from moorline.node.edge.listeners import parse_hostport as parse_hostport
 from moorline.node.edge.tls import TlsContexts
@@ -156,6 +164,7 @@ class MqttServer:
         self._refusals_unlogged = 0
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
         self.sys_topics: SysTopics | None = None  # $SYS subscribers of this node (serve() sets it)
+        self.drain: Drain | None = None  # set by serve(): while it drains, CONNECTs are sent elsewhere
         self.failed_logins = FailedLoginLog(node.cfg.log.failed_login_interval_s, node.clock.monotonic)
         self.client_log = SourceLog(node.cfg.log.per_source_lines_per_minute)
 
@@ -168,6 +177,10 @@ class MqttServer:
             if left_out:
                 msg += f" ({left_out} more lines from this address left out)"
             logger.log(level, msg, *args)
+
+    def client_address_of_live_peer(self, client_id: str) -> str | None:
+        """Where to send a client of this node that it will not serve (MQTT 5 Server Reference)."""
+        return client_address_of_live_peer(self.node, client_id, self.node.clock.monotonic())
 
     def protocol_factory(self) -> Connection:
         return Connection(self)
@@ -296,8 +309,17 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
     accepting: list[AdmittingListener] = []  # listeners that admit a socket before its handshake or upgrade
     if "mqtts" in by_key:
         accepting.append(AdmittingListener(server, sock("mqtts"), tls, lambda conn: conn))
+    drain = Drain(cfg.cluster.drain_timeout_s, node.clock.monotonic)
+    server.drain = drain
+    drain.on_begin.append(stop.set)
+    if node.link is not None:
+        link = node.link
+        client_address = advertised_address(node, by_key["mqtt"].bound())
+        link.announce_extra = lambda: announcement(node, drain, client_address)
+        drain.on_begin.append(link.announce_now)  # the peers stop sending clients here at once
+        link.on_drain_request = lambda peer: _drain_asked(drain, f"asked through {peer} (POST /v1/drain)")
     # shutdown_timeout: open requests (a long fetch, a WebSocket) get shutdown_drain_s to finish, not aiohttp's 60 s
-    http_runner = web.AppRunner(make_app(node, authorizer, http_auth), access_log=None,
+    http_runner = web.AppRunner(make_app(node, authorizer, http_auth, drain), access_log=None,
                                 shutdown_timeout=cfg.shutdown_drain_s)
     await http_runner.setup()
     await web.SockSite(http_runner, sock("http"), backlog=BACKLOG).start()
@@ -337,14 +359,22 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
     await stop.wait()
     watcher.cancel()
     await node.supervisor.stop(edge_tasks)
-    log.info("stopping%s: closing listeners and connections", f" ({signals[0]})" if signals else "")
+    if node.fatal is None:
+        drain.request(signals[0] if signals else "stop")  # a no-op when POST /v1/drain began it
+        await _drain(node, server, drain)
+    log.info("stopping%s: closing listeners and connections", f" ({drain.reason or signals[0]})"
+             if drain.reason or signals else "")
     for srv in servers:
         srv.close()
     for listener in accepting:
         listener.close()
     # Cluster: hand every leadership to a caught-up peer while this node's clients are still
     # connected, so their in-flight publishes commit and are acknowledged (bounded).
-    await node.hand_over_leadership(timeout_s=min(cfg.shutdown_drain_s, 3.0))
+    # (After a drain: only what came back since, within the drain's time.)
+    handover_s = min(cfg.shutdown_drain_s, 3.0)
+    if drain.draining:
+        handover_s = max(0.1, min(handover_s, drain.remaining(drain.deadline) / 2))
+    await node.hand_over_leadership(timeout_s=handover_s)
     for conn in list(server.connections):
         if conn.version == MQTT_5 and not conn._closing and conn.live is not None:
             conn._write(encode(Disconnect(RC.SERVER_SHUTTING_DOWN), MQTT_5))
@@ -363,6 +393,29 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
         print(f"moorline: fatal: {node.fatal}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _drain_asked(drain: Drain, reason: str) -> None:
+    if drain.request(reason):
+        log.info("drain %s", reason)
+
+
+async def _drain(node: Node, server: MqttServer, drain: Drain) -> None:
+    """The drain (node/edge/drain.py): CONNECTs are refused from now on; every leadership is handed
+    over while the clients are connected; then each connection stops being read and is closed once
+    what it sent is answered (MQTT 5: DISCONNECT 0x9C naming a live peer). Within the drain's time."""
+    t0 = node.clock.monotonic()
+    in_cluster = node.link is not None
+    log.info("draining (%s): new connections are sent to other nodes; handing leaderships over, then closing "
+             "%d connections once their publishes are answered (within %.0f s, cluster.drain_timeout_s)",
+             drain.reason, len(server.connections), drain.timeout_s)
+    if in_cluster:
+        await node.hand_over_leadership(timeout_s=max(0.1, drain.remaining() / 2))
+    drain.advance(Phase.CLOSING_CLIENTS)
+    await close_clients(list(server.connections), drain, server.client_address_of_live_peer, in_cluster)
+    drain.advance(Phase.STOPPING)
+    log.info("drained in %.2f s: %d connections closed once answered, %d at the deadline", node.clock.monotonic() - t0,
+             drain.clients_closed, drain.clients_cut)
 
 
 async def _open_unless_stopped(node: Node, stop: asyncio.Event) -> bool:

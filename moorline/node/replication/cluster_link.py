@@ -188,6 +188,12 @@ class ClusterLink:
         self.on_forward: Callable[[int, list[bytes]], None] | None = None
         self.frames_in = 0
         self.hosts: list[Any] = []  # the node's ShardHosts (set by the node): snapshots are read from them
+        # Announcements carry more than storage ids once the node serves (node/edge/drain.py: its client
+        # address, whether it drains, the groups it leads and which of those are not whole); each
+        # peer's latest, with when it arrived, is kept for readiness and Server References.
+        self.announce_extra: Callable[[], dict[str, Any]] | None = None
+        self.announced: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.on_drain_request: Callable[[str], None] | None = None  # a peer asks this node to drain
         self.snapshots = SnapshotTransfers(
             TransferLimits.from_config(cfg),
             lambda peer, data: self.transport.send(peer, Stream.SNAPSHOT, Payload(SNAP_PAYLOAD, data)),
@@ -222,12 +228,28 @@ class ClusterLink:
 
     async def _announce_loop(self) -> None:
         while True:
-            body = _fwd_enc.encode({"name": self.spec.me, "storage_id": self.storage_id, "members": self.members,
-                                    "layout": self.layout})
-            for peer in self.spec.names:
-                if peer != self.spec.me:
-                    self.transport.send(peer, Stream.CONTROL, Payload("member", body))
+            self.announce_now()
             await asyncio.sleep(ANNOUNCE_INTERVAL_S)
+
+    def announce_now(self) -> None:
+        """This node's announcement to every peer (also between the periodic ones: a drain's start)."""
+        fields = {"name": self.spec.me, "storage_id": self.storage_id, "members": self.members, "layout": self.layout}
+        if self.announce_extra is not None:
+            try:
+                fields = {**self.announce_extra(), **fields}
+            except Exception:  # noqa: BLE001 - the storage-id announcement must go on regardless
+                log.exception("cluster: this node's announcement could not be completed")
+        body = _fwd_enc.encode(fields)
+        for peer in self.spec.names:
+            if peer != self.spec.me:
+                self.transport.send(peer, Stream.CONTROL, Payload("member", body))
+
+    def request_drain(self, peer: str) -> bool:
+        """Ask ``peer`` to drain (POST /v1/drain naming another node); False: no such peer."""
+        if peer == self.spec.me or peer not in self.spec.names:
+            return False
+        self.transport.send(peer, Stream.CONTROL, Payload("drain", b""))
+        return True
 
     # --- outgoing --------------------------------------------------------------------------------
     def send(self, shard: int, msgs: list[Message]) -> None:
@@ -295,7 +317,11 @@ class ClusterLink:
                     body = _member_dec.decode(frame.data)
                     if body.get("name") != peer:
                         raise ForgedSender(f"a membership announcement of {escape(str(body.get('name')), 80)}")
+                    self.announced[peer] = (self._clock(), body)
                     self._on_member(peer, body)
+                elif frame.kind == "drain":  # from an authenticated peer, asked by its admin
+                    if self.on_drain_request is not None:
+                        self.on_drain_request(peer)
                 elif frame.kind == SNAP_PAYLOAD:
                     self.snapshots.on_payload(peer, frame.data)
         except ForgedSender as exc:
