@@ -57,6 +57,7 @@ from moorline.mqtt.topics import (
     validate_topic_name,
 )
 from moorline.node.admin.openapi import openapi_document
+from moorline.node.admin.pins import remove_pin, set_pin
 from moorline.node.edge.auth import Authorizer, Login, Principal
 from moorline.node.edge.drain import Drain, cluster_readiness, node_readiness
 from moorline.node.node import Node
@@ -158,7 +159,6 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool, drain: Dra
     cfg = node.cfg
     open_status = cfg.auth.http_open_status
     anonymous = Caller(ANONYMOUS, admin=not auth_required)
-    pin_owner: dict[str, str] = {}  # reader -> Caller.key of the pin's holder
     markers_created: dict[str, int] = {}  # Caller.key -> query ids it created in this run
     hcfg = cfg.http
     bounds = TopicBounds(cfg.mqtt.max_topic_levels, cfg.mqtt.max_topic_length)
@@ -477,33 +477,17 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool, drain: Dra
         if not ttl > 0 or not math.isfinite(ttl):
             return _err(400, "ttl_ms must be a positive number")
         ttl = min(ttl, cfg.pins.max_ttl_s)
-        for r in [r for r in pin_owner if r not in node.pins]:  # expired or removed since
-            del pin_owner[r]
-        if reader in node.pins:
-            if pin_owner.get(reader, key) != key:
-                return _err(403, f"pin {reader!r} is held by another principal")
-        else:
-            if len(node.pins) >= cfg.pins.max_pins:
-                return _err(429, f"too many pins (pins.max_pins = {cfg.pins.max_pins})")
-            if sum(1 for o in pin_owner.values() if o == key) >= cfg.pins.max_pins_per_principal:
-                return _err(429, f"too many pins for this principal (pins.max_pins_per_principal = "
-                                 f"{cfg.pins.max_pins_per_principal})")
-        node.pins[reader] = (offsets, node.clock.wall_ms() / 1000 + ttl)
-        pin_owner[reader] = key
-        return web.json_response({"reader": reader, "offsets": {str(k): v for k, v in offsets.items()},
-                                  "ttl_ms": round(ttl * 1000)})
+        # Through the logs of the shards it names (admin/pins.py): whoever leads them holds it.
+        status, out = await set_pin(node, cfg, key, reader, offsets, max(1, round(ttl * 1000)))
+        return web.json_response(out, status=status)
 
     @routes.delete("/v1/pins/{reader}")
     async def unpin(req: web.Request) -> web.Response:
         if (refused := admin_only()) is not None:
             return refused
         reader = req.match_info["reader"]
-        key = CALLER.get().key
-        if reader in node.pins and pin_owner.get(reader, key) != key:
-            return _err(403, f"pin {reader!r} is held by another principal")
-        node.pins.pop(reader, None)
-        pin_owner.pop(reader, None)
-        return web.json_response({"ok": True})
+        status, out = await remove_pin(node, cfg, CALLER.get().key, reader)
+        return web.json_response(out, status=status)
 
     @routes.get("/v1/sink-markers/{query_id}")
     async def get_marker(req: web.Request) -> web.Response:
