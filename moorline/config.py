@@ -319,6 +319,10 @@ class ClusterConfig:
     promote_lag_entries: int = 1000
     move_timeout_s: float = 120.0
     auto_remove_after_s: float = 0.0
+    # Owner leases are safe only while shard leaders' wall clocks agree within a margin (docs/design.md,
+    # "Leases and clocks"): a node whose clock is not within this of a majority of the cluster (measured
+    # over the cluster link) refuses new sessions and leads nothing. At most half the lease margin.
+    max_clock_offset_ms: float = 500.0
 
 
 @dataclass
@@ -514,6 +518,12 @@ class NodeConfig:
             raise ConfigError("cluster.drain_timeout_s must be within 1..3600, cluster.ready_max_lag_entries 0 or more")
         if not cl.snapshot_stall_timeout_s > 0:
             raise ConfigError("cluster.snapshot_stall_timeout_s must be positive")
+        # Two nodes each within the bound of a third may be twice it apart: that must stay inside the
+        # leases' margin (the old owner closes its client 1 s early, and owner_lease_drift of the lease).
+        lease_margin_ms = (self.session.owner_lease_s * self.session.owner_lease_drift + 1.0) * 1000
+        if not 0 < 2 * cl.max_clock_offset_ms < lease_margin_ms:
+            raise ConfigError(f"cluster.max_clock_offset_ms must be positive and below half the owner lease's "
+                              f"margin ({lease_margin_ms / 2:g} ms with these session.owner_lease_* settings)")
         if not (cl.reconcile_interval_s > 0 and cl.reconcile_after_event_s >= 0 and cl.move_timeout_s > 0):
             raise ConfigError("cluster.reconcile_interval_s and cluster.move_timeout_s must be positive, "
                               "cluster.reconcile_after_event_s 0 or more")

@@ -640,6 +640,15 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool, drain: Dra
         if node.link is not None:
             for peer, n in sorted(node.link.frames_refused.items()):
                 lines.append(f'moorline_cluster_frames_refused_total{{peer="{peer}"}} {n}')
+        lines.append("# TYPE moorline_cluster_clock_offset_ms gauge")  # cluster mode only (clock_offset.py)
+        if node.link is not None:
+            clocks = node.link.clocks
+            for peer in clocks.peers:
+                est = clocks.estimate(peer)
+                if est is not None:
+                    lines.append(f'moorline_cluster_clock_offset_ms{{peer="{peer}"}} {est.offset_ms:.1f}')
+            lines += ["# TYPE moorline_cluster_clock_out_of_bound gauge",
+                      f"moorline_cluster_clock_out_of_bound {int(clocks.out_of_bound() is not None)}"]
         lines += membership_metric_lines(node)
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 

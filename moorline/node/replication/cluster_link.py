@@ -44,6 +44,8 @@ from moorline.cluster.stats import escape
 from moorline.cluster.tls import ClusterTls, cert_node_name, load_cluster_tls
 from moorline.config import ClusterConfig, ConfigError
 from moorline.node.aio import cancel_all
+from moorline.node.replication.clock_offset import PAYLOAD_KIND as CLOCK_PAYLOAD
+from moorline.node.replication.clock_offset import PROBE_INTERVAL_S, ClockOffsets
 from moorline.node.replication.snapshot_transfer import PAYLOAD_KIND as SNAP_PAYLOAD
 from moorline.node.replication.snapshot_transfer import SnapshotTransfers, TransferLimits
 from moorline.node.seams import PRODUCTION, Seams
@@ -198,11 +200,16 @@ class ClusterLink:
             TransferLimits.from_config(cfg),
             lambda peer, data: self.transport.send(peer, Stream.SNAPSHOT, Payload(SNAP_PAYLOAD, data)),
             lambda: self.hosts, self._step_snapshot, spec.node_id, spec.name_of, rng)
+        # Peers' wall-clock offsets (clock_offset.py): owner leases are safe only within a bound.
+        self.clocks = ClockOffsets(
+            spec.me, spec.names, lambda peer, data: self.transport.send(peer, Stream.CONTROL, Payload(CLOCK_PAYLOAD, data)),
+            seams.clock.wall_ms, seams.clock.monotonic, cfg.max_clock_offset_ms)
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         await self.transport.start()
         self._tasks.append(asyncio.get_running_loop().create_task(self._announce_loop(), name="cluster-announce"))
+        self._tasks.append(asyncio.get_running_loop().create_task(self._clock_loop(), name="cluster-clocks"))
         self._check_complete()
 
     async def wait_for_members(self, timeout_s: float) -> dict[str, str]:
@@ -230,6 +237,11 @@ class ClusterLink:
         while True:
             self.announce_now()
             await asyncio.sleep(ANNOUNCE_INTERVAL_S)
+
+    async def _clock_loop(self) -> None:
+        while True:
+            self.clocks.probe_all()
+            await asyncio.sleep(PROBE_INTERVAL_S)
 
     def announce_now(self) -> None:
         """This node's announcement to every peer (also between the periodic ones: a drain's start)."""
@@ -324,6 +336,8 @@ class ClusterLink:
                         self.on_drain_request(peer)
                 elif frame.kind == SNAP_PAYLOAD:
                     self.snapshots.on_payload(peer, frame.data)
+                elif frame.kind == CLOCK_PAYLOAD:
+                    self.clocks.on_payload(peer, frame.data)
         except ForgedSender as exc:
             self._refuse_frame(peer, str(exc))
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, KeyError, IndexError,
@@ -395,6 +409,7 @@ class ClusterLink:
         out: dict[str, Any] = msgspec.to_builtins(self.transport.stats())
         out["snapshot_transfers"] = self.snapshots.snapshot_stats()
         out["frames_refused"] = dict(self.frames_refused)
+        out["clocks"] = self.clocks.stats()
         for name, peer in out.get("peers", {}).items():
             peer["frames_refused"] = self.frames_refused.get(name, 0)
         return out
