@@ -29,6 +29,7 @@ from drain_clients import Producer
 pytestmark = [pytest.mark.cluster_e2e, pytest.mark.timeout(240)]
 
 DRAIN_TIMEOUT_S = 10.0
+MAX_PUBLISH_WAIT_S = 5.0  # typically 0.1-0.2 s; a lease wait would be 10 s
 CONFIG = f"""
 [cluster]
 drain_timeout_s = {DRAIN_TIMEOUT_S}
@@ -75,9 +76,10 @@ def test_drain_redirects_v5_answers_311_and_exits_0(cluster_factory: ClusterFact
     cluster = cluster_factory(3, config_text=CONFIG)
     nodes = cluster.nodes
     topics = [f"drain/{k}" for k in range(6)]
-    v5 = Producer(nodes, "n2", "drain-v5", topics, version=5, window=32, rate_per_s=400, reconnect=False).start()
-    v3 = Producer(nodes, "n2", "drain-v3", topics, version=4, window=32, rate_per_s=400, reconnect=False).start()
-    wait_for("both producers acknowledged", lambda: len(v5.waits) > 200 and len(v3.waits) > 200, 30)
+    # Unpaced (the window bounds them): many publishes are in flight whenever the drain comes.
+    v5 = Producer(nodes, "n2", "drain-v5", topics, version=5, window=64, rate_per_s=1e6, reconnect=False).start()
+    v3 = Producer(nodes, "n2", "drain-v3", topics, version=4, window=64, rate_per_s=1e6, reconnect=False).start()
+    wait_for("both producers acknowledged", lambda: len(v5.waits) > 500 and len(v3.waits) > 500, 30)
 
     answer = post_drain(cluster, "n1", "n2")  # forwarded to n2 over the cluster link
     assert answer["node"] == "n2" and answer["forwarded_by"] == "n1", answer
@@ -168,6 +170,9 @@ def test_rolling_restart_under_qos1_load_loses_and_fails_nothing(cluster_factory
             if e.how in ("disconnect", "connack"):
                 assert e.reason == 0x9C and e.reference in addresses - {mqtt_address(cluster, e.node)}, \
                     f"{p.cid}: {e}"
+    # A client sent elsewhere reconnects at once: it never waits out the drained node's session
+    # lease (session.owner_lease_s, 10 s), which it would if the session were released after it left.
+    assert longest < MAX_PUBLISH_WAIT_S, f"a publish waited {longest:.1f} s"
     v5_disconnects = [e for p in producers if p.version == 5 for e in p.ends if e.how == "disconnect"]
     assert len(v5_disconnects) >= 3, f"each drained node's MQTT 5 producer is told 0x9C: {ends}"
 

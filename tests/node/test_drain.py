@@ -189,6 +189,7 @@ class FakeConn:
         self.events = events
         self.written: list[bytes] = []
         self.reading = True
+        self.peer_closed = False
 
     def stop_reading_for_drain(self) -> None:
         self.reading = False
@@ -207,9 +208,17 @@ class FakeConn:
     def _write(self, data: bytes) -> None:
         self.written.append(data)
 
-    def abort(self, why: str) -> None:
+    @property
+    def transport(self) -> Any:
+        return SimpleNamespace(is_closing=lambda: self.peer_closed)
+
+    def close_after_goodbye(self, why: str) -> None:
         self.events.append(f"close {self.client_id}")
         self._closing = True
+        self.peer_closed = True  # the client closes on our FIN
+
+    def _close_transport(self) -> None:
+        self.peer_closed = True
 
 
 def test_clients_are_closed_once_answered_after_their_session_is_released() -> None:

@@ -240,6 +240,27 @@ class Connection(asyncio.Protocol):
         task.add_done_callback(_log_task_error)
         return done
 
+    def close_after_goodbye(self, why: str) -> None:
+        """Close once what was written (acknowledgements, a DISCONNECT) can reach the client: our side
+        is shut for writing (FIN after the data) and input is read again only to be dropped, so the
+        socket's close is no reset, which would discard what the client has not read yet. The
+        client closes on the FIN; the drain closes whoever has not (``_close_transport``)."""
+        if self._closing:
+            return
+        self._closing = True
+        self.close_reason = why
+        transport = self.transport
+        if transport is None:
+            return
+        self._flush()
+        try:
+            if transport.can_write_eof():
+                transport.write_eof()
+        except (NotImplementedError, OSError, RuntimeError):
+            pass
+        if not transport.is_closing():
+            transport.resume_reading()  # data_received drops everything now (_closing)
+
     def has_unanswered_work(self) -> bool:
         """A packet read and not yet answered: an acknowledgement queued, a packet queued or in the
         handler (a CONNECT, a QoS 2 PUBLISH, a SUBSCRIBE being committed)."""

@@ -51,6 +51,7 @@ ANNOUNCEMENT_FRESH_S = 2.5
 TAIL_RESERVE_FRACTION = 0.25  # of drain_timeout_s, kept for the stop after the drain (snapshots, sync)
 TAIL_RESERVE_MAX_S = 5.0
 CLIENT_POLL_S = 0.02
+CLOSE_GRACE_S = 1.0  # after our FIN, how long a client may take to close its side (within the drain's time)
 
 
 class Phase(enum.IntEnum):
@@ -282,7 +283,7 @@ def goodbye(conn: Connection, reference: str | None, in_cluster: bool, connected
             conn._write(encode(Disconnect(RC.USE_ANOTHER_SERVER, props), MQTT_5))
         else:
             conn._write(encode(Disconnect(RC.SERVER_SHUTTING_DOWN), MQTT_5))
-    conn.abort("node draining")
+    conn.close_after_goodbye("node draining")
 
 
 async def release_and_close(conn: Connection, drain: Drain, reference_of: Callable[[str], str | None],
@@ -301,6 +302,7 @@ async def close_clients(conns: Iterable[Connection], drain: Drain, reference_of:
                         in_cluster: bool) -> None:
     """Stop reading every connection; release and close each as soon as every PUBLISH it read is
     answered; at ``drain.work_deadline`` the rest (counted in ``drain.clients_cut``)."""
+    conns = list(conns)
     waiting = [c for c in conns if not c._closing]
     for conn in waiting:
         conn.stop_reading_for_drain()
@@ -326,3 +328,10 @@ async def close_clients(conns: Iterable[Connection], drain: Drain, reference_of:
         drain.clients_cut += 1
     if closing:
         await asyncio.gather(*closing)
+    # The clients close on our FIN; whoever has not within CLOSE_GRACE_S is closed here.
+    told = [c for c in conns if c.transport is not None]
+    grace_until = min(drain.clock() + CLOSE_GRACE_S, drain.deadline)
+    while any(not c.transport.is_closing() for c in told) and drain.clock() < grace_until:  # type: ignore[union-attr]
+        await asyncio.sleep(CLIENT_POLL_S)
+    for conn in told:
+        conn._close_transport()
