@@ -1,7 +1,7 @@
 """Drain and rolling restarts (issue 31 item 6), with real processes.
 
-* A node drained through another node's HTTP API (``POST /v1/drain {"node": "n2"}``, forwarded over
-  the cluster link): its MQTT 5 producer gets DISCONNECT 0x9C with a Server Reference naming a live
+* A node drained through another node (``moorline cluster drain n2 --http <n1>``: ``POST /v1/drain
+  {"node": "n2"}`` to n1, forwarded over the cluster link): its MQTT 5 producer gets DISCONNECT 0x9C with a Server Reference naming a live
   node's MQTT address; its 3.1.1 producer is closed only once every PUBLISH the node read was
   answered (what the survivors' stores hold of each producer is exactly what it was acknowledged);
   the node exits 0 within cluster.drain_timeout_s; ``GET /v1/health?ready=cluster`` says 503 while it
@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
 import pytest
-from cluster_harness import Cluster, ClusterFactory, wait_for
+from cluster_harness import REPO_ROOT, Cluster, ClusterFactory, wait_for
 from drain_clients import Producer
 
 pytestmark = [pytest.mark.cluster_e2e, pytest.mark.timeout(240)]
@@ -51,14 +53,6 @@ def wait_cluster_ready(cluster: Cluster, name: str, timeout: float = 60.0) -> fl
     return time.monotonic() - t0
 
 
-def post_drain(cluster: Cluster, via: str, node: str) -> dict[str, Any]:
-    req = urllib.request.Request(f"{cluster[via].http_url}/v1/drain", data=json.dumps({"node": node}).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=5) as r:
-        assert r.status == 202
-        return json.loads(r.read())  # type: ignore[no-any-return]
-
-
 def stored_payloads(cluster: Cluster, names: list[str], topics: list[str]) -> list[str]:
     """Every message of ``topics`` in the first replica's store, once the replicas agree."""
     shards = sorted({cluster.shard_of(t) for t in topics})
@@ -81,9 +75,12 @@ def test_drain_redirects_v5_answers_311_and_exits_0(cluster_factory: ClusterFact
     v3 = Producer(nodes, "n2", "drain-v3", topics, version=4, window=64, rate_per_s=1e6, reconnect=False).start()
     wait_for("both producers acknowledged", lambda: len(v5.waits) > 500 and len(v3.waits) > 500, 30)
 
-    answer = post_drain(cluster, "n1", "n2")  # forwarded to n2 over the cluster link
-    assert answer["node"] == "n2" and answer["forwarded_by"] == "n1", answer
+    # `moorline cluster drain n2` asks n1 (POST /v1/drain), which passes it on over the cluster link.
     t0 = time.monotonic()
+    cli = subprocess.run([sys.executable, "-m", "moorline.cli", "cluster", "drain", "n2", "--http",
+                          f"127.0.0.1:{cluster['n1'].http_port}"], capture_output=True, text=True, timeout=60,
+                         cwd=str(REPO_ROOT))
+    assert cli.returncode == 0 and "n2 is draining (asked through n1)" in cli.stdout, (cli.stdout, cli.stderr)
     rc = cluster["n2"].wait_exit(DRAIN_TIMEOUT_S + 5)
     drain_s = time.monotonic() - t0
     v5.finish(10)
