@@ -254,3 +254,29 @@ def test_at_the_deadline_the_unanswered_are_closed_and_counted() -> None:
 
     drain, conn = asyncio.run(run())
     assert conn._closing and (drain.clients_closed, drain.clients_cut) == (0, 1)
+
+
+def test_a_hand_over_stops_trying_once_no_peer_can_take_over() -> None:
+    """A whole cluster stopping at once: every peer drains, nobody can take a leadership; the
+    hand-over gives up at once instead of trying until its bound."""
+    async def run(draining: bool) -> tuple[bool, float]:
+        node = fake_node([N1, N2, N3, N2], now=0.0)
+        loop = asyncio.get_running_loop()
+        node.clock = SimpleNamespace(monotonic=loop.time)
+        for name in ("n2", "n3"):
+            node.link.announced[name] = (loop.time(), {"draining": draining})
+        handed: list[float] = []
+
+        async def hand_over_leadership(timeout_s: float) -> None:
+            await asyncio.sleep(0.3 if not draining else timeout_s)  # transfers that never finish
+            handed.append(timeout_s)
+
+        node.hand_over_leadership = hand_over_leadership
+        t0 = loop.time()
+        done = await d.hand_over(node, 30.0)
+        return done, loop.time() - t0
+
+    done, took = asyncio.run(run(draining=True))
+    assert not done and took < 1.0
+    done, took = asyncio.run(run(draining=False))
+    assert done and 0.3 <= took < 1.0

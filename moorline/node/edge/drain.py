@@ -51,6 +51,7 @@ ANNOUNCEMENT_FRESH_S = 2.5
 TAIL_RESERVE_FRACTION = 0.25  # of drain_timeout_s, kept for the stop after the drain (snapshots, sync)
 TAIL_RESERVE_MAX_S = 5.0
 CLIENT_POLL_S = 0.02
+HANDOVER_CHECK_S = 0.05  # how often a hand-over looks whether any peer can still take over
 CLOSE_GRACE_S = 1.0  # after our FIN, how long a client may take to close its side (within the drain's time)
 
 
@@ -139,6 +140,31 @@ def client_address_of_live_peer(node: Node, client_id: str, now: float) -> str |
     if not candidates:
         return None
     return candidates[zlib.crc32(client_id.encode()) % len(candidates)][1]
+
+
+def live_peers(node: Node, now: float) -> list[str]:
+    """Peers heard from within ANNOUNCEMENT_FRESH_S that do not drain: those that can take over."""
+    link = node.link
+    if link is None:
+        return []
+    return sorted(name for name, (at, body) in link.announced.items()
+                  if now - at <= ANNOUNCEMENT_FRESH_S and not body.get("draining"))
+
+
+async def hand_over(node: Node, timeout_s: float) -> bool:
+    """``node.hand_over_leadership`` (bounded by ``timeout_s``), given up as soon as no peer could take
+    a leadership — every peer down or draining, as when a whole cluster stops at once — instead of
+    trying until the bound. False when given up."""
+    task = asyncio.ensure_future(node.hand_over_leadership(timeout_s=timeout_s))
+    while not task.done():
+        await asyncio.wait({task}, timeout=HANDOVER_CHECK_S)
+        if not task.done() and not live_peers(node, node.clock.monotonic()):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return False
+    task.result()
+    return True
 
 
 def advertised_address(node: Node, bound_mqtt: tuple[str, int]) -> str:

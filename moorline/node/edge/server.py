@@ -28,6 +28,7 @@ from moorline.node.edge.drain import (
     announcement,
     client_address_of_live_peer,
     close_clients,
+    hand_over,
 )
 from moorline.node.edge.listeners import BACKLOG, Listener, bind_all, close_all, configured
 from moorline.node.edge.listeners import parse_hostport as parse_hostport
@@ -374,7 +375,8 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
     handover_s = min(cfg.shutdown_drain_s, 3.0)
     if drain.draining:
         handover_s = max(0.1, min(handover_s, drain.remaining(drain.deadline) / 2))
-    await node.hand_over_leadership(timeout_s=handover_s)
+    if node.link is not None:
+        await hand_over(node, handover_s)
     for conn in list(server.connections):
         if conn.version == MQTT_5 and not conn._closing and conn.live is not None:
             conn._write(encode(Disconnect(RC.SERVER_SHUTTING_DOWN), MQTT_5))
@@ -409,8 +411,8 @@ async def _drain(node: Node, server: MqttServer, drain: Drain) -> None:
     log.info("draining (%s): new connections are sent to other nodes; handing leaderships over, then closing "
              "%d connections once their publishes are answered (within %.0f s, cluster.drain_timeout_s)",
              drain.reason, len(server.connections), drain.timeout_s)
-    if in_cluster:
-        await node.hand_over_leadership(timeout_s=max(0.1, drain.remaining() / 2))
+    if in_cluster and not await hand_over(node, max(0.1, drain.remaining() / 2)):
+        log.info("drain: no peer left to take a leadership over (all down or draining)")
     drain.advance(Phase.CLOSING_CLIENTS)
     await close_clients(list(server.connections), drain, server.client_address_of_live_peer, in_cluster)
     drain.advance(Phase.STOPPING)
