@@ -22,6 +22,8 @@ exactly; the numbers move with the workload and the node code, the bound is what
 - suback_before_all_shards:         1 seed  (seed 0: suback_unregistered: the racer's SUBACK came
                                     from a node that had not registered the filter in every shard;
                                     from the history alone, lost probes, it took 176 seeds)
+- no_clock_bound:                   1 seed  (seed 0: session_lost: a session ended early by a
+                                    leader whose clock ran 3.5-7 s ahead of the stamps it judged)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ SIGNATURE: dict[str, frozenset[str]] = {
     "ack_before_quorum": frozenset({"lost", "out_of_order"}),
     "forwarder_drops_on_leader_change": frozenset({"lost", "stuck"}),
     "suback_before_all_shards": frozenset({"lost", "suback_unregistered"}),
+    "no_clock_bound": frozenset({"double_owner", "stale_owner", "session_lost"}),
 }
 
 # Switches the default mix and workload do not catch within MAX_SEEDS, and what they miss. The

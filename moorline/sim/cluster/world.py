@@ -394,6 +394,9 @@ class World:
         self._skews = {n.name: (self.rng.randint(-self.cfg.max_skew_ms, self.cfg.max_skew_ms),
                                 1.0 + self.rng.uniform(-self.cfg.max_rate_drift, self.cfg.max_rate_drift))
                        for n in self.nodes}
+        if "no_clock_bound" in switches:  # clocks past the bound (testing/faults.py): 3.5 s apart
+            self._skews = {n.name: (3500 * (i - 1), rate) for i, (n, (_s, rate)) in
+                           enumerate(zip(self.nodes, self._skews.values(), strict=True))}
         # Drawn last: the draws above (and so every trace without timed syncs) stay as they were.
         self._sync_rngs = {n.name: random.Random(self.rng.getrandbits(64)) for n in self.nodes}
         self.promises = PromiseLedger()  # world_checks.py
