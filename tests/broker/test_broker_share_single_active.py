@@ -32,7 +32,7 @@ def test_the_next_member_takes_over_from_the_first_unacknowledged_after_the_acti
     offs = publish(s, 4)
     s.apply(c.ShareClaim(KEY, "a", tuple(offs[:3]), 1), Effects())
     s.apply(c.AckReport(KEY, (offs[0],)), Effects())
-    # a's session ends: its claims come back, then it leaves (as Node._end_session proposes them)
+    # a's session ends: its claims come back, then it leaves (as SessionLifecycle.end_session proposes them)
     s.apply(c.ShareReturn(KEY, "a", (), 1), Effects())
     s.apply(c.ShareMember(KEY, "a", False, 1), Effects())
     assert queue_of(s).active == "b"

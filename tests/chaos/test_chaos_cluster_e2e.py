@@ -21,7 +21,7 @@ from moorline.verify.checks import FAILING_KINDS
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.cluster_e2e]
 
 # Found by this harness: a $share group's dispatcher runs on the shard's leader and hands out
-# messages only to members connected to that same node (Node._dispatch_share: `m in self.live`).
+# messages only to members connected to that same node (ShareDispatch.dispatch: `m in self.live`).
 # When a shard's leadership moves away from the node the members are connected to, the group gets
 # nothing from that shard any more: acknowledged messages owed to the group are never delivered.
 

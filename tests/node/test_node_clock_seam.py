@@ -42,7 +42,7 @@ def test_entries_and_leases_carry_the_nodes_clock(tmp_path: Path) -> None:
             await node.publish(StoredMessage("t/x", b"p", 1, False, b"g" * 16, node.now_ms()))
             host = node.hosts[node.topic_shard("t/x")]
             assert host.state.topics.last_ts_ms >= VIRTUAL_WALL_MS
-            assert node._meta["created_ms"] >= VIRTUAL_WALL_MS
+            assert node.cluster_meta["created_ms"] >= VIRTUAL_WALL_MS
         finally:
             await node.stop()
 

@@ -155,7 +155,7 @@ def restart(data: Path) -> tuple[str, ShardState, MessageStore, list[tuple[int, 
     store.truncate_from(state.topics.next_offset)
     grec = rec.groups[SHARD]
     entries = [(e.term, e.index) for e in grec.entries if e.index > saved.index]
-    wal.sync()  # the recovery's first sync (Node._recover_group) makes what recover_install wrote durable
+    wal.sync()  # the recovery's first sync (Startup.recover_group) makes what recover_install wrote durable
     wal.close()
     side = "new" if saved.index == NEW_INDEX else "old"
     assert saved.meta == encode_conf(CONF), "the snapshot records the configuration"

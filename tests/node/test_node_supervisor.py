@@ -138,15 +138,15 @@ def test_housekeeping_survives_a_failed_will_publish(tmp_path: Path) -> None:
                 failures += 1
                 raise NodeFailure("planted: will publish failed")
 
-            real_reclaim = node._reclaim
+            real_reclaim = node.housekeeping.reclaim
 
             def counted_reclaim() -> None:
                 nonlocal reclaims
                 reclaims += 1
                 real_reclaim()
 
-            node._session_housekeeping = will_fails  # type: ignore[method-assign]
-            node._reclaim = counted_reclaim  # type: ignore[method-assign]
+            node.lifecycle.session_housekeeping = will_fails  # type: ignore[method-assign]
+            node.housekeeping.reclaim = counted_reclaim  # type: ignore[method-assign]
             await asyncio.sleep(0.6)
             assert failures >= 3, f"housekeeping stopped after {failures} failed will publish(es)"
             assert reclaims >= 3, "retention / WAL reclaim stopped"
@@ -197,7 +197,7 @@ def test_an_invariant_violation_in_raft_step_stops_the_group(tmp_path: Path) -> 
 
             host.raft.step = broken_step  # type: ignore[method-assign]
             me = host.raft.id
-            node._on_raft_message(2, Message(type=MessageType.HEARTBEAT, from_=me, to=me, term=1))
+            node.router.on_raft_message(2, Message(type=MessageType.HEARTBEAT, from_=me, to=me, term=1))
             assert host.failed is not None and "planted" in host.failed
             assert all(h.failed is None for h in node.hosts if h is not host)
         finally:

@@ -412,9 +412,9 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
                 assert fut is not None
                 ended = await node.bounded(fut, shard)
                 if isinstance(ended, Session):
-                    await node._end_session(ended, "session_expired")
+                    await node.lifecycle.end_session(ended, "session_expired")
                 else:  # a will is due now: housekeeping publishes it and ends the session
-                    await node._session_housekeeping(shard)
+                    await node.lifecycle.session_housekeeping(shard)
             except ShardUnavailable as exc:
                 return _err(503, f"session shard unavailable: {exc}")
         log.info("session %r ended by an administrator (%s)", cid, CALLER.get().principal.username)
@@ -544,7 +544,7 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
         try:
             await resp.prepare(req)
             full = True
-            while not closing.is_set() and not node.stopping.is_set() and not node._handing_over:
+            while not closing.is_set() and not node.stopping.is_set() and not node.leadership.handing_over:
                 data = json.dumps(snapshot(full), separators=(",", ":"))
                 full = False
                 await resp.write(f"retry: 2000\nevent: snapshot\ndata: {data}\n\n".encode())

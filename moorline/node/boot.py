@@ -1,0 +1,266 @@
+"""Bringing a node up: lock the data directory, open the WAL, read or write cluster.json,
+recover every group (shards and the metadata group) from its snapshot and log, and, in a
+cluster, start the link and learn the initial members before the groups open."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from moorline import coverage
+from moorline.broker.shard import ShardState
+from moorline.hashing import guid128
+from moorline.invariant import invariant
+from moorline.node.replication.cluster_link import ClusterLink, parse_cluster
+from moorline.node.replication.group_commit import stage_hard_state, stage_ready
+from moorline.node.replication.placement import ShardPlacement, layout_fingerprint, place_shards
+from moorline.node.replication.raft_group import build_replica
+from moorline.node.replication.shard_host import ApplyHooks, ShardHost, default_limits, recorded_members
+from moorline.node.replication.snapshot_install import recover_install
+from moorline.raft import MemberId
+from moorline.storage.dirlock import DataDirLock
+from moorline.storage.fsutil import write_file_atomically
+from moorline.storage.identity import load_or_create_storage_id, next_boot_number
+from moorline.storage.msgstore import MessageStore, StoreCorruption
+from moorline.storage.snapshots import SnapshotStore
+from moorline.storage.wal import WriteAheadLog
+
+if TYPE_CHECKING:
+    from moorline.node.node import Node
+
+log = logging.getLogger("moorline.node")
+SINGLE_NODE_ID = 1  # a node started without cluster flags is member 1 of every group
+
+
+class Startup:
+    """Opens the node's storage and groups (``Node.open`` / ``open_async``)."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def open(self) -> None:
+        """One node: every shard a group of one voter, this node."""
+        self.node.prepare()
+        me = self.node.node_name(self.node.member[0])
+        self.node.open_groups({me: self.node.member}, [ShardPlacement((me,), ())] * self.node.shard_count)
+
+    def prepare(self, node_id: int = SINGLE_NODE_ID, cluster_key: str | None = None) -> None:
+        """Lock the data directory, learn this node's identity, open the WAL (no groups yet).
+        ``cluster_key`` (cluster mode) makes the shards' incarnations the same on every node."""
+        self.node.dir_lock = DataDirLock(self.node.data_dir)
+        self.node.dir_lock.acquire()  # before anything is opened: DataDirInUse / DataDirUnusable
+        # Half of this node's Raft identity (node id, storage id): a wiped data directory is a new
+        # member. Data written by a single node before ids existed adopts one (it never voted
+        # anywhere else); a cluster member's never does. First, so a new directory gets it first.
+        self.node.storage_id = load_or_create_storage_id(self.node.data_dir, self.node.seams.random_bytes,
+                                                    adopt_existing=cluster_key is None)
+        self.node.cluster_meta = self._cluster_meta(cluster_key)
+        self.node.member = (node_id, self.node.storage_id)
+        self.node.boot = next_boot_number(self.node.data_dir)
+        self.node.wal = WriteAheadLog(
+            self.node.data_dir / "wal", segment_bytes=self.node.cfg.storage.wal_segment_bytes,
+            max_pending_bytes=self.node.cfg.storage.max_pending_bytes, ledger=self.node.ledger,
+            preallocate=self.node.cfg.storage.wal_preallocate,
+        )
+        self._recovery = self.node.wal.open()  # WalCorruption here refuses to start, naming file and offset
+        for torn in self._recovery.torn_tails:  # names the sync batch and how many records went
+            log.warning("WAL %s", torn.describe())
+        self.node.snapshots = SnapshotStore(self.node.data_dir / "snapshots", ledger=self.node.ledger)
+
+    def open_groups(self, members: dict[str, MemberId], placement: list[ShardPlacement]) -> None:
+        """Every shard's replica, recovered and applied up to what its log commits. ``placement``
+        names each shard's voters (this node among them or not: the others are learners) and its
+        preferred leader. With one voter the node campaigns at once; in a cluster the preferred
+        leader (spreading leaders) campaigns at its first start and elections do the rest."""
+        rec, meta = self._recovery, self.node.cluster_meta
+        limits = default_limits(self.node.cfg, self.node.faults.dedup_at_propose_only)
+        hooks = ApplyHooks(on_effects=self.node.fanout.on_effects, on_results=self.node.lifecycle.on_results,
+                           send=self.node.router.send_raft, forward=self.node.router.forward, now_ms=self.node.now_ms)
+        invariant(len(placement) == self.node.shard_count, "one placement per shard")
+        self.node.placement = placement
+        self.node.member_ids = members
+        # The metadata group (group id shard.count): every initial node votes in it (1, 3 or 5).
+        meta_voters = [members[name] for name in sorted(members)]
+        self.node.preferred_leader = [members[p.preferred_leader] for p in placement] + [meta_voters[0]]
+        corrupted = {r.group: r for r in rec.corrupted if r.group is not None}
+        for shard in range(self.node.shard_count + 1):
+            is_meta = shard == self.node.shard_count
+            voters = meta_voters if is_meta else [members[name] for name in placement[shard].voters]
+            learners = [] if is_meta else [members[name] for name in placement[shard].learners]
+            finished = recover_install(self.node.data_dir, shard, self.node.snapshots, self.node.wal, rec.groups.get(shard))
+            if finished:
+                log.warning("shard %d: %s", shard, finished)
+            loaded = self.node.snapshots.load_latest(shard)
+            snap_index = snap_term = 0
+            if loaded is not None:
+                snap_index, snap_term, data = loaded
+                state = ShardState.restore(data, limits, self.node.cfg.session.max_expiry_s)
+                coverage.hit("snapshot_restored")
+            else:
+                state = ShardState(shard, "meta" if is_meta else meta["incarnations"][shard], limits,
+                                   self.node.cfg.session.max_expiry_s)
+            store = MessageStore(  # the metadata group's stays empty: it takes no publishes
+                self.node.data_dir / "store" / ("meta" if is_meta else f"shard-{shard}"), segment_bytes=self.node.cfg.storage.store_segment_bytes,
+                ledger=self.node.ledger, cache_bytes=0,  # recent messages are kept decoded, node-wide (self.node.recent)
+            )
+            store_damage: StoreCorruption | None = None
+            try:
+                store.open()
+                store.truncate_from(state.topics.next_offset)
+            except StoreCorruption as exc:  # one bad store stops its shard, never the node
+                store_damage = exc  # the store is closed and touches its files no more
+            grec = rec.groups.get(shard)
+            hs = grec.hard_state if grec is not None else None
+            voters, learners = recorded_members(self.node.snapshots.loaded_meta(shard), voters, learners)
+            raft, raft_log = build_replica(
+                self.node.member, voters, learners, snap_index, snap_term,
+                [(e.term, e.index, e.type, e.data) for e in grec.entries] if grec is not None else [],
+                (hs.term, hs.vote, hs.commit) if hs is not None else None, state.applied_index,
+                random.Random(f"{self.node.storage_id}/{shard}"), election_tick=self.node.cfg.raft.election_ticks,
+                max_entry_bytes=self.node.cfg.raft.max_entry_bytes,
+            )
+            host = ShardHost(shard, state, raft, raft_log, store, self.node.snapshots, hooks,
+                             self.node.cfg.shard.snapshot_every_entries, self.node.cfg.raft.max_entry_bytes, self.node.recent)
+            host.node_id, host.boot = self.node.member[0], self.node.boot
+            host.check_admission()  # a snapshot whose admission of this node is past this boot
+            host.max_pending_proposals = self.node.cfg.raft.max_pending_proposals
+            host.snapshot_settings = self.node.snapshot_settings
+            host.faults = self.node.faults
+            self.node.groups.append(host)
+            if is_meta:
+                self.node.meta_host = host
+            else:
+                self.node.hosts.append(host)
+            if shard in corrupted or store_damage is not None:
+                raft.mark_corrupted()  # never leads, never votes with a log it cannot vouch for
+            else:
+                fresh = raft_log.last_index() == 0 and hs is None
+                if voters == [self.node.member] or (fresh and self.node.preferred_leader[shard] == self.node.member):
+                    raft.campaign()  # one voter: leader at once, with a no-op of a new term
+                self.recover_group(host)
+            present = set(state.topics.meta)
+            # What the state no longer keeps goes from the store, also under its low-water mark
+            # (records released before a restart are kept again when the files are read).
+            gone = [o for o in store.kept_below(store.low_water) if o not in present]
+            gone += [o for o in range(store.low_water, state.topics.next_offset) if o not in present]
+            if gone:
+                store.release(gone)
+            if store_damage is not None:
+                host.fail(f"checksum failure in synced data: {store_damage}")
+                log.error("shard %d refuses service: %s", shard, host.failed)
+            elif shard in corrupted:
+                r = corrupted[shard]
+                host.fail(f"checksum failure in synced data: {r.path} at offset {r.offset}: {r.message}")
+                log.error("shard %d refuses service: %s", shard, host.failed)
+        if self.node.faults.drop_on_restart:
+            self._test_drop_last_messages()
+
+    async def open_async(self) -> None:
+        """``open`` for either mode: with cluster settings, start the link to the peers, learn (or
+        recall) every initial member's storage id, then open the groups with all of them as voters."""
+        spec = parse_cluster(self.node.cfg.cluster)
+        if spec is None:
+            self.node.open()
+            return
+        cluster_key = f"{self.node.cfg.cluster.cluster_id}/{','.join(spec.names)}"
+        self.node.prepare(spec.my_id, cluster_key)
+        replicas = self.node.cluster_meta.get("replicas", len(spec.names))  # clusters from before placement: all voters
+        if replicas != self.node.cfg.shard.replicas:
+            log.warning("this cluster was created with shard.replicas = %d; using that (it is fixed at creation)",
+                        replicas)
+        layout = layout_fingerprint(self.node.shard_count, replicas, len(spec.names))
+        link = ClusterLink(spec, self.node.cfg.cluster, self.node.storage_id, self.known_members(), self.node.seams.rng(), layout,
+                           seams=self.node.seams)
+        self.attach_cluster(link)
+        await link.start()
+        members = await link.wait_for_members(self.node.cfg.cluster.bootstrap_timeout_s)
+        self.save_members(members)
+        ids = {name: (spec.node_id(name), sid) for name, sid in members.items()}
+        self.node.open_groups(ids, place_shards(cluster_key, spec.names, self.node.shard_count, replicas))
+
+    def attach_cluster(self, link: ClusterLink) -> None:
+        """Raft traffic of this node's groups goes through ``link`` from now on."""
+        self.node.link = link
+        link.on_raft = self.node.router.on_raft_message
+        link.on_forward = self.node.router.on_forwarded
+        link.hosts = self.node.groups  # a snapshot transfer reads and installs through the hosts
+
+    def known_members(self) -> dict[str, str] | None:
+        members = self.node.cluster_meta.get("members")
+        return dict(members) if isinstance(members, dict) else None
+
+    def save_members(self, members: dict[str, str]) -> None:
+        """The initial members' storage ids, once known: a restart needs no bootstrap, and a peer
+        that comes back with other storage is recognised as wiped."""
+        if self.node.cluster_meta.get("members") == members:
+            return
+        self.node.cluster_meta["members"] = dict(sorted(members.items()))
+        write_file_atomically(self.node.data_dir / "cluster.json", json.dumps(self.node.cluster_meta).encode())
+
+    def recover_group(self, host: ShardHost) -> None:
+        """Before serving: the new term's no-op is made durable, and with it the core hands out as
+        committed every entry it may (after a snapshot: those the WAL kept), which are applied."""
+        while host.failed is None:
+            rd = host.seal()
+            if rd is None:
+                return
+            stage_ready(self.node.wal, host.shard, rd)
+            self.node.wal.sync()
+            try:
+                host.after_sync(partial(stage_hard_state, self.node.wal))
+            except OSError:
+                raise
+            except Exception as exc:  # a replayed entry this code cannot apply stops its shard only
+                host.fail_on_bug("recovery apply", exc)
+
+    def _cluster_meta(self, cluster_key: str | None = None) -> dict[str, Any]:
+        path = self.node.data_dir / "cluster.json"
+        if path.exists():
+            meta: dict[str, Any] = json.loads(path.read_text())
+            if meta["shard_count"] != self.node.shard_count:
+                log.warning("data dir was created with %d shards; using that (shard.count is fixed at creation)",
+                            meta["shard_count"])
+                self.node.shard_count = meta["shard_count"]
+            invariant(meta.get("hash") == "crc32c", "unknown placement hash")
+            return meta
+        meta = {
+            "shard_count": self.node.shard_count,
+            "hash": "crc32c",
+            # A shard's incarnation is the same on every replica: drawn at random by a single node,
+            # derived from the cluster's key (id and initial members) in a cluster.
+            "incarnations": [self.node.seams.random_bytes(8).hex() if cluster_key is None else
+                             guid128(cluster_key, shard)[:8].hex() for shard in range(self.node.shard_count)],
+            "created_ms": self.node.clock.wall_ms(),
+            **({} if cluster_key is None else {"replicas": self.node.cfg.shard.replicas}),
+        }
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(self.node.data_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return meta
+
+    def _test_drop_last_messages(self) -> None:
+        """Deliberately broken build (Faults.drop_on_restart): lose each shard's newest message."""
+        for host in self.node.hosts:
+            t = host.state.topics
+            if not t.meta:
+                continue
+            offset = next(reversed(t.meta))
+            for reg in t.regs.values():
+                if offset in reg.owed:
+                    del reg.owed[offset]
+            t.owed_count.pop(offset, None)
+            t.meta.discard(offset)
+            host.store.release([offset])
+            log.warning("TEST: dropped message %d/%d at restart", host.shard, offset)

@@ -1,0 +1,262 @@
+"""$share groups on the shard's leader: dispatch (claims committed before they are pushed),
+ack timeouts, dead letters, single-active hand-over."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from moorline import coverage
+from moorline.broker import commands as c
+from moorline.broker.messages import StoredMessage
+from moorline.broker.share_policy import dead_letter_message
+from moorline.broker.topic_state import same_incarnation
+from moorline.hashing import shard_of
+from moorline.node.replication.shard_host import ShardHost, consume_outcome
+
+if TYPE_CHECKING:
+    from moorline.node.node import Node
+
+log = logging.getLogger("moorline.node")
+OFFLINE_EPOCH = -2  # the ack-timeout scan's mark of a claim holder it saw disconnected
+
+
+class ShareDispatch:
+    """The $share dispatcher and its timers."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._pending: set[tuple[int, str]] = set()
+        self._rr: dict[str, int] = {}  # $share registration -> next member (pruned: prune_rr)
+        self._activating: set[tuple[str, str]] = set()  # (group, active member) a ShareActivate is pending for
+        self._dlq_pending: set[tuple[int, str, int]] = set()  # (shard, group, offset) being dead-lettered
+        # shard -> (member, incarnation) -> (its session's epoch, since when this node's ack-timeout
+        # scan saw that epoch connected; 0: the first epoch it saw)
+        self._online_since: dict[int, dict[tuple[str, int], tuple[int, int]]] = {}
+        self.dead_lettered = 0  # messages this node moved to a dead-letter topic
+        self.ack_timeouts = 0  # claims this node took back from connected members (ack timeout)
+        self._rounds = 0
+
+    def schedule_dispatch(self, shard: int, reg_key: str) -> None:
+        key = (shard, reg_key)
+        if key in self._pending:
+            return
+        self._pending.add(key)
+        asyncio.get_running_loop().call_soon(self.dispatch, shard, reg_key)
+
+    def dispatch(self, shard: int, reg_key: str) -> None:
+        """The $share dispatcher for (shard, group): claims are committed before they are pushed."""
+        self._pending.discard((shard, reg_key))
+        host = self.node.hosts[shard]
+        if not host.raft.is_leader:
+            return  # a group's dispatcher runs on the shard's leader
+        reg = host.state.topics.regs.get(reg_key)
+        if reg is None:
+            return
+        q = reg.queue  # the group's work-queue policy and state (docs/work-queues.md), if any
+        dead = q.dead if q is not None else {}
+        if dead:
+            self._dead_letter(host, reg_key)
+        if not reg.members:
+            return
+        claims = reg.claims
+        unclaimed = [o for o in reg.owed if o not in claims and o not in dead]
+        if not unclaimed:
+            return
+        # Members connected anywhere in the cluster, as their session shards record it: the leader
+        # of this shard is often not the node a member is connected to. A member connected here
+        # has the room its window has; one elsewhere gets the claims its receive window could
+        # hold, less those it has not acknowledged yet (its node delivers what is claimed). Only
+        # the incarnation that joined is a member: a client id reconnected as a new session that
+        # has not joined (or whose old session's leave is still to apply) is given nothing.
+        members = reg.members
+        online = [m for m, inc in members.items() if self.node.registry.member_connected(m, inc)]
+        if not online:
+            return
+        if q is not None and q.single_active:
+            # One member receives: the active one (replicated). Offline, and holding nothing (what
+            # it holds comes back when its session ends), it hands over to the first member
+            # online in join order; the apply re-checks both and re-runs this dispatcher.
+            active = q.active
+            if active not in online:
+                if (online[0] != active and (reg_key, active) not in self._activating
+                        and not any(m == active for m, _ in reg.claims.values())):
+                    self._activating.add((reg_key, active))
+                    coverage.hit("share_single_active_handover")
+                    fut = self.node.propose(shard, c.ShareActivate(reg_key, online[0], active))
+                    if fut is not None:
+                        def activated(f: asyncio.Future[Any], key: tuple[str, str] = (reg_key, active)) -> None:
+                            consume_outcome(f)  # nobody awaits it: an error (outcome unknown) is retried
+                            self._activating.discard(key)
+
+                        fut.add_done_callback(activated)
+                    else:
+                        self._activating.discard((reg_key, active))
+                return
+            online = [active]
+        outstanding: dict[str, int] = {}
+        for member, inc in reg.claims.values():
+            if members.get(member) == inc:
+                outstanding[member] = outstanding.get(member, 0) + 1
+        window = self.node.cfg.mqtt.receive_maximum
+        room = {}
+        for m in online:
+            live = self.node.live.get(m)
+            if live is not None and same_incarnation(live.incarnation, members[m]):
+                room[m] = max(0, live._room())
+            else:
+                room[m] = max(0, window - outstanding.get(m, 0))
+        # A single-active group has one member to give to: its commit order is every topic's order.
+        sticky = self.node.cfg.share.dispatch == "sticky_topic" and not (q is not None and q.single_active)
+        order = list(members)
+        assigned: dict[str, list[int]] = {}
+        rr = self._rr.get(reg_key, 0)
+        declined = reg.declined  # offset -> members whose read ACL refused it: offered to the others
+        timed_out = q.timed_out if q is not None else None  # offset -> the member it was taken back from
+        for offset in unclaimed:
+            refused = declined.get(offset) if declined else None
+            avoid = timed_out.get(offset) if timed_out else None
+            if sticky:
+                meta = host.state.topics.meta.get(offset)
+                topic = meta.topic if meta is not None else ""
+                able = [m for m in order if m not in refused] if refused else order
+                if not able:
+                    continue
+                member = able[shard_of(topic, len(able))]
+                if member not in room or room[member] <= 0:
+                    continue
+            else:
+                member = ""
+                for _ in range(len(online)):
+                    cand = online[rr % len(online)]
+                    rr += 1
+                    if room[cand] > 0 and not (refused and cand in refused) and cand != avoid:
+                        member = cand
+                        break
+                if not member and avoid and room.get(avoid, 0) > 0 and not (refused and avoid in refused):
+                    member = avoid  # the only member with room: back to the one it timed out with
+                if not member:
+                    if refused:
+                        continue  # no online member with room that has not declined it: the next offset
+                    break  # no room anywhere
+            room[member] -= 1
+            assigned.setdefault(member, []).append(offset)
+        self._rr[reg_key] = rr
+        now = self.node.now_ms() if q is not None and q.ack_timeout_ms > 0 else 0
+        for member, offsets in assigned.items():
+            self.node.propose(shard, c.ShareClaim(reg_key, member, tuple(offsets), members[member], now), want=False)
+
+    def _dead_letter(self, host: ShardHost, reg_key: str) -> None:
+        """Messages of a $share group past its delivery limit (``reg.queue.dead``, replicated): each is
+        published to the dead-letter topic under a GUID derived from (group, shard, offset), then
+        ShareDeadLettered releases it from the group. A leader change in between publishes it
+        again, a duplicate the GUID history refuses: it appears once."""
+        reg = host.state.topics.regs.get(reg_key)
+        if reg is None or reg.share_group is None or reg.queue is None or not host.raft.is_leader:
+            return
+        shard = host.shard
+        todo = [(o, n, last) for o, (n, last) in reg.queue.dead.items() if (shard, reg_key, o) not in self._dlq_pending]
+        if not todo:
+            return
+        now = self.node.now_ms()
+        msgs: list[tuple[int, StoredMessage]] = []
+        for offset, n, last in todo:
+            msg = host.message(offset)
+            if msg is None:
+                continue  # the shard failed, or not readable here now: tried again next round
+            msgs.append((offset, dead_letter_message(self.node.cfg.share.dead_letter_topic, reg.share_group, reg.filter,
+                                                     shard, offset, msg, n, last, now)))
+            self._dlq_pending.add((shard, reg_key, offset))
+        if msgs:
+            task = asyncio.get_running_loop().create_task(self._publish_dead_letters(shard, reg_key, msgs))
+            self.node.run_in_background(task)
+
+    async def _publish_dead_letters(self, shard: int, reg_key: str, msgs: list[tuple[int, StoredMessage]]) -> None:
+        try:
+            done: list[int] = []
+            for offset, msg in msgs:
+                fut = self.node.propose(self.node.topic_shard(msg.topic), c.Publish(msg))
+                assert fut is not None
+                res = await self.node.bounded(fut, -1)
+                if res.status in ("ok", "duplicate"):
+                    done.append(offset)
+                else:
+                    log.warning("$share dead letter of shard %d offset %d refused: %s", shard, offset, res.reason)
+            if done:
+                fut = self.node.propose(shard, c.ShareDeadLettered(reg_key, tuple(done)))
+                assert fut is not None
+                moved = await self.node.bounded(fut, shard)
+                self.dead_lettered += len(moved)
+        finally:
+            for offset, _ in msgs:
+                self._dlq_pending.discard((shard, reg_key, offset))
+
+    def timers(self, host: ShardHost, now: int) -> None:
+        """On the shard's leader, each housekeeping round: claims of connected members held past
+        their group's ack timeout go back (ShareTimeout, decided again at apply by the entry's
+        time), dead letters not yet published are tried again, and groups with unclaimed messages
+        and a member online are dispatched."""
+        topics = host.state.topics
+        was_online = self._online_since.get(host.shard, {})
+        online_since: dict[tuple[str, int], tuple[int, int]] = {}
+        for reg_key in list(topics.share_keys):
+            reg = topics.regs.get(reg_key)
+            if reg is None or reg.share_group is None:
+                continue
+            q = reg.queue
+            if q is not None and q.dead:
+                self._dead_letter(host, reg_key)
+            if (len(reg.owed) > len(reg.claims) + (len(q.dead) if q is not None else 0)
+                    and any(self.node.registry.member_connected(m, inc) for m, inc in reg.members.items())):
+                # A safety net: a member's connection applied in its session shard's replica here
+                # after the group's last change (nothing else would dispatch to it until the next).
+                self.schedule_dispatch(host.shard, reg_key)
+            if q is None or q.ack_timeout_ms <= 0 or not q.claim_ts:
+                continue
+            held: dict[tuple[str, int], list[tuple[int, int]]] = {}
+            for offset, at in q.claim_ts.items():
+                holder = reg.claims.get(offset)
+                if holder is not None:
+                    held.setdefault(holder, []).append((offset, at))
+            for (member, inc), claims in held.items():
+                if not self.node.registry.member_connected(member, inc):
+                    online_since[(member, inc)] = (OFFLINE_EPOCH, 0)  # its next connection is a new one
+                    continue  # offline: its session's end returns them (MQTT: resent on reconnect)
+                # A member seen to reconnect (a new epoch of its session) while holding claims
+                # has the timeout from then: its resends need time too. The apply checks only a
+                # claim's age, so this can only make a timeout later, never earlier.
+                sess = self.node.hosts[self.node.session_shard(member)].state.sessions.sessions.get(member)
+                epoch = sess.epoch if sess is not None else -1
+                prev = was_online.get((member, inc))
+                since = 0 if prev is None else prev[1] if prev[0] == epoch else now
+                online_since[(member, inc)] = (epoch, since)
+                offsets = [o for o, at in claims if now - max(at, since) >= q.ack_timeout_ms]
+                if not offsets:
+                    continue
+                log.info("$share group %s: client %s held %d message(s) past share.ack_timeout_s: taken back",
+                         reg.share_group, member, len(offsets))
+                self.ack_timeouts += len(offsets)
+                self.node.propose(host.shard, c.ShareTimeout(now, reg_key, member, inc, tuple(offsets)), want=False)
+        self._online_since[host.shard] = online_since
+
+    def on_ack_room(self, client_id: str) -> None:
+        """A member freed window room: its share groups may dispatch again."""
+        live = self.node.live.get(client_id)
+        if live is None:
+            return
+        sess = live.session()
+        if sess is None:
+            return
+        for shard, reg_key in self.node.registry.session_views(sess).shares:
+            self.schedule_dispatch(shard, reg_key)
+
+    def prune_rr(self) -> None:
+        """Round-robin positions of $share groups that no longer exist here go (one entry per group
+        ever seen otherwise: a client creating groups would grow it without bound)."""
+        self._rounds += 1
+        if not self._rr or self._rounds % 60:
+            return  # every 60th round: a scan of every registration is not for every second
+        live_keys = {k for h in self.node.hosts for k in h.state.topics.regs if self.node.is_share_key(k)}
+        for key in [k for k in self._rr if k not in live_keys]:
+            del self._rr[key]
