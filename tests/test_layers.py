@@ -30,6 +30,13 @@ EDGE_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
 PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
     ("admin/admin_api.py", "import moorline.node.admin.http_api._err"):
         "the HTTP API's error response helper, shared by the admin routes: to become a public helper",
+    ("admin/cluster_admin_api.py", "import moorline.node.admin.http_api._err"): "as above (admin_api.py)",
+    ("admin/groups_cli.py", "import moorline.node.admin.cluster_cli._addresses"):
+        "the cluster CLI's helpers, shared by the groups CLI: to become public helpers of an admin CLI module",
+    ("admin/groups_cli.py", "import moorline.node.admin.cluster_cli._get"): "as above",
+    ("edge/drain.py", "c._closing"): "edge's own connection state, read by the drain: to become public in edge/",
+    ("edge/drain.py", "conn._closing"): "as above",
+    ("edge/drain.py", "conn._write"): "as above",
     ("admin/http_api.py", "site._server"): "aiohttp's TCPSite has no public accessor for its server",
     ("admin/sys_topics.py", "conn._closing"): "edge/connection.py has no public 'closing' yet (edge is being edited)",
     ("admin/sys_topics.py", "conn._write"): "edge/connection.py has no public write for $SYS yet (edge is being edited)",
