@@ -78,9 +78,10 @@ def test_drain_redirects_v5_answers_311_and_exits_0(cluster_factory: ClusterFact
     # `moorline cluster drain n2` asks n1 (POST /v1/drain), which passes it on over the cluster link.
     t0 = time.monotonic()
     cli = subprocess.run([sys.executable, "-m", "moorline.cli", "cluster", "drain", "n2", "--http",
-                          f"127.0.0.1:{cluster['n1'].http_port}"], capture_output=True, text=True, timeout=60,
-                         cwd=str(REPO_ROOT))
+                          f"127.0.0.1:{cluster['n1'].http_port}", "--wait", str(DRAIN_TIMEOUT_S + 5)],
+                         capture_output=True, text=True, timeout=60, cwd=str(REPO_ROOT))
     assert cli.returncode == 0 and "n2 is draining (asked through n1)" in cli.stdout, (cli.stdout, cli.stderr)
+    assert "n2 has stopped" in cli.stdout, cli.stdout  # --wait: n1 no longer reaches n2
     rc = cluster["n2"].wait_exit(DRAIN_TIMEOUT_S + 5)
     drain_s = time.monotonic() - t0
     v5.finish(10)
