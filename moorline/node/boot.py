@@ -17,6 +17,7 @@ from moorline.hashing import guid128
 from moorline.invariant import invariant
 from moorline.node.replication.cluster_link import ClusterLink, parse_cluster
 from moorline.node.replication.group_commit import stage_hard_state, stage_ready
+from moorline.node.replication.membership import refuse_if_left
 from moorline.node.replication.placement import ShardPlacement, layout_fingerprint, place_shards
 from moorline.node.replication.raft_group import build_replica
 from moorline.node.replication.shard_host import ApplyHooks, ShardHost, default_limits, recorded_members
@@ -51,6 +52,7 @@ class Startup:
     def prepare(self, node_id: int = SINGLE_NODE_ID, cluster_key: str | None = None) -> None:
         """Lock the data directory, learn this node's identity, open the WAL (no groups yet).
         ``cluster_key`` (cluster mode) makes the shards' incarnations the same on every node."""
+        refuse_if_left(self.node.data_dir)  # a node that left its cluster does not start again
         self.node.dir_lock = DataDirLock(self.node.data_dir)
         self.node.dir_lock.acquire()  # before anything is opened: DataDirInUse / DataDirUnusable
         # Half of this node's Raft identity (node id, storage id): a wiped data directory is a new

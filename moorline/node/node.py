@@ -47,6 +47,7 @@ from moorline.node.housekeeping import Housekeeping
 from moorline.node.replication.cluster_link import ClusterLink
 from moorline.node.replication.group_commit import GroupCommit
 from moorline.node.replication.leadership import Leadership
+from moorline.node.replication.membership import MembershipDriver
 from moorline.node.replication.metadata import MetadataGroup
 from moorline.node.replication.placement import ShardPlacement
 from moorline.node.replication.router import GroupRouter
@@ -96,6 +97,7 @@ class Node:
         self.share = ShareDispatch(self)
         self.fanout = Fanout(self)
         self.housekeeping = Housekeeping(self)
+        self.membership = MembershipDriver(self)  # member table: announce, reconcile, drive moves
         self.live = self.registry.live  # client id -> LiveSession (the registry's)
         self.connections = self.registry.connections  # client id -> Connection, for takeover (the registry's)
         self.pins: dict[str, tuple[dict[int, int], float]] = {}  # reader -> (shard -> offset, deadline)
@@ -212,6 +214,8 @@ class Node:
         self.supervisor.spawn("housekeeping", self.housekeeping.run, critical=False)
         self.supervisor.spawn("session-leases", self.lifecycle.lease_loop, critical=True)
         self.supervisor.spawn("metadata-bootstrap", self.metadata.bootstrap_loop, critical=False)
+        if self.link is not None:
+            self.supervisor.spawn("membership", self.membership.run, critical=False)
 
     def background_done(self, task: asyncio.Task[Any]) -> None:
         self.background.discard(task)

@@ -135,7 +135,7 @@ def scenarios(draw: st.DrawFn) -> tuple[list[NodeView], list[GroupView], PlanSet
     replicas = draw(st.sampled_from([1, 3, 5]))
     over: dict[str, dict[str, object]] = {}
     for name in NAMES:
-        over[name] = {"state": draw(st.sampled_from(["active", "active", "active", "draining", "forgotten", "left"])),
+        over[name] = {"state": draw(st.sampled_from(["active", "active", "active", "draining", "leaving", "forgotten", "left"])),
                       "live": draw(st.booleans()) or draw(st.booleans()),
                       "zone": draw(st.sampled_from(["", "a", "b", "c"]))}
     ns = nodes(**over)
@@ -162,24 +162,35 @@ def test_plan_properties(scenario: tuple[list[NodeView], list[GroupView], PlanSe
     assert len({m.shard for m in moves}) == len(moves)  # one change per shard
     by_shard = {g.shard: g for g in gs}
     by_name = {n.name: n for n in ns}
+    by_name_id = {n.member_id: n for n in ns}
     live = {n.member_id for n in ns if n.live and n.state not in ("left", "forgotten")}
     # voters on gone nodes go first, then shards grow, then learners on gone nodes go
-    phases = [0 if m.kind == "remove" and m.member in by_shard[m.shard].voters else 2 if m.kind == "remove" else 1
-              for m in moves]
+    def phase(m: PlannedMove) -> int:
+        if m.kind != "remove":
+            return 1
+        if m.member not in by_shard[m.shard].voters:
+            return 2
+        return 1 if by_name[m.node].state == "leaving" else 0
+
+    phases = [phase(m) for m in moves]
     assert phases == sorted(phases), [(m.kind, m.shard) for m in moves]
     for m in moves:
         g = by_shard[m.shard]
         assert not g.busy
         if m.kind == "remove":
             assert m.member in g.voters or m.member in g.learners
-            assert g.leader != m.member[0]
+            leaving = m.node in by_name and by_name[m.node].state == "leaving"
+            assert g.leader != m.member[0] or leaving  # (the driver hands a leaving leader's shard over first)
+            if leaving and m.member in g.voters and g.target is not None:
+                assert sum(by_name_id[v].state == "active" for v in g.voters if v in by_name_id) >= g.target
             if m.member in g.voters:
                 rest = [v for v in g.voters if v != m.member]
                 assert sum(v in live for v in rest) * 2 > len(rest)
         else:
             node = by_name[m.node]
             assert node.state == "active" and node.live and m.member not in g.voters
-            assert g.target is not None and len(g.voters) < g.target
+            staying = [v for v in g.voters if not (v in by_name_id and by_name_id[v].state == "leaving")]
+            assert g.target is not None and len(staying) < g.target
             gone = [v for v in g.voters if v not in {n.member_id for n in ns if n.state not in ("left", "forgotten")}]
             assert not gone  # never grow a shard that still has a gone voter
 
@@ -212,3 +223,31 @@ def test_spread_after_forget() -> None:
         gs = apply(gs, moves)
     count = {n: sum(mid(n) in g.voters for g in gs) for n in NAMES[:4]}
     assert max(count.values()) - min(count.values()) <= 1, count
+
+
+def test_leave_grows_before_it_shrinks() -> None:
+    """A live node leaving: each shard it votes in first gets a voter elsewhere, and only then loses
+    the leaving node's; round after round it ends in no group, every shard at 3 voters."""
+    ns = nodes(n2={"state": "leaving"})
+    gs = groups(8, dead="n2")
+    first = plan(ns, gs, PlanSettings("k", max_moves=100))
+    with_n2 = {g.shard for g in gs if mid("n2") in g.voters}
+    assert {m.shard for m in first if m.kind == "promote"} == with_n2
+    assert not any(m.kind == "remove" and m.member in next(g for g in gs if g.shard == m.shard).voters
+                   for m in first)
+    for _ in range(20):
+        moves = plan(ns, gs, PlanSettings("k", max_moves=3))
+        if not moves:
+            break
+        for mv in moves:
+            g = next(g for g in gs if g.shard == mv.shard)
+            if mv.kind == "remove" and mv.member in g.voters:
+                assert len([v for v in g.voters if v != mid("n2")]) >= 3  # never below target
+        gs = apply(gs, moves)
+    assert all(len(g.voters) == 3 and mid("n2") not in g.voters + g.learners for g in gs)
+
+
+def test_leave_waits_when_no_node_can_take_its_place() -> None:
+    ns = nodes(n2={"state": "leaving"}, n4={"live": False}, n5={"live": False})
+    g = GroupView(0, (mid("n1"), mid("n2"), mid("n3")), (mid("n4"), mid("n5")), 3, leader=1)
+    assert plan(ns, [g], PlanSettings("k")) == []

@@ -5,6 +5,9 @@
   grows the shards elsewhere. Refused (409, saying which shards and why) when removing it would
   leave a group without a live majority of its voters, or when the node is live; ``force``
   records it anyway and says what that risks.
+- ``POST /v1/cluster/members/{name}/leave``: a live node goes away: every shard it votes in gets a
+  voter elsewhere first, then loses its (grow before shrink); once it is in no shard it is ``left``
+  and stops by itself (exit 0), its data directory marked so it never starts again.
 - ``POST /v1/cluster/shards/{shard}/replicas/{name}``: add-replica (a learner caught up is
   promoted; a node that follows nothing becomes a learner first).
 - ``DELETE /v1/cluster/shards/{shard}/replicas/{name}``: remove-replica.
@@ -23,6 +26,7 @@ from aiohttp import web
 from moorline.node.admin.http_api import CALLER, _err
 
 FORGET = "/v1/cluster/members/{name}/forget"
+LEAVE = "/v1/cluster/members/{name}/leave"
 REPLICA = "/v1/cluster/shards/{shard}/replicas/{name}"
 
 
@@ -46,6 +50,13 @@ def register_cluster_admin(routes: web.RouteTableDef, node: Any) -> None:
         if force not in ("true", "false", "1", "0"):
             return _err(400, "force is true or false")
         res = await _driver(node).forget(req.match_info["name"], force in ("true", "1"))
+        return web.json_response(res.body, status=res.status)
+
+    @routes.post(LEAVE)
+    async def leave(req: web.Request) -> web.Response:
+        if (r := refused()) is not None:
+            return r
+        res = await _driver(node).leave(req.match_info["name"])
         return web.json_response(res.body, status=res.status)
 
     async def replica(req: web.Request, kind: str) -> web.Response:

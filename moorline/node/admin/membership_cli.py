@@ -1,4 +1,4 @@
-"""``moorline cluster forget`` and ``moorline cluster shard add-replica|remove-replica``: membership
+"""``moorline cluster forget|leave`` and ``moorline cluster shard add-replica|remove-replica``: membership
 changes through any live node's HTTP listener (the admin routes of admin/cluster_admin_api.py), and
 the member table printed by ``moorline cluster status``."""
 
@@ -95,6 +95,21 @@ def forget(
     _report("forget", status, body)
 
 
+def leave(
+    node: Annotated[str, typer.Argument(help="the member's node name (a live node)")],
+    http: HttpOpt = "127.0.0.1:8888", user: UserOpt = None, password: PasswordOpt = None, token: TokenOpt = None,
+    timeout: TimeoutOpt = 10.0,
+) -> None:
+    """Take a live node out of the cluster for good: every shard it votes in first gets a voter on
+    another node (caught up, then promoted), then loses NODE's (grow before shrink: no shard is ever
+    below shard.replicas); once NODE is in no shard it is 'left', and it drains and exits 0 by itself.
+    Its data directory is marked: starting it again is refused. Refused when the node is not live,
+    or when too few live active nodes would remain to take its voters."""
+    path = f"/v1/cluster/members/{urllib.parse.quote(node, safe='')}/leave"
+    _, status, body = _call(http, "POST", path, _auth(user, password, token), timeout)
+    _report("leave", status, body)
+
+
 shard_app = typer.Typer(no_args_is_help=True, add_completion=False,
                         help="Change one shard's replicas by hand (the reconciler respects it).")
 
@@ -135,6 +150,7 @@ def remove_replica(
 
 def register(app: typer.Typer) -> None:
     app.command("forget")(forget)
+    app.command("leave")(leave)
     app.add_typer(shard_app, name="shard")
 
 

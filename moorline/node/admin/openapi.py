@@ -399,6 +399,18 @@ MEMBERSHIP_ROUTES: tuple[Route, ...] = (
           }, params=(MEMBER_NAME, Param("force", "query", string(enum=["true", "false"]),
                                         "forget even so (disaster recovery): says what it risks")),
           tags=("admin",)),
+    Route("post", "/v1/cluster/members/{name}/leave", "A live node leaves: its voters are replaced, then it stops",
+          ADMIN, {
+              200: ("already leaving or left", obj({"member": string(), "state": string(), "note": string()},
+                                                   ("member", "state"), more=True)),
+              202: ("the member is leaving; the reconciler gives its shards voters elsewhere, then removes it",
+                    obj({"member": string(), "state": string(), "shards": array(integer("shards it votes in")),
+                         "note": string()}, ("member", "state", "shards"), more=True)),
+              404: ("no such member", ERROR),
+              409: ("refused: the node is not live, was forgotten, or too few live active nodes would remain to "
+                    "take its voters; or no member table here", ERROR),
+              503: ("the metadata group did not commit the change", ERROR),
+          }, params=(MEMBER_NAME,), tags=("admin",)),
     Route("post", "/v1/cluster/shards/{shard}/replicas/{name}", "Add a voter of a shard on a node (add-replica)",
           ADMIN, {
               202: ("recorded as a move; the shard's leader proposes it", obj({"shard": integer(), "move": MOVE},

@@ -21,12 +21,17 @@ HTTP routes (admin/cluster_admin_api.py); they go through the metadata group lik
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import signal
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from moorline.broker import commands as c
 from moorline.broker.membership import GONE, MembershipState, Move
+from moorline.config import ConfigError
 from moorline.node.replication.reconcile import (
     GroupView,
     NodeView,
@@ -47,8 +52,22 @@ JITTER = 0.2  # reconcile_interval_s varies by this fraction either way
 ANNOUNCE_RETRY_S = 5.0
 END_RETRY_S = 2.0
 PROPOSE_TIMEOUT_S = 5.0
+LEFT_MARKER = "left.json"  # in a data directory whose node left the cluster: it is never started again
 KINDS = {"add_learner": ConfChangeType.ADD_LEARNER, "promote": ConfChangeType.PROMOTE,
          "remove": ConfChangeType.REMOVE}
+
+
+def refuse_if_left(data_dir: Path) -> None:
+    """A node that left its cluster is not started again on the same data directory."""
+    marker = data_dir / LEFT_MARKER
+    if marker.exists():
+        try:
+            info = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            info = {}
+        raise ConfigError(f"this data directory ({data_dir}) belongs to node {info.get('node', '?')}, which left "
+                          f"cluster {info.get('cluster_id', '?')!r}: its replicas were handed to other nodes. To "
+                          f"run a node again, start it on a new, empty data directory")
 
 
 @dataclass
@@ -84,6 +103,7 @@ class MembershipDriver:
         self._announced_at = -1e9
         self._ended_at: dict[tuple[int, int], float] = {}
         self._proposed: dict[tuple[int, int], int] = {}  # (shard, move id) -> log index of our proposal
+        self.left = False  # this node saw itself left in the member table (and asked itself to stop)
 
     # --- views -------------------------------------------------------------------------------
     @property
@@ -182,6 +202,7 @@ class MembershipDriver:
         elif self._signature is not None and len(table.moves) < self._signature[2]:
             self.kick()  # a move ended: the next change of that shard need not wait a whole interval
         self._signature = signature
+        self._check_left(table)
         await self._announce(table, now)
         self._drive_moves(table, now)
         meta = self.node.meta_host
@@ -193,6 +214,21 @@ class MembershipDriver:
         if now >= self._next_run:
             self._next_run = now + self._interval()
             await self.reconcile(table, now)
+
+    def _check_left(self, table: MembershipState) -> None:
+        """Once the member table says this node (this storage) has left: mark the data directory so
+        it is never started again, and stop as SIGTERM stops a node (drain, exit 0)."""
+        link = self.node.link
+        entry = table.members.get(link.spec.me)
+        if self.left or entry is None or entry.state != "left" or entry.member_id != tuple(self.node.member):
+            return
+        self.left = True
+        marker = {"node": link.spec.me, "cluster_id": self.node.cfg.cluster.cluster_id, "left_ms": entry.since_ms}
+        (Path(self.node.cfg.data_dir) / LEFT_MARKER).write_text(json.dumps(marker))
+        log.warning("this node has left the cluster (its replicas are on other nodes): stopping; its data directory "
+                    "is marked and will not start again")
+        if self.node.seams.cluster_network is None:  # a real process (a simulator's node is stopped by its world)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     async def _propose_meta(self, cmd: c.Command) -> Any:
         fut = self.node.propose(self.node.meta_group, cmd)
@@ -259,7 +295,8 @@ class MembershipDriver:
                 self._hand_over(host)  # a leader cannot remove itself
                 continue
             if move.kind != "remove" and move.origin == "reconcile" and shard < len(table.targets):
-                keep = {m.member_id for m in table.members.values() if m.state not in GONE}
+                # (the planner's count: voters that stay, i.e. not on gone or leaving nodes)
+                keep = {m.member_id for m in table.members.values() if m.state not in GONE and m.state != "leaving"}
                 if move.kind == "promote" and sum(v in keep for v in applied.voters) >= table.targets[shard]:
                     self._end(move, "not needed: the shard is at its target", now)
                     continue
@@ -325,7 +362,22 @@ class MembershipDriver:
                 continue
             self.moves_started += 1
             log.info("reconcile: shard %d: %s %s (%s)", mv.shard, mv.kind, mv.node, mv.reason)
+        await self._mark_left(table)
         return moves
+
+    async def _mark_left(self, table: MembershipState) -> None:
+        """A leaving member that is in no shard's configuration any more has left."""
+        for m in list(table.members.values()):
+            if m.state != "leaving":
+                continue
+            if any(m.member_id in h.raft.active_conf_state.members() for h in self.node.hosts):
+                continue
+            try:
+                why = await self._propose_meta(c.MemberSetState(m.name, "left", self.node.now_ms()))
+            except (TimeoutError, ShardUnavailable):
+                continue
+            if why is None:
+                log.info("%s has left the cluster: it votes and follows in no shard", m.name)
 
     # --- operators' commands ------------------------------------------------------------------
     def _require_table(self) -> MembershipState | OpResult:
@@ -370,6 +422,42 @@ class MembershipDriver:
         self.kick()
         return OpResult(200, {"member": name, "state": "forgotten", "forced": bool(risks),
                               "risks": risks, "shards": sorted(s for s, v in voters.items() if m.member_id in v)})
+
+    async def leave(self, name: str) -> OpResult:
+        """A live node goes away: every shard it votes in gets a voter elsewhere first, then loses
+        its (grow before shrink); once it is in no shard it is ``left``, and it stops by itself."""
+        table = self._require_table()
+        if isinstance(table, OpResult):
+            return table
+        m = table.members.get(name)
+        if m is None:
+            return OpResult(404, {"error": f"no member named {name!r}"})
+        if m.state in ("leaving", "left"):
+            return OpResult(200, {"member": name, "state": m.state, "note": f"already {m.state}"})
+        if m.state == "forgotten":
+            return OpResult(409, {"error": f"{name} was forgotten"})
+        live_names = self._live_names()
+        if name not in live_names:
+            return OpResult(409, {"error": f"{name} is not live (this node does not hear from it): a node gone for "
+                                           f"good is forgotten (moorline cluster forget), not left"})
+        others = [x.name for x in table.members.values() if x.name != name and x.state == "active"
+                  and x.name in live_names]
+        need = max(table.targets, default=0)
+        if len(others) < need:
+            return OpResult(409, {"error": f"refusing: after {name} leaves, {len(others)} live active node(s) remain "
+                                           f"({', '.join(sorted(others)) or 'none'}) and a shard needs {need} voters; "
+                                           f"the shards it votes in could not be given a replacement"})
+        try:
+            why = await self._propose_meta(c.MemberSetState(name, "leaving", self.node.now_ms()))
+        except (TimeoutError, ShardUnavailable) as exc:
+            return OpResult(503, {"error": f"the metadata group did not commit the change: {exc}"})
+        if why is not None:
+            return OpResult(409, {"error": str(why)})
+        self.kick()
+        voted = sorted(h.shard for h in self.node.hosts if m.member_id in h.raft.active_conf_state.voters)
+        return OpResult(202, {"member": name, "state": "leaving", "shards": voted,
+                              "note": "each of these shards gets a voter elsewhere, then loses this node's; once "
+                                      "it is in no shard it is left and stops (exit 0)"})
 
     async def change_replica(self, shard: int, name: str, kind: str) -> OpResult:
         """``add-replica`` (kind "add": promote a caught-up learner, else add it as a learner first) or

@@ -19,6 +19,12 @@ gets one voter more, on a live active node chosen by:
 
 Last, learners on gone nodes are removed (they count for no quorum: nothing waits for them).
 
+A **leaving** node (a live one going away, ``moorline cluster leave``) is the other way round —
+grow before shrink, as the node is still serving: a shard it votes in first gets a voter elsewhere
+(as if below target), and only then loses the leaving node's voter; then its learners go. Its
+voter in the metadata group stays until the member table says it has left (the node reads that
+from its own replica, and stops), and goes then like any left node's.
+
 Every node already follows every shard as a learner, so growing is usually ``promote``; a learner
 is promoted only within ``promote_lag_entries`` of the leader's log (a lag not known to the planner
 is checked by the shard's leader before it proposes). A node that is not a member of the shard at
@@ -104,6 +110,33 @@ def live_majority_after_removal(voters: tuple[MemberId, ...], removed: MemberId,
     return sum(1 for v in rest if v in live) * 2 > len(rest)
 
 
+def _grow(g: GroupView, counted: list[MemberId], by_member: dict[MemberId, NodeView], eligible: list[NodeView],
+          voters_of: dict[str, int], settings: PlanSettings) -> PlannedMove | None:
+    """One voter more for ``g`` (whose ``counted`` voters stay), or None when no node fits now."""
+    voter_nodes = {v[0] for v in g.voters}
+    zones_used = {by_member[v].zone for v in counted if v in by_member}
+    learners = set(g.learners)
+    candidates = []
+    for n in eligible:
+        if n.node_id in voter_nodes:
+            continue
+        if any(m[0] == n.node_id and m != n.member_id for m in (*g.voters, *g.learners)):
+            continue  # its old storage is still a member: that one is removed first
+        if n.member_id in learners:
+            lag = None if g.lag is None else g.lag.get(n.member_id)
+            if g.lag is not None and (lag is None or lag > settings.promote_lag_entries):
+                continue  # not caught up (or not heard from by the leader): not yet
+        key = (1 if n.zone in zones_used else 0, voters_of.get(n.name, 0), settings.leaderships.get(n.name, 0),
+               guid128("reconcile", settings.cluster_key, g.shard, n.name), n.name)
+        candidates.append((key, n))
+    if not candidates:
+        return None
+    _, best = min(candidates, key=lambda kv: kv[0])
+    kind = "promote" if best.member_id in learners else "add_learner"
+    return PlannedMove(g.shard, kind, best.name, best.member_id,
+                       f"shard {g.shard} has {len(counted)} of {g.target} voters")
+
+
 def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings) -> list[PlannedMove]:
     by_member = {n.member_id: n for n in nodes}
     live = {n.member_id for n in nodes if n.live and n.state not in GONE_STATES}
@@ -133,7 +166,8 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
             budget -= 1
             break
 
-    # 2. Grow: a shard below its target gets one voter more.
+    # 2. Grow: a shard below its target gets one voter more; a shard at target with a voter on a
+    #    leaving node loses that voter (grow before shrink while the node is alive).
     voters_of: dict[str, int] = {n.name: 0 for n in nodes}
     for g in groups:
         for v in g.voters:
@@ -144,39 +178,31 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
     for g in ordered:
         if budget <= 0:
             break
-        if g.busy or g.shard in touched or g.target is None:
+        if g.busy or g.shard in touched:
             continue
-        counted = [v for v in g.voters if _removable(by_member.get(v), settings.auto_remove_after_s) is None]
-        if len(counted) >= g.target or len(counted) != len(g.voters):
-            continue  # at target, or a gone voter must go first (shrink before grow)
-        voter_nodes = {v[0] for v in g.voters}
-        zones_used = {by_member[v].zone for v in g.voters if v in by_member}
-        learners = set(g.learners)
-        candidates = []
-        for n in eligible:
-            if n.node_id in voter_nodes:
-                continue
-            if any(m[0] == n.node_id and m != n.member_id for m in (*g.voters, *g.learners)):
-                continue  # its old storage is still a member: that one is removed first
-            if n.member_id in learners:
-                lag = None if g.lag is None else g.lag.get(n.member_id)
-                if g.lag is not None and (lag is None or lag > settings.promote_lag_entries):
-                    continue  # not caught up (or not heard from by the leader): not yet
-            key = (1 if n.zone in zones_used else 0, voters_of.get(n.name, 0), settings.leaderships.get(n.name, 0),
-                   guid128("reconcile", settings.cluster_key, g.shard, n.name), n.name)
-            candidates.append((key, n))
-        if not candidates:
-            continue
-        _, best = min(candidates, key=lambda kv: kv[0])
-        kind = "promote" if best.member_id in learners else "add_learner"
-        out.append(PlannedMove(g.shard, kind, best.name, best.member_id,
-                               f"shard {g.shard} has {len(counted)} of {g.target} voters"))
-        if kind == "promote":
-            voters_of[best.name] = voters_of.get(best.name, 0) + 1
-        touched.add(g.shard)
-        budget -= 1
+        if any(_removable(by_member.get(v), settings.auto_remove_after_s) is not None for v in g.voters):
+            continue  # a gone voter must go first (shrink before grow); 1. could not remove it now
+        leaving = [v for v in g.voters if v in by_member and by_member[v].state == "leaving"]
+        counted = [v for v in g.voters if v not in leaving]
+        if g.target is not None and len(counted) < g.target:
+            move = _grow(g, counted, by_member, eligible, voters_of, settings)
+            if move is not None:
+                out.append(move)
+                if move.kind == "promote":
+                    voters_of[move.node] = voters_of.get(move.node, 0) + 1
+                touched.add(g.shard)
+                budget -= 1
+            continue  # a leaving voter goes only once its replacement votes (grow before shrink)
+        # (the metadata group keeps a leaving node's voter until the node is left: the node learns
+        # from its own replica that it is, and stops; then it is removed as any left node is)
+        if leaving and g.target is not None and live_majority_after_removal(g.voters, leaving[0], live):
+            node = by_member[leaving[0]]
+            out.append(PlannedMove(g.shard, "remove", node.name, leaving[0],
+                                   f"its node {node.name} is leaving (the shard has {len(counted)} other voters)"))
+            touched.add(g.shard)
+            budget -= 1
 
-    # 3. Clean up: learners on gone nodes.
+    # 3. Clean up: learners on gone or leaving nodes.
     for g in ordered:
         if budget <= 0:
             break
@@ -185,6 +211,8 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
         for m in g.learners:
             node = by_member.get(m)
             why = _removable(node, settings.auto_remove_after_s)
+            if why is None and node is not None and node.state == "leaving":
+                why = f"its node {node.name} is leaving"
             if why is not None:
                 name = node.name if node is not None else f"node {m[0]} (storage {m[1]})"
                 out.append(PlannedMove(g.shard, "remove", name, m, why))
