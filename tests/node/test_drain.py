@@ -205,8 +205,12 @@ class FakeConn:
         asyncio.get_running_loop().call_later(0.01, fut.set_result, None)
         return fut
 
-    def _write(self, data: bytes) -> None:
-        self.written.append(data)
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def send_disconnect(self, packet: Disconnect) -> None:
+        self.written.append(encode(packet, MQTT_5))
 
     @property
     def transport(self) -> Any:
@@ -217,7 +221,7 @@ class FakeConn:
         self._closing = True
         self.peer_closed = True  # the client closes on our FIN
 
-    def _close_transport(self) -> None:
+    def close_transport(self) -> None:
         self.peer_closed = True
 
 
@@ -280,3 +284,50 @@ def test_a_hand_over_stops_trying_once_no_peer_can_take_over() -> None:
     assert not done and took < 1.0
     done, took = asyncio.run(run(draining=False))
     assert done and 0.3 <= took < 1.0
+
+
+def test_leadership_neither_returns_to_nor_is_handed_to_a_draining_node() -> None:
+    """Peers read a node's drain from its announcement: the rebalance does not move a leadership
+    back to it (its preferred node), and a hand-over picks a peer that is not draining."""
+    from moorline.node.replication.leadership import Leadership
+
+    class Link:
+        def __init__(self) -> None:
+            self.draining: set[str] = set()
+
+        def peer_draining(self, name: str) -> bool:
+            return name in self.draining
+
+    class Raft(FakeRaft):
+        def __init__(self) -> None:
+            super().__init__(N1, N1, [N1, N2, N3])
+            self.lead_transferee: tuple[int, int] | None = None
+            self.progress[N3].match = 99  # n2 the most caught up, by a little
+
+        def transfer_leader(self, to: tuple[int, int]) -> None:
+            self.lead_transferee = to
+
+    link = Link()
+    host = SimpleNamespace(shard=0, failed=None, raft=Raft())
+    kicked: list[int] = []
+    node = SimpleNamespace(groups=[host], preferred_leader=[N2], member=N1, link=link,
+                           node_name=lambda node_id: NAMES[node_id], commit=SimpleNamespace(kick=kicked.append))
+    lead = Leadership(node)  # type: ignore[arg-type]
+    link.draining.add("n2")
+    lead._rebalance_leaders()
+    assert host.raft.lead_transferee is None  # n2 is its preferred leader, but drains
+    link.draining.clear()
+    lead._rebalance_leaders()
+    assert host.raft.lead_transferee == N2
+
+    host.raft = Raft()
+    link.draining.add("n2")
+
+    async def hand() -> None:
+        task = asyncio.ensure_future(lead.hand_over_leadership(0.2))
+        await asyncio.sleep(0.01)
+        assert host.raft.lead_transferee == N3  # not n2, the most caught up: it drains too
+        host.raft.lead = N3
+        await task
+
+    asyncio.run(hand())

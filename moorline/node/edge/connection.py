@@ -240,6 +240,19 @@ class Connection(asyncio.Protocol):
         task.add_done_callback(_log_task_error)
         return done
 
+    @property
+    def closing(self) -> bool:
+        """Closed, or being closed: nothing more is read or handled."""
+        return self._closing
+
+    def send_disconnect(self, packet: p.Disconnect) -> None:
+        """An MQTT 5 DISCONNECT from the server (the caller closes next)."""
+        self._write(encode(packet, MQTT_5))
+
+    def close_transport(self) -> None:
+        """Close the socket now (after what is queued to be written)."""
+        self._close_transport()
+
     def close_after_goodbye(self, why: str) -> None:
         """Close once what was written (acknowledgements, a DISCONNECT) can reach the client: our side
         is shut for writing (FIN after the data) and input is read again only to be dropped, so the

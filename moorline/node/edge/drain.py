@@ -34,7 +34,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from moorline.mqtt.codec import MQTT_5, encode
+from moorline.mqtt.codec import MQTT_5
 from moorline.mqtt.packets import Connack, Disconnect, Properties
 from moorline.mqtt.reasons import ReasonCode as RC
 from moorline.raft.progress import ProgressState
@@ -303,12 +303,12 @@ def refusal_connack(version: int, reference: str | None, in_cluster: bool) -> Co
 def goodbye(conn: Connection, reference: str | None, in_cluster: bool, connected: bool) -> None:
     """Close a connection the drain is done with: MQTT 5 (``connected``: CONNACK sent) gets DISCONNECT
     0x9C with the Server Reference (single node: 0x8B, server shutting down); others are closed."""
-    if conn.version == MQTT_5 and connected and not conn._closing:
+    if conn.version == MQTT_5 and connected and not conn.closing:
         if in_cluster:
             props = Properties(server_reference=reference, reason_string="node draining")
-            conn._write(encode(Disconnect(RC.USE_ANOTHER_SERVER, props), MQTT_5))
+            conn.send_disconnect(Disconnect(RC.USE_ANOTHER_SERVER, props))
         else:
-            conn._write(encode(Disconnect(RC.SERVER_SHUTTING_DOWN), MQTT_5))
+            conn.send_disconnect(Disconnect(RC.SERVER_SHUTTING_DOWN))
     conn.close_after_goodbye("node draining")
 
 
@@ -329,14 +329,14 @@ async def close_clients(conns: Iterable[Connection], drain: Drain, reference_of:
     """Stop reading every connection; release and close each as soon as every PUBLISH it read is
     answered; at ``drain.work_deadline`` the rest (counted in ``drain.clients_cut``)."""
     conns = list(conns)
-    waiting = [c for c in conns if not c._closing]
+    waiting = [c for c in conns if not c.closing]
     for conn in waiting:
         conn.stop_reading_for_drain()
     closing: list[asyncio.Task[None]] = []
     while True:
         still = []
         for conn in waiting:
-            if conn._closing:
+            if conn.closing:
                 continue
             if conn.has_unanswered_work():
                 still.append(conn)
@@ -360,4 +360,4 @@ async def close_clients(conns: Iterable[Connection], drain: Drain, reference_of:
     while any(not c.transport.is_closing() for c in told) and drain.clock() < grace_until:  # type: ignore[union-attr]
         await asyncio.sleep(CLIENT_POLL_S)
     for conn in told:
-        conn._close_transport()
+        conn.close_transport()

@@ -256,6 +256,11 @@ class ClusterLink:
             if peer != self.spec.me:
                 self.transport.send(peer, Stream.CONTROL, Payload("member", body))
 
+    def peer_draining(self, peer: str) -> bool:
+        """Whether ``peer``'s latest announcement says it drains (it is about to go: give it no leadership)."""
+        got = self.announced.get(peer)
+        return got is not None and bool(got[1].get("draining"))
+
     def request_drain(self, peer: str) -> bool:
         """Ask ``peer`` to drain (POST /v1/drain naming another node); False: no such peer."""
         if peer == self.spec.me or peer not in self.spec.names:

@@ -8,11 +8,13 @@ import logging
 from typing import TYPE_CHECKING
 
 from moorline.raft import ProposalDropped
+from moorline.raft.types import MemberId
 
 if TYPE_CHECKING:
     from moorline.node.node import Node
 
 log = logging.getLogger("moorline.node")
+CLOCK_CHECK_EVERY_TICKS = 10  # cluster: a node whose clock is out of bound hands its leaderships over this often
 REBALANCE_EVERY_TICKS = 50  # cluster: leaders move back to their preferred nodes this often (5 s)
 REBALANCE_MAX_TRANSFERS = 2  # per round
 
@@ -39,8 +41,31 @@ class Leadership:
                         continue
                     if host.has_work():
                         self.node.commit.kick(host.shard)
+            if ticks % CLOCK_CHECK_EVERY_TICKS == 0:
+                self._lead_nothing_if_clock_off()
             if ticks % REBALANCE_EVERY_TICKS == 0 and not self.handing_over:
                 self._rebalance_leaders()
+
+    def _lead_nothing_if_clock_off(self) -> None:
+        """A node whose wall clock is not known to be within cluster.max_clock_offset_ms of a
+        majority of the cluster (replication/clock_offset.py) stamps no entry: every leadership it
+        holds goes to its most caught-up voter (docs/design.md, "Leases and clocks")."""
+        link = self.node.link
+        if link is None or self.node.faults.no_clock_bound or link.clocks.out_of_bound() is None:
+            return
+        for host in self.node.groups:
+            raft = host.raft
+            if host.failed is not None or not raft.is_leader or raft.lead_transferee is not None:
+                continue
+            others = [m for m in raft.active_conf_state.voters if m != self.node.member and m in raft.progress]
+            if not others:
+                continue
+            best = max(others, key=lambda m: (raft.is_active(m), raft.progress[m].match))
+            try:
+                raft.transfer_leader(best)
+            except ProposalDropped:
+                continue
+            self.node.commit.kick(host.shard)
 
     def _rebalance_leaders(self) -> None:
         """Leaders go back to each shard's preferred node (its first voter in the placement, the
@@ -57,6 +82,10 @@ class Leadership:
             # (a group with a proposal in flight at every check, e.g. housekeeping, never moved).
             if preferred == self.node.member or pr is None or not raft.is_active(preferred) or pr.match < raft.log.committed:
                 continue
+            if self._draining(preferred):  # about to go (edge/drain.py): leadership would only bounce back
+                continue
+            if self._clock_off(preferred):  # it hands leaderships straight back (clock_offset.py)
+                continue
             try:
                 raft.transfer_leader(preferred)
             except ProposalDropped as exc:  # refused by the core (e.g. a change in progress): next round
@@ -66,6 +95,15 @@ class Leadership:
             moved += 1
             if moved >= REBALANCE_MAX_TRANSFERS:
                 return
+
+    def _clock_off(self, member: MemberId) -> bool:
+        link = self.node.link
+        return (link is not None and not self.node.faults.no_clock_bound
+                and link.clocks.beyond(self.node.node_name(member[0])))
+
+    def _draining(self, member: MemberId) -> bool:
+        link = self.node.link
+        return link is not None and link.peer_draining(self.node.node_name(member[0]))
 
     async def hand_over_leadership(self, timeout_s: float) -> None:
         """Graceful shutdown: every shard this node leads is handed to its most caught-up voter, so
@@ -83,7 +121,7 @@ class Leadership:
                 others = [m for m in raft.active_conf_state.voters if m != self.node.member and m in raft.progress]
                 if not others or raft.lead_transferee is not None:
                     continue
-                best = max(others, key=lambda m: (raft.is_active(m), raft.progress[m].match))
+                best = max(others, key=lambda m: (not self._draining(m), raft.is_active(m), raft.progress[m].match))
                 try:
                     raft.transfer_leader(best)
                 except Exception:  # noqa: BLE001 - not leader any more, or the member is gone
