@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -113,6 +114,11 @@ def test_forget_restart_manual_race_and_leave(cluster_factory: ClusterFactory) -
     assert [m["name"] for m in ms["members"]] == ["n1", "n2", "n3", "n4", "n5"]
     assert all(m["state"] == "active" and m["live"] for m in ms["members"])
     assert all(s["health"] == "at target" and len(s["voters"]) == 3 for s in ms["shards"])
+    status_cli = subprocess.run([sys.executable, "-m", "moorline.cli", "cluster", "status", "--wide", "--http",
+                                 f"127.0.0.1:{cluster['n1'].http_port}"], capture_output=True, text=True, timeout=30,
+                                cwd=str(REPO_ROOT), env={**os.environ, "COLUMNS": "200"})
+    assert status_cli.returncode == 0 and "members (the metadata group's table)" in status_cli.stdout, status_cli
+    assert f"{SHARD_COUNT} at target, 0 below" in status_cli.stdout, status_cli.stdout
     watcher = MoveWatcher(cluster, "n1")
 
     # --- scenario Three: n5 restarted after the reconciler has run while it was down --------------
