@@ -117,6 +117,9 @@ class Node:
         self.published = {"mqtt": 0, "http": 0, "spark": 0}
         self.publish_denied = {"mqtt": 0, "http": 0, "spark": 0}
         self.link: ClusterLink | None = None  # cluster mode: peers, forwarding
+        # HOST:PORT clients reach this node's MQTT listener at (listeners.advertise, else the bound
+        # address): set by the server once its listener is bound (edge/drain.py advertised_address).
+        self.client_address: str | None = None
         self.placement: list[ShardPlacement] = []  # per shard: voters (preferred leader first), learners
         self.preferred_leader: list[MemberId] = []
         self.snapshot_settings = SnapshotSettings.for_node(cfg, self.data_dir, self.housekeeping.snapshot_saved,

@@ -313,9 +313,9 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
     drain = Drain(cfg.cluster.drain_timeout_s, node.clock.monotonic)
     server.drain = drain
     drain.on_begin.append(stop.set)
+    client_address = node.client_address = advertised_address(node, by_key["mqtt"].bound())
     if node.link is not None:
         link = node.link
-        client_address = advertised_address(node, by_key["mqtt"].bound())
         link.announce_extra = lambda: announcement(node, drain, client_address)
         drain.on_begin.append(link.announce_now)  # the peers stop sending clients here at once
         link.on_drain_request = lambda peer: _drain_asked(drain, f"asked through {peer} (POST /v1/drain)")
