@@ -199,15 +199,28 @@ class ProducerConfig:
 @dataclass
 class ShareConfig:
     dispatch: str = "round_robin"  # or "sticky_topic"
-    # Work queues (docs/work-queues.md). Group name patterns (fnmatch: "orders-*") whose groups are
-    # single-active: one member receives at a time, the others stand by.
+
+
+@dataclass
+class QueueConfig:
+    """Work queues (docs/queues.md): policies of ``$share`` groups, by group name pattern."""
+
+    # Group name patterns (fnmatch: "orders-*") whose groups are single-active: one member receives
+    # at a time, the others stand by.
     single_active: list[str] = field(default_factory=list)
     # max_deliveries and ack_timeout_s apply to the groups matching these patterns.
     limited_groups: list[str] = field(default_factory=lambda: ["*"])
     max_deliveries: int = 0  # unacknowledged hand-outs before the dead-letter topic; 0: unlimited
     # "{group}" and "{topic}" are replaced by the group's name and the message's topic.
     dead_letter_topic: str = "$dlq/{group}/{topic}"
-    ack_timeout_s: float = 0.0  # a claim held unacknowledged this long by a connected member goes back; 0: off
+    # A connected member holding a message unacknowledged this long has its connection closed
+    # (MQTT 5: DISCONNECT 0x83 "ack timeout"); its QoS 1 messages go back to the group. 0: off.
+    ack_timeout_s: float = 0.0
+
+
+# Keys that moved (a file using the old name gets an error naming the new one, never a silent alias).
+MOVED_KEYS = {f"share.{k}": f"queue.{k}" for k in
+              ("single_active", "limited_groups", "max_deliveries", "dead_letter_topic", "ack_timeout_s")}
 
 
 @dataclass
@@ -444,6 +457,7 @@ class NodeConfig:
     dedup: DedupConfig = field(default_factory=DedupConfig)
     producer: ProducerConfig = field(default_factory=ProducerConfig)
     share: ShareConfig = field(default_factory=ShareConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     raft: RaftConfig = field(default_factory=RaftConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -480,14 +494,14 @@ class NodeConfig:
             raise ConfigError("producer.max_seq_gap must be within 1..2**64-1")
         if self.share.dispatch not in ("round_robin", "sticky_topic"):
             raise ConfigError("share.dispatch must be 'round_robin' or 'sticky_topic'")
-        if self.share.max_deliveries < 0 or self.share.ack_timeout_s < 0:
-            raise ConfigError("share.max_deliveries and share.ack_timeout_s must be 0 (off) or more")
+        if self.queue.max_deliveries < 0 or self.queue.ack_timeout_s < 0:
+            raise ConfigError("queue.max_deliveries and queue.ack_timeout_s must be 0 (off) or more")
         try:
-            dlq = self.share.dead_letter_topic.format(group="g", topic="t")
+            dlq = self.queue.dead_letter_topic.format(group="g", topic="t")
         except (KeyError, IndexError, ValueError):
             dlq = ""
         if not dlq or "+" in dlq or "#" in dlq or "\0" in dlq:
-            raise ConfigError("share.dead_letter_topic must be a topic name without wildcards; "
+            raise ConfigError("queue.dead_letter_topic must be a topic name without wildcards; "
                               "{group} and {topic} are its only placeholders")
         if not 23 <= self.mqtt.max_client_id_bytes <= 65535:
             raise ConfigError("mqtt.max_client_id_bytes must be within 23..65535 (MQTT requires 23 at least)")
@@ -663,6 +677,8 @@ def _build(cls: type, data: Any, where: str) -> Any:
     for key, value in data.items():
         name = f"{where}.{key}" if where else key
         if key not in names:
+            if name in MOVED_KEYS:
+                raise ConfigError(f"configuration key {name} is now {MOVED_KEYS[name]} (docs/queues.md)")
             close = difflib.get_close_matches(key, sorted(names), n=1)
             hint = f" (did you mean {where + '.' if where else ''}{close[0]}?)" if close else ""
             raise ConfigError(f"unknown configuration key {name}{hint}")
@@ -676,6 +692,8 @@ def _build(cls: type, data: Any, where: str) -> Any:
 
 def _field_type(dotted: str) -> Any:
     """The declared type of a dotted key (``mqtt.max_packet_size``), or ConfigError if unknown."""
+    if dotted in MOVED_KEYS:
+        raise ConfigError(f"configuration key {dotted} is now {MOVED_KEYS[dotted]} (docs/queues.md)")
     cls: Any = NodeConfig
     *parents, last = dotted.split(".")
     for p in parents:

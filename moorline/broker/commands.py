@@ -46,7 +46,7 @@ class Register(Cmd, tag="reg"):
     # shard receives for one plain registration, the latest version wins even when cross-shard
     # commands arrive out of order. -1 (entries written before versions): unchecked.
     sub_version: int = -1
-    # $share groups only (docs/work-queues.md), stamped by the proposer from its config and the
+    # $share groups only (docs/queues.md), stamped by the proposer from its config and the
     # SUBSCRIBE's user property; absent (defaults) in entries written before work-queue policies.
     single_active: bool = False  # the group turns single-active (for good)
     max_deliveries: int = 0  # hand-outs without acknowledgement before dead-lettering; 0: unlimited

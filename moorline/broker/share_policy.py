@@ -1,5 +1,5 @@
-"""Work-queue policies of ``$share`` groups (docs/work-queues.md): which groups are single-active,
-their delivery limit and ack timeout (from the node's ``[share]`` config, stamped into the group's
+"""Work-queue policies of ``$share`` groups (docs/queues.md): which groups are single-active,
+their delivery limit and ack timeout (from the node's ``[queue]`` config, stamped into the group's
 ``Register`` so every replica applies the same), and the dead-letter message of a message past
 its delivery limit (published under a GUID derived from group, shard and offset: exactly once)."""
 

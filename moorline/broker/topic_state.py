@@ -80,7 +80,7 @@ class Registration:
     # $share: offset -> members (client ids) whose read ACL refused it (ShareDecline), in order; an
     # offset every member declined is dropped ("acl_no_reader"). Gone with the offset's ownership.
     declined: dict[int, list[str]] = field(default_factory=dict)
-    # A $share group's work-queue policy and state (docs/work-queues.md); None for every other
+    # A $share group's work-queue policy and state (docs/queues.md); None for every other
     # registration and group (snapshot version 5: absent before, and one nil for each of those).
     queue: WorkQueue | None = None
 
@@ -166,6 +166,10 @@ class TopicLimits:
     # A deliberately broken build for tests (testing/faults.py, dedup_at_propose_only): apply
     # does not consult the GUID history (the proposer looked in its own replica's).
     dedup_at_propose_only: bool = False
+    # A deliberately broken build for tests (testing/volatile_dlq.py, dlq_count_not_replicated):
+    # $share delivery attempts never reach the limit here; the leader's dispatcher counts them in
+    # its memory and its ShareDeadLettered is taken for any message still owed.
+    dlq_count_not_replicated: bool = False
 
 
 class TopicState:
@@ -686,7 +690,7 @@ class TopicState:
         if offset not in reg.owed:
             return
         n = q.attempts.get(offset, 0) + 1
-        if 0 < q.max_deliveries <= n:
+        if 0 < q.max_deliveries <= n and not self.limits.dlq_count_not_replicated:
             q.attempts.pop(offset, None)
             q.timed_out.pop(offset, None)
             q.dead[offset] = (n, member)
@@ -737,7 +741,7 @@ class TopicState:
         done: list[int] = []
         dead = reg.queue.dead
         for offset in cmd.offsets:
-            if offset not in dead or offset not in reg.owed:
+            if (offset not in dead and not self.limits.dlq_count_not_replicated) or offset not in reg.owed:
                 continue
             del reg.owed[offset]
             reg.claims.pop(offset, None)

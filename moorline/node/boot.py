@@ -4,6 +4,7 @@ cluster, start the link and learn the initial members before the groups open."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -80,6 +81,8 @@ class Startup:
         leader (spreading leaders) campaigns at its first start and elections do the rest."""
         rec, meta = self._recovery, self.node.cluster_meta
         limits = default_limits(self.node.cfg, self.node.faults.dedup_at_propose_only)
+        if self.node.faults.dlq_count_not_replicated:  # a deliberately broken build (tests only)
+            limits = dataclasses.replace(limits, dlq_count_not_replicated=True)
         hooks = ApplyHooks(on_effects=self.node.fanout.on_effects, on_results=self.node.lifecycle.on_results,
                            send=self.node.router.send_raft, forward=self.node.router.forward, now_ms=self.node.now_ms)
         invariant(len(placement) == self.node.shard_count, "one placement per shard")

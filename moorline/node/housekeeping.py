@@ -39,7 +39,8 @@ class Housekeeping:
 
     def snapshot_installed(self, host: ShardHost) -> None:
         """A replica installed its leader's snapshot: what sessions here were told to deliver from
-        the old state is reloaded from the new one."""
+        the old state is reloaded from the new one; its Ready (the snapshot) goes to the WAL next."""
+        self.node.commit.kick(host.shard)
         self.node.registry.views.clear()
         for live in list(self.node.live.values()):
             sess = live.session()
@@ -58,7 +59,8 @@ class Housekeeping:
                 try:
                     t = host.state.topics
                     if t.meta or t.dedup:
-                        self.node.propose_lazy(host.shard, c.Housekeeping(now, self._pin_floor(host.shard, now)))
+                        # Readers' pins are shard state (admin/pins.py): each shard applies its own.
+                        self.node.propose_lazy(host.shard, c.Housekeeping(now, -1))
                     self.node.share.timers(host, now)
                     sessions = host.state.sessions.sessions.values()
                     if any(lease_lapsed(s, now) for s in sessions):
@@ -69,19 +71,9 @@ class Housekeeping:
                     # One shard's trouble (a failed will publish, a full proposal queue) must not
                     # stop retention and reclaim for every other shard: it is tried next round.
                     log.warning("shard %d: housekeeping deferred: %s", host.shard, exc)
+            self.node.ack_timeouts.run(now)  # members connected here holding messages past queue.ack_timeout_s
             self.node.share.prune_rr()
             self.reclaim()
-
-    def _pin_floor(self, shard: int, now: int) -> int:
-        floor = -1
-        for reader, (offsets, deadline) in list(self.node.pins.items()):
-            if deadline * 1000 < now:
-                del self.node.pins[reader]
-                continue
-            o = offsets.get(shard)
-            if o is not None and (floor < 0 or o < floor):
-                floor = o
-        return floor
 
     def reclaim(self) -> None:
         try:

@@ -53,6 +53,7 @@ from moorline.node.replication.placement import ShardPlacement
 from moorline.node.replication.router import GroupRouter
 from moorline.node.replication.shard_host import ShardHost, SnapshotSettings
 from moorline.node.seams import PRODUCTION, Seams
+from moorline.node.sessions.ack_timeout import AckTimeouts
 from moorline.node.sessions.delivery import LiveSession
 from moorline.node.sessions.fanout import Fanout
 from moorline.node.sessions.lifecycle import SessionLifecycle
@@ -95,12 +96,12 @@ class Node:
         self.lifecycle = SessionLifecycle(self)
         self.subscriptions = Subscriptions(self)
         self.share = ShareDispatch(self)
+        self.ack_timeouts = AckTimeouts(self)  # closes members' connections past queue.ack_timeout_s
         self.fanout = Fanout(self)
         self.housekeeping = Housekeeping(self)
         self.membership = MembershipDriver(self)  # member table: announce, reconcile, drive moves
         self.live = self.registry.live  # client id -> LiveSession (the registry's)
         self.connections = self.registry.connections  # client id -> Connection, for takeover (the registry's)
-        self.pins: dict[str, tuple[dict[int, int], float]] = {}  # reader -> (shard -> offset, deadline)
         self._topic_shards: dict[str, int] = {}
         self._guid_prefix = seams.random_bytes(8)
         self._guid_counter = 0
@@ -137,8 +138,8 @@ class Node:
 
     @property
     def share_ack_timeouts(self) -> int:
-        """Claims this node took back from connected $share members (ack timeout)."""
-        return self.share.ack_timeouts
+        """Connections of $share members this node closed for their ack timeout (docs/queues.md)."""
+        return self.ack_timeouts.closed
 
     def run_in_background(self, task: asyncio.Task[Any]) -> None:
         """A one-off cleanup nobody awaits: kept until done, cancelled at stop, its failure logged."""

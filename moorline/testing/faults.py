@@ -55,6 +55,10 @@ class Faults:
     # and the nodes do not check the bound: leases, lapses and expiry are judged on leaders'
     # clocks that disagree by more than the margin they were built for.
     no_clock_bound: bool = False
+    # Broken: a $share message's delivery attempts are counted by the shard leader's dispatcher in
+    # its own memory, not in the shard's replicated state (testing/volatile_dlq.py): a new leader
+    # counts from zero, so a poison message is handed out past queue.max_deliveries.
+    dlq_count_not_replicated: bool = False
 
     @property
     def any_broken(self) -> bool:
@@ -80,7 +84,7 @@ NO_FAULTS = Faults()
 BROKEN_SWITCHES = (
     "unsafe_ack_before_sync", "drop_on_restart", "loose_packet_ids",
     "dedup_at_propose_only", "renumber_packet_ids_on_takeover", "no_owner_lease", "ack_before_quorum",
-    "forwarder_drops_on_leader_change", "suback_before_all_shards", "no_clock_bound",
+    "forwarder_drops_on_leader_change", "suback_before_all_shards", "no_clock_bound", "dlq_count_not_replicated",
 )
 # The cluster simulator's: each must be caught by `moorline sim --cluster` with the default fault mix.
 CLUSTER_SWITCHES = BROKEN_SWITCHES[3:]

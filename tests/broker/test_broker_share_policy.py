@@ -1,7 +1,10 @@
-"""Issue 33: the [share] work-queue configuration (bad values are clear errors), which groups a
+"""Issue 33: the [queue] work-queue configuration (bad values are clear errors), which groups a
 policy reaches, the SUBSCRIBE user property, and the dead-letter copy of a message."""
 
 from __future__ import annotations
+
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -17,16 +20,34 @@ from moorline.config import ConfigError, load_config
 
 
 @pytest.mark.parametrize("override, needle", [
-    ({"share.max_deliveries": -1}, "share.max_deliveries"),
-    ({"share.ack_timeout_s": -0.5}, "share.ack_timeout_s"),
-    ({"share.dead_letter_topic": "dlq/{grp}/{topic}"}, "share.dead_letter_topic"),
-    ({"share.dead_letter_topic": "dlq/#"}, "share.dead_letter_topic"),
-    ({"share.dead_letter_topic": ""}, "share.dead_letter_topic"),
-    ({"share.single_active": "orders-*"}, "must be a list"),
+    ({"queue.max_deliveries": -1}, "queue.max_deliveries"),
+    ({"queue.ack_timeout_s": -0.5}, "queue.ack_timeout_s"),
+    ({"queue.dead_letter_topic": "dlq/{grp}/{topic}"}, "queue.dead_letter_topic"),
+    ({"queue.dead_letter_topic": "dlq/#"}, "queue.dead_letter_topic"),
+    ({"queue.dead_letter_topic": ""}, "queue.dead_letter_topic"),
+    ({"queue.single_active": "orders-*"}, "must be a list"),
 ])
-def test_bad_share_config_is_a_clear_error(override: dict[str, object], needle: str) -> None:
+def test_bad_queue_config_is_a_clear_error(override: dict[str, object], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         load_config(None, override)
+
+
+@pytest.mark.parametrize("key", ["single_active", "limited_groups", "max_deliveries", "dead_letter_topic",
+                                 "ack_timeout_s"])
+def test_the_old_share_names_are_an_error_naming_the_new_key(key: str, tmp_path: Path) -> None:
+    """Issue 33 names the keys queue.*: a file (or environment variable) still using share.* is told
+    the new name, never silently read or ignored."""
+    value = {"single_active": '["a"]', "limited_groups": '["a"]', "max_deliveries": "3",
+             "dead_letter_topic": '"dlq/{group}"', "ack_timeout_s": "2.0"}[key]
+    f = tmp_path / "m.toml"
+    f.write_text(f"[share]\ndispatch = \"round_robin\"\n{key} = {value}\n")
+    with pytest.raises(ConfigError, match=rf"share\.{key} is now queue\.{key}"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=rf"share\.{key} is now queue\.{key}"):
+        load_config(None, environ={f"MOORLINE_SHARE__{key.upper()}": value})
+    f.write_text(f"[share]\ndispatch = \"sticky_topic\"\n[queue]\n{key} = {value}\n")
+    cfg = load_config(f)
+    assert cfg.share.dispatch == "sticky_topic" and getattr(cfg.queue, key) == tomllib.loads(f"v = {value}")["v"]
 
 
 def test_policies_reach_the_groups_their_patterns_match() -> None:

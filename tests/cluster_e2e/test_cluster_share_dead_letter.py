@@ -1,5 +1,5 @@
 """Issue 33 item 2 across a leader failover: a poison message's delivery count is the topic
-shard's replicated state. With share.max_deliveries = 3, the shard's leader is SIGKILLed between
+shard's replicated state. With queue.max_deliveries = 3, the shard's leader is SIGKILLed between
 the second and third attempts; after the third the message is on the dead-letter topic exactly
 once (its copy's GUID is derived from group, shard and offset) and the group moves on."""
 
@@ -15,7 +15,7 @@ from rawclient import PUBACK, encode_ack
 
 pytestmark = [pytest.mark.cluster_e2e, pytest.mark.timeout(240)]
 
-CONFIG = "[share]\nmax_deliveries = 3\n"
+CONFIG = "[queue]\nmax_deliveries = 3\n"
 
 
 def test_poison_count_survives_a_leader_kill_and_dead_letters_once(cluster_factory: ClusterFactory) -> None:

@@ -14,7 +14,7 @@ from rawclient import PUBACK, encode_ack
 
 pytestmark = [pytest.mark.cluster_e2e, pytest.mark.timeout(240)]
 
-CONFIG = '[share]\nsingle_active = ["sa"]\n'
+CONFIG = '[queue]\nsingle_active = ["sa"]\n'
 
 
 def test_single_active_survives_a_leader_kill_and_hands_over_in_order(cluster_factory: ClusterFactory) -> None:

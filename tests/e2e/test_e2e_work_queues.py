@@ -1,10 +1,10 @@
-"""Issue 33: $share groups as work queues, against a real broker process (docs/work-queues.md).
+"""Issue 33: $share groups as work queues, against a real broker process (docs/queues.md).
 
 - single-active: only the active member receives; when its session ends the standby continues from
   the first unacknowledged message, in order, nothing skipped;
 - a poison message (its consumer never acknowledges and reconnects) lands once on the dead-letter
-  topic after share.max_deliveries, counted as a drop ``delivery_limit``, and the group moves on;
-- ack timeout: a message a connected member holds unacknowledged goes to another member.
+  topic after queue.max_deliveries, counted as a drop ``delivery_limit``, and the group moves on.
+(Ack timeouts: test_e2e_queue_ack_timeout.py.)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ HOST = "127.0.0.1"
 USER_PROPERTY = 0x26
 
 CONFIG = """
-[share]
+[queue]
 single_active = ["sa-*"]
 limited_groups = ["dl-*", "to-*"]
 max_deliveries = 2
@@ -128,29 +128,6 @@ def test_poison_message_lands_once_on_the_dead_letter_topic(wq_broker: BrokerPro
     admin.disconnect()
 
 
-def test_ack_timeout_returns_a_held_message_to_another_member(wq_broker: BrokerProc, uniq: str) -> None:
-    port, topic, group = wq_broker.mqtt_port, f"{uniq}/jobs", f"to-{uniq}"
-    flt = f"$share/{group}/{topic}"
-    x = member(port, f"{uniq}-x", flt)
-    y = member(port, f"{uniq}-y", flt)
-    before = metric(wq_broker, "moorline_share_ack_timeouts_total")
-    publish(port, f"{uniq}-p", topic, [b"held"])
-    first = x.recv_or_none(5.0)
-    holder, other = (x, y) if first is not None else (y, x)
-    held = first if first is not None else y.next_message(5)
-    assert held.payload == b"held"
-    t0 = time.monotonic()
-    again = other.next_message(1.0 + 1.0 + 3.0)  # ack_timeout_s + one housekeeping round + slack
-    assert again.payload == b"held" and time.monotonic() - t0 >= 0.9
-    other.ack(again)
-    holder.ack(held)  # the late PUBACK: harmless
-    holder.ping()
-    assert holder.recv_or_none(1.0) is None and other.recv_or_none(1.0) is None
-    assert metric(wq_broker, "moorline_share_ack_timeouts_total") >= before + 1
-    x.disconnect()
-    y.disconnect()
-
-
 def test_single_active_qos2_pubrecd_stays_with_its_member(wq_broker: BrokerProc, uniq: str) -> None:
     """MQTT-4.8.2-5 in a single-active group: a QoS 2 message the active member PUBREC'd is its
     receipt and never goes to the next member; one it never PUBREC'd is dropped and counted; QoS 1
@@ -184,7 +161,7 @@ def test_single_active_qos2_pubrecd_stays_with_its_member(wq_broker: BrokerProc,
 def test_single_active_with_sticky_topic_dispatch(tmp_path: Path, uniq: str) -> None:
     """share.dispatch = "sticky_topic" picks a member per topic; a single-active group still gives
     every topic to its active member (or it would give some topics to nobody)."""
-    cfg = '[share]\ndispatch = "sticky_topic"\nsingle_active = ["*"]\n'
+    cfg = '[share]\ndispatch = "sticky_topic"\n[queue]\nsingle_active = ["*"]\n'
     with running_broker(tmp_path, config_text=cfg) as b:
         flt = f"$share/g/{uniq}/#"
         a = member(b.mqtt_port, f"{uniq}-a", flt)

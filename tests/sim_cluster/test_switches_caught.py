@@ -49,6 +49,7 @@ SIGNATURE: dict[str, frozenset[str]] = {
     "forwarder_drops_on_leader_change": frozenset({"lost", "stuck"}),
     "suback_before_all_shards": frozenset({"lost", "suback_unregistered"}),
     "no_clock_bound": frozenset({"double_owner", "stale_owner", "session_lost"}),
+    "dlq_count_not_replicated": frozenset({"delivery_limit_exceeded"}),
 }
 
 # Switches the default mix and workload do not catch within MAX_SEEDS, and what they miss. The

@@ -619,8 +619,9 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool, drain: Dra
                 totals[reason] = totals.get(reason, 0) + n
         for reason, n in sorted(totals.items()):
             lines.append(f'moorline_dropped_total{{reason="{reason}"}} {n}')
-        # $share work queues (docs/work-queues.md): dead-lettered messages (this node's replicas'
-        # count of the replicated drops "delivery_limit") and claims this node took back.
+        # $share work queues (docs/queues.md): dead-lettered messages (this node's replicas' count
+        # of the replicated drops "delivery_limit") and members' connections this node closed for
+        # their ack timeout.
         lines += ["# TYPE moorline_share_dlq_total counter",
                   f"moorline_share_dlq_total {totals.get('delivery_limit', 0)}",
                   "# TYPE moorline_share_ack_timeouts_total counter",

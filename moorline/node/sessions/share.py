@@ -1,5 +1,6 @@
 """$share groups on the shard's leader: dispatch (claims committed before they are pushed),
-ack timeouts, dead letters, single-active hand-over."""
+dead letters, single-active hand-over (docs/queues.md). Ack timeouts are judged on the node the
+member is connected to: sessions/ack_timeout.py."""
 
 from __future__ import annotations
 
@@ -14,12 +15,12 @@ from moorline.broker.share_policy import dead_letter_message
 from moorline.broker.topic_state import same_incarnation
 from moorline.hashing import shard_of
 from moorline.node.replication.shard_host import ShardHost, consume_outcome
+from moorline.testing.volatile_dlq import VolatileDeliveryCounts
 
 if TYPE_CHECKING:
     from moorline.node.node import Node
 
 log = logging.getLogger("moorline.node")
-OFFLINE_EPOCH = -2  # the ack-timeout scan's mark of a claim holder it saw disconnected
 
 
 class ShareDispatch:
@@ -31,11 +32,9 @@ class ShareDispatch:
         self._rr: dict[str, int] = {}  # $share registration -> next member (pruned: prune_rr)
         self._activating: set[tuple[str, str]] = set()  # (group, active member) a ShareActivate is pending for
         self._dlq_pending: set[tuple[int, str, int]] = set()  # (shard, group, offset) being dead-lettered
-        # shard -> (member, incarnation) -> (its session's epoch, since when this node's ack-timeout
-        # scan saw that epoch connected; 0: the first epoch it saw)
-        self._online_since: dict[int, dict[tuple[str, int], tuple[int, int]]] = {}
         self.dead_lettered = 0  # messages this node moved to a dead-letter topic
-        self.ack_timeouts = 0  # claims this node took back from connected members (ack timeout)
+        # The broken build Faults.dlq_count_not_replicated (tests only): leader-memory hand-out counts.
+        self._volatile = VolatileDeliveryCounts() if node.faults.dlq_count_not_replicated else None
         self._rounds = 0
 
     def schedule_dispatch(self, shard: int, reg_key: str) -> None:
@@ -54,7 +53,7 @@ class ShareDispatch:
         reg = host.state.topics.regs.get(reg_key)
         if reg is None:
             return
-        q = reg.queue  # the group's work-queue policy and state (docs/work-queues.md), if any
+        q = reg.queue  # the group's work-queue policy and state (docs/queues.md), if any
         dead = q.dead if q is not None else {}
         if dead:
             self._dead_letter(host, reg_key)
@@ -62,6 +61,8 @@ class ShareDispatch:
             return
         claims = reg.claims
         unclaimed = [o for o in reg.owed if o not in claims and o not in dead]
+        if self._volatile is not None and unclaimed:  # the broken build (tests only)
+            unclaimed = self._volatile.to_claim(self.node, host, reg_key, reg, unclaimed)
         if not unclaimed:
             return
         # Members connected anywhere in the cluster, as their session shards record it: the leader
@@ -143,6 +144,8 @@ class ShareDispatch:
             room[member] -= 1
             assigned.setdefault(member, []).append(offset)
         self._rr[reg_key] = rr
+        if self._volatile is not None:  # the broken build (tests only)
+            self._volatile.claimed(shard, reg_key, assigned)
         now = self.node.now_ms() if q is not None and q.ack_timeout_ms > 0 else 0
         for member, offsets in assigned.items():
             self.node.propose(shard, c.ShareClaim(reg_key, member, tuple(offsets), members[member], now), want=False)
@@ -165,14 +168,15 @@ class ShareDispatch:
             msg = host.message(offset)
             if msg is None:
                 continue  # the shard failed, or not readable here now: tried again next round
-            msgs.append((offset, dead_letter_message(self.node.cfg.share.dead_letter_topic, reg.share_group, reg.filter,
+            msgs.append((offset, dead_letter_message(self.node.cfg.queue.dead_letter_topic, reg.share_group, reg.filter,
                                                      shard, offset, msg, n, last, now)))
             self._dlq_pending.add((shard, reg_key, offset))
         if msgs:
-            task = asyncio.get_running_loop().create_task(self._publish_dead_letters(shard, reg_key, msgs))
+            task = asyncio.get_running_loop().create_task(self.publish_dead_letters(shard, reg_key, msgs))
             self.node.run_in_background(task)
 
-    async def _publish_dead_letters(self, shard: int, reg_key: str, msgs: list[tuple[int, StoredMessage]]) -> None:
+    async def publish_dead_letters(self, shard: int, reg_key: str, msgs: list[tuple[int, StoredMessage]]) -> None:
+        """Publishes each (offset, dead-letter copy), then releases those published from the group."""
         try:
             done: list[int] = []
             for offset, msg in msgs:
@@ -193,13 +197,10 @@ class ShareDispatch:
                 self._dlq_pending.discard((shard, reg_key, offset))
 
     def timers(self, host: ShardHost, now: int) -> None:
-        """On the shard's leader, each housekeeping round: claims of connected members held past
-        their group's ack timeout go back (ShareTimeout, decided again at apply by the entry's
-        time), dead letters not yet published are tried again, and groups with unclaimed messages
-        and a member online are dispatched."""
+        """On the shard's leader, each housekeeping round: dead letters not yet published are tried
+        again, and groups with unclaimed messages and a member online are dispatched. (Ack
+        timeouts are judged where the member is connected: sessions/ack_timeout.py.)"""
         topics = host.state.topics
-        was_online = self._online_since.get(host.shard, {})
-        online_since: dict[tuple[str, int], tuple[int, int]] = {}
         for reg_key in list(topics.share_keys):
             reg = topics.regs.get(reg_key)
             if reg is None or reg.share_group is None:
@@ -212,33 +213,6 @@ class ShareDispatch:
                 # A safety net: a member's connection applied in its session shard's replica here
                 # after the group's last change (nothing else would dispatch to it until the next).
                 self.schedule_dispatch(host.shard, reg_key)
-            if q is None or q.ack_timeout_ms <= 0 or not q.claim_ts:
-                continue
-            held: dict[tuple[str, int], list[tuple[int, int]]] = {}
-            for offset, at in q.claim_ts.items():
-                holder = reg.claims.get(offset)
-                if holder is not None:
-                    held.setdefault(holder, []).append((offset, at))
-            for (member, inc), claims in held.items():
-                if not self.node.registry.member_connected(member, inc):
-                    online_since[(member, inc)] = (OFFLINE_EPOCH, 0)  # its next connection is a new one
-                    continue  # offline: its session's end returns them (MQTT: resent on reconnect)
-                # A member seen to reconnect (a new epoch of its session) while holding claims
-                # has the timeout from then: its resends need time too. The apply checks only a
-                # claim's age, so this can only make a timeout later, never earlier.
-                sess = self.node.hosts[self.node.session_shard(member)].state.sessions.sessions.get(member)
-                epoch = sess.epoch if sess is not None else -1
-                prev = was_online.get((member, inc))
-                since = 0 if prev is None else prev[1] if prev[0] == epoch else now
-                online_since[(member, inc)] = (epoch, since)
-                offsets = [o for o, at in claims if now - max(at, since) >= q.ack_timeout_ms]
-                if not offsets:
-                    continue
-                log.info("$share group %s: client %s held %d message(s) past share.ack_timeout_s: taken back",
-                         reg.share_group, member, len(offsets))
-                self.ack_timeouts += len(offsets)
-                self.node.propose(host.shard, c.ShareTimeout(now, reg_key, member, inc, tuple(offsets)), want=False)
-        self._online_since[host.shard] = online_since
 
     def on_ack_room(self, client_id: str) -> None:
         """A member freed window room: its share groups may dispatch again."""

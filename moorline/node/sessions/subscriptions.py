@@ -38,9 +38,9 @@ class Subscriptions:
         self.node = node
 
     def share_policy(self, group: str, asked_single_active: bool = False) -> GroupPolicy:
-        """A $share group's work-queue policy from ``[share]`` (docs/work-queues.md)."""
-        sh = self.node.cfg.share
-        return group_policy(sh.single_active, sh.limited_groups, sh.max_deliveries, sh.ack_timeout_s,
+        """A $share group's work-queue policy from ``[queue]`` (docs/queues.md)."""
+        qc = self.node.cfg.queue
+        return group_policy(qc.single_active, qc.limited_groups, qc.max_deliveries, qc.ack_timeout_s,
                             group, asked_single_active)
 
     def register_everywhere(
