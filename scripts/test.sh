@@ -41,6 +41,8 @@ command -v mosquitto_pub >/dev/null 2>&1 || need_apt+=(mosquitto-clients)
 command -v java >/dev/null 2>&1 || need_apt+=(openjdk-17-jre-headless)
 # cluster tests cut links between nodes with iptables (skipped where it cannot be used, e.g. not root)
 { command -v iptables >/dev/null 2>&1 || [ -x /usr/sbin/iptables ]; } || need_apt+=(iptables)
+# the clock-bound test runs one node with its wall clock set ahead (LD_PRELOAD libfaketime)
+ls /usr/lib/*/faketime/libfaketime.so.1 >/dev/null 2>&1 || need_apt+=(libfaketime)
 # the web console's test (tests/console) drives a headless Chromium over the DevTools protocol
 { command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; } || need_apt+=(chromium)
 if [ "$mode" = managed ] && [ ! -x .venv/bin/python ] && ! "$PY" -c 'import ensurepip' >/dev/null 2>&1; then

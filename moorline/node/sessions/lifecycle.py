@@ -200,7 +200,12 @@ class SessionLifecycle:
         self, client_id: str, clean_start: bool, expiry_s: int, will: c.WillSpec | None, principal: str
     ) -> tuple[bool, int, int]:
         """Raises SessionOwnedByOther when the session belongs to another principal, and
-        SessionQuotaExceeded when it would be one persistent session too many for the principal."""
+        SessionQuotaExceeded when it would be one persistent session too many for the principal,
+        and ShardUnavailable when this node's clock is not within the bound (docs/design.md,
+        "Leases and clocks"): its leases would not be safe."""
+        link = self.node.link
+        if link is not None and not self.node.faults.no_clock_bound and (off := link.clocks.out_of_bound()):
+            raise ShardUnavailable(off)  # CONNACK server unavailable: the client tries another node
         shard = self.node.session_shard(client_id)
         lease_s = self.node.cfg.session.owner_lease_s
         proposed_at = self.node.clock.monotonic()
