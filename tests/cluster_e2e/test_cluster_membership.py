@@ -191,6 +191,13 @@ def test_forget_restart_manual_race_and_leave(cluster_factory: ClusterFactory) -
     ms = membership(cluster, "n2")
     assert next(m for m in ms["members"] if m["name"] == dead)["state"] == "forgotten"
     wait_for("no move in progress", lambda: membership(cluster, "n1")["moves"] == [], 20)
+    # The forgotten node started again on its old data directory is no peer any more: it changes no
+    # shard's term or leader (its handshakes are refused).
+    terms = {s["shard"]: (s["term"], s["leader"]) for s in cluster["n1"].shards()}
+    cluster.start_node(dead)
+    time.sleep(3.0)
+    assert {s["shard"]: (s["term"], s["leader"]) for s in cluster["n1"].shards()} == terms
+    cluster.kill9(dead)
 
     # --- leave: n5, live, goes away under the same stream: grow before shrink, then it stops --------
     leaver = "n5"

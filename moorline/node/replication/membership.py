@@ -104,6 +104,7 @@ class MembershipDriver:
         self._ended_at: dict[tuple[int, int], float] = {}
         self._proposed: dict[tuple[int, int], int] = {}  # (shard, move id) -> log index of our proposal
         self.left = False  # this node saw itself left in the member table (and asked itself to stop)
+        self._fenced: set[str] = set()  # members this node's cluster link no longer talks to
 
     # --- views -------------------------------------------------------------------------------
     @property
@@ -203,6 +204,7 @@ class MembershipDriver:
             self.kick()  # a move ended: the next change of that shard need not wait a whole interval
         self._signature = signature
         self._check_left(table)
+        self._fence(table)
         await self._announce(table, now)
         self._drive_moves(table, now)
         meta = self.node.meta_host
@@ -229,6 +231,23 @@ class MembershipDriver:
                     "is marked and will not start again")
         if self.node.seams.cluster_network is None:  # a real process (a simulator's node is stopped by its world)
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def _fence(self, table: MembershipState) -> None:
+        """A forgotten member (and a left one once it has stopped) is no peer any more: the link
+        drops its connections and refuses its handshakes, so a forgotten node started again on its
+        old data directory cannot disturb the groups it was removed from."""
+        link = self.node.link
+        pending = [m for m in table.members.values()
+                   if m.state in GONE and m.name != link.spec.me and m.name not in self._fenced]
+        if not pending:
+            return
+        live = self._live_names() if any(m.state == "left" for m in pending) else set()
+        for m in pending:
+            if m.state == "left" and m.name in live:
+                continue  # it stops by itself once it has read that it left
+            link.transport.remove_peer(m.name)
+            self._fenced.add(m.name)
+            log.info("cluster: %s is %s: no longer a peer of this node", m.name, m.state)
 
     async def _propose_meta(self, cmd: c.Command) -> Any:
         fut = self.node.propose(self.node.meta_group, cmd)
