@@ -82,7 +82,7 @@ def membership_metric_lines(node: Any) -> list[str]:
     """Members by state, shards below target, moves in progress, reconcile runs: the # TYPE lines
     always, the samples in cluster mode once the metadata group holds the member table."""
     drv = _driver(node)
-    m = drv.metrics() if drv is not None and drv.table is not None else None
+    m = drv.metrics() if drv is not None and drv.table is not None and node.link is not None else None
     lines = ["# TYPE moorline_cluster_members gauge"]
     if m is not None:
         for state, n in sorted(m["members"].items()):

@@ -518,10 +518,11 @@ class MembershipDriver:
 
     # --- status and metrics -------------------------------------------------------------------
     def status(self) -> dict[str, Any] | None:
+        """The member table and the shards' configurations (GET /v1/cluster); None on a single node."""
         table = self.table
-        if table is None:
+        if table is None or self.node.link is None:
             return None
-        live = self._live_names() if self.node.link is not None else set()
+        live = self._live_names()
         by_id = {m.member_id: m.name for m in table.members.values()}
 
         def named(members: tuple[Any, ...]) -> list[str]:
