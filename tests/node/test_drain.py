@@ -311,7 +311,8 @@ def test_leadership_neither_returns_to_nor_is_handed_to_a_draining_node() -> Non
     host = SimpleNamespace(shard=0, failed=None, raft=Raft())
     kicked: list[int] = []
     node = SimpleNamespace(groups=[host], preferred_leader=[N2], member=N1, link=link,
-                           node_name=lambda node_id: NAMES[node_id], commit=SimpleNamespace(kick=kicked.append))
+                           node_name=lambda node_id: NAMES[node_id], commit=SimpleNamespace(kick=kicked.append),
+                           faults=SimpleNamespace(no_clock_bound=True))  # (clock offsets: not this test's)
     lead = Leadership(node)  # type: ignore[arg-type]
     link.draining.add("n2")
     lead._rebalance_leaders()
