@@ -24,6 +24,9 @@ exactly; the numbers move with the workload and the node code, the bound is what
                                     from the history alone, lost probes, it took 176 seeds)
 - no_clock_bound:                   1 seed  (seed 0: session_lost: a session ended early by a
                                     leader whose clock ran 3.5-7 s ahead of the stamps it judged)
+- dlq_count_not_replicated:         5 seeds (seed 4: delivery_limit_exceeded: a poison message
+                                    reached 5 member sessions with queue.max_deliveries = 3, its
+                                    hand-outs counted again from zero by a new leader)
 """
 
 from __future__ import annotations

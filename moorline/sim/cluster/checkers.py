@@ -67,7 +67,8 @@ STUCK_SUBSCRIBER = "not drained"  # reasons the workload records when its drain 
 STUCK_PUBLISH = "abandoned"
 WILL = "will"  # publish detail of a will (invoke at CONNECT; fail when known discarded)
 WILL_DUE = "ended without DISCONNECT"  # info disconnect reason: the client ended the connection abruptly
-EXTRA_KINDS: tuple[str, ...] = ("double_owner", "stale_owner", "session_lost", "resend_without_dup", "stuck")
+EXTRA_KINDS: tuple[str, ...] = ("double_owner", "stale_owner", "session_lost", "resend_without_dup", "stuck",
+                                 "delivery_limit_exceeded", "dead_letter_lost")
 EXTRA_REPORTED_KINDS: tuple[str, ...] = ("will_lost",)
 FAILING_KINDS: tuple[str, ...] = VERIFY_FAILING_KINDS + EXTRA_KINDS
 # The kinds moorline verify finds too (the differential test compares exactly these).
@@ -75,6 +76,8 @@ VERIFY_KINDS: tuple[str, ...] = VERIFY_FAILING_KINDS + REPORTED_KINDS
 ALL_KINDS: tuple[str, ...] = FAILING_KINDS + REPORTED_KINDS + EXTRA_REPORTED_KINDS
 END_OF_TIME = 2**62
 SHARE_END_REASONS = ("session_expired", "share_qos2_member_gone")
+MAX_DELIVERIES_DETAIL = "max_deliveries="  # subscribe detail: the $share group's delivery limit
+DELIVERY_LIMIT = "delivery_limit"  # drop reason: moved to the dead-letter topic
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,7 @@ class _RunCheck:
         self._drops()
         self._lost()
         self._share_duplicates()
+        self._delivery_limits()
         self._order()
         self._resends()
         self._owners()
@@ -551,6 +555,44 @@ class _RunCheck:
                     self.flag("duplicate", f"$share/{group}: also delivered to {prev.session} qos={e.get('qos')}",
                               e.get("guid"), e.session, e.get("topic"))
         self.counts["duplicate_legit"] += legit
+
+    def _delivery_limits(self) -> None:
+        """Work queues (docs/queues.md). *delivery_limit_exceeded*: a message of a $share group
+        with a delivery limit (subscribe detail ``max_deliveries=N``) reached more distinct member
+        sessions (incarnations) than N. Each needed a hand-out of its own: a claim belongs to one
+        incarnation and comes back (one attempt) before another gets it. *dead_letter_lost*: a
+        message the broker dead-lettered (a drop ``delivery_limit``) never reached a live
+        dead-letter subscription (``$dlq/...``) made before it was published. (Twice is a
+        *duplicate* of that subscriber.)"""
+        limits: dict[tuple[str, str], int] = {}
+        for e in self.sev:
+            d = e.get("detail")
+            if (e.get("op") == "subscribe" and e.get("type") == "ok" and e.get("share_group") is not None
+                    and isinstance(d, str) and d.startswith(MAX_DELIVERIES_DETAIL)):
+                limits[(e.get("share_group"), e.get("filter"))] = int(d[len(MAX_DELIVERIES_DETAIL):])
+        for (group, flt), limit in sorted(limits.items()):
+            sessions = self.members.get((group, flt), set())
+            rows = [r for r in self.subs if r.share_group == group and r.filter == flt]
+            reached: dict[Any, set[str]] = defaultdict(set)
+            for e in self.first:
+                if e.session in sessions and any(r.matches(e.get("topic")) for r in rows):
+                    reached[e.get("guid")].add(e.sub)
+            for guid, subs in reached.items():
+                if len(subs) > limit:
+                    self.flag("delivery_limit_exceeded",
+                              f"$share/{group}/{flt}: reached {len(subs)} member sessions, limit {limit}: "
+                              f"{sorted(subs)}", guid, None, self.msgs[guid].topic if guid in self.msgs else None)
+        dead = {d.get("guid") for d in self.drops if d.get("reason") == DELIVERY_LIMIT and d.get("guid")}
+        dlq_rows = [r for r in self.subs if r.share_group is None and r.live and (r.filter or "").startswith("$dlq/")]
+        got = {(e.sub, e.get("guid")) for e in self.first if (e.get("topic") or "").startswith("$dlq/")}
+        for guid in sorted(g for g in dead if g in self.msgs):
+            m = self.msgs[guid]
+            for row in dlq_rows:
+                if m.invoke_ns is None or not row.start_ns < m.invoke_ns or (row.sub, guid) in got:
+                    continue
+                if any(row.matches(f"$dlq/{g}/{m.topic}") for g, _ in limits):
+                    self.flag("dead_letter_lost", "dead-lettered (a drop delivery_limit), never delivered to the "
+                              "dead-letter subscription", guid, row.sub, m.topic)
 
     def _checked_subs(self) -> dict[str, list[_SubRow]]:
         """Subscriptions whose order is promised: plain ones and sticky $share groups."""

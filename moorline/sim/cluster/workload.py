@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moorline.broker.commands import SHARE_PREFIX
+from moorline.broker.share_policy import SHARE_MODE_PROPERTY, SINGLE_ACTIVE
 from moorline.hashing import shard_of
 from moorline.mqtt.packets import (
     NO_PROPERTIES,
@@ -78,7 +80,12 @@ WILL_DISCARDED = "will discarded: clean DISCONNECT processed"
 NOT_DRAINED = "not drained: the drain timed out"  # a subscriber that could not catch up after the faults healed
 ABANDONED = "abandoned: unanswered when the drain timed out"  # a publish never answered after the faults healed
 SESSION_TAKEN_OVER = 0x8E
+ACK_TIMEOUT_REASON_CODE = 0x83  # the broker closes a member past queue.ack_timeout_s (docs/queues.md)
+POISON = b"poison:"  # a dead-letter consumer crashes on a payload starting with this
 PERSISTENT_EXPIRY_S = 600
+SA_GROUP, SA_FILTER, SA_TOPIC = "sa", "q/sa", "q/sa"  # the single-active group (one topic: one order)
+DL_GROUP, DL_FILTER = "dl", "q/dl/#"  # the delivery-limited group (world.WorldConfig.queue_limited_groups)
+MAX_DELIVERIES_DETAIL = "max_deliveries="  # subscribe record detail naming the group's limit (checkers.py)
 
 
 def message_guid(payload: bytes) -> str:
@@ -108,6 +115,18 @@ class WorkloadConfig:
     race_messages: int = 30
     share_members: int = 3  # one $share group; the last member leaves for good
     share_messages: int = 30
+    # Work queues (docs/queues.md): a single-active group ("sa", asked for by the SUBSCRIBE user
+    # property) and a delivery-limited group with an ack timeout ("dl", the nodes' [queue] config:
+    # world.WorldConfig.queue_*) whose publisher sends a poison message every ``poison_every``
+    # messages (every consumer crashes on it), one of whose consumers now and then stalls (holds a
+    # message unacknowledged while connected); a persistent observer reads the dead-letter topics.
+    queue_members: int = 3
+    queue_messages: int = 24
+    dl_consumers: int = 2  # the first crashes on poison only; the others stall too
+    dl_messages: int = 20
+    poison_every: int = 4
+    dl_publish_interval_s: tuple[float, float] = (0.6, 2.2)  # spread over the faults: leader changes between attempts
+    crash_restart_s: tuple[float, float] = (0.3, 1.5)  # a consumer that crashed on poison is back after this
     retained_messages: int = 8
     will_clients: int = 2
     will_rounds: int = 3
@@ -411,6 +430,7 @@ class Publisher(ModelClient):
         self.inflight: OrderedDict[int, Outgoing] = OrderedDict()
         self._pid = 0
         self.acked = 0
+        self.interval_s = wl.cfg.publish_interval_s  # between two publishes (drawn uniformly)
 
     def new_pid(self) -> int:
         while True:
@@ -522,7 +542,7 @@ class Publisher(ModelClient):
             if self.rng.random() < cfg.reconnect_rate_per_s * 0.3:
                 self.close(clean=self.rng.random() < 0.5)
                 await self.sleep(self.rng.uniform(0.05, 1.0))
-            await self.sleep(self.rng.uniform(*cfg.publish_interval_s))
+            await self.sleep(self.rng.uniform(*self.interval_s))
         await self.finish()
 
     def give_up_waiting(self) -> None:
@@ -556,6 +576,7 @@ class Sub:
     filter: str
     qos: int
     share_group: str | None = None
+    detail: str | None = None  # recorded with the SUBACK: e.g. the group's max_deliveries (checkers.py)
 
     @property
     def wire(self) -> str:
@@ -589,6 +610,7 @@ class Subscriber(ModelClient):
         self.force_clean = False  # next connect starts a new session
         self.first_clean = True  # the first connect starts the session (False: another process did)
         self.drain_marked = False
+        self.sub_props: Properties = NO_PROPERTIES  # SUBSCRIBE properties (a single-active group's)
 
     def on_packet(self, pk: Packet) -> None:
         if isinstance(pk, Publish):
@@ -656,7 +678,8 @@ class Subscriber(ModelClient):
             self.rec("invoke", "subscribe", filter=s.filter, qos=s.qos, share_group=s.share_group,
                      no_local=False)
         pk = await self.request(
-            Subscribe(self.next_ctl_pid(), tuple((s.wire, SubscriptionOptions(s.qos)) for s in subs)),
+            Subscribe(self.next_ctl_pid(), tuple((s.wire, SubscriptionOptions(s.qos)) for s in subs),
+                      self.sub_props),
             self.wl.cfg.subscribe_timeout_s)
         if not isinstance(pk, Suback):
             for s in subs:
@@ -666,7 +689,8 @@ class Subscriber(ModelClient):
         ok = True
         for s, code in zip(subs, pk.reason_codes, strict=False):
             if code < 0x80:
-                self.rec("ok", "subscribe", filter=s.filter, qos=code, share_group=s.share_group, no_local=False)
+                self.rec("ok", "subscribe", filter=s.filter, qos=code, share_group=s.share_group, no_local=False,
+                         detail=s.detail)
                 self.stat("subscribed")
             else:
                 ok = False
@@ -870,6 +894,114 @@ class ShareMember(Subscriber):
         await super().act()
 
 
+class QueueMember(ShareMember):
+    """A member of the single-active group (SUBSCRIBE user property ``moorline-share-mode:
+    single-active``): only the active member receives; after each delivery the world's state is
+    checked for a second member holding a message of the group (``Workload.check_single_active``)."""
+
+    kind = "queue"
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.sub_props = Properties(user_properties=((SHARE_MODE_PROPERTY, SINGLE_ACTIVE),))
+
+    def _on_publish(self, pk: Publish) -> None:
+        super()._on_publish(pk)
+        self.wl.check_single_active()
+
+
+class DeadLetterConsumer(Subscriber):
+    """A consumer of the delivery-limited group: a clean session (each connection a new one, so
+    each delivery is one hand-out), which crashes (ends its connection without acknowledging) on a
+    poison message. A ``staller`` now and then holds a message unacknowledged while connected until
+    the broker closes its connection for the ack timeout (DISCONNECT 0x83 on 5.0)."""
+
+    kind = "dead_letter"
+
+    def __init__(self, *args: Any, staller: bool = False, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.staller = staller
+        self.stalled = False
+        self.stalls_left = 3 if staller else 0
+        self.restart_at = 0.0  # after a crash: not back before this
+        if staller:
+            self.kind = "staller"
+
+    def _on_publish(self, pk: Publish) -> None:
+        if self.stalled:  # hung: whatever arrives stays unprocessed and unacknowledged
+            self.last_delivery = self.wl.last_delivery = self.now()
+            self.rec("ok", "deliver", topic=pk.topic, qos=pk.qos, packet_id=pk.packet_id, dup=pk.dup,
+                     guid=message_guid(pk.payload))
+            return
+        if pk.payload.startswith(POISON):
+            guid = message_guid(pk.payload)
+            self.last_delivery = self.wl.last_delivery = self.now()
+            self.stat("poison_received")
+            self.rec("ok", "deliver", topic=pk.topic, qos=pk.qos, packet_id=pk.packet_id, dup=pk.dup, guid=guid)
+            self.close(clean=False, reason="crashed on a poison message")
+            self.restart_at = self.now() + self.rng.uniform(*self.wl.cfg.crash_restart_s)
+            return
+        if (self.stalls_left and not self.stalled and not self.wl.draining and pk.qos == 1
+                and self.rng.random() < 0.3):
+            self.stalled = True
+            self.stat("stalls")
+            self.last_delivery = self.wl.last_delivery = self.now()
+            self.rec("ok", "deliver", topic=pk.topic, qos=1, packet_id=pk.packet_id, dup=pk.dup,
+                     guid=message_guid(pk.payload))
+            return  # held: never acknowledged on this connection
+        super()._on_publish(pk)
+
+    def on_server_disconnect(self, reason_code: int) -> None:
+        super().on_server_disconnect(reason_code)
+        if reason_code == ACK_TIMEOUT_REASON_CODE:
+            self.stat("ack_timeout_disconnects")
+
+    def on_lost(self, reason: str) -> None:
+        super().on_lost(reason)
+        if self.stalled:
+            self.stalled = False
+            self.stalls_left -= 1
+
+    async def act(self) -> None:
+        if self.stalled:
+            return  # connected, holding the message: the broker's ack timeout ends this
+        if not self.connected:
+            return
+        await super().act()
+
+    async def run(self) -> None:
+        await self.sleep(self.rng.uniform(0.0, 0.3))
+        while not self.wl.finishing and not self.gone:
+            if not self.connected:
+                if self.now() < self.restart_at:
+                    await self.sleep(self.restart_at - self.now())
+                elif not await self.go_online():
+                    await self.sleep(self.rng.uniform(0.2, 1.0))
+                continue
+            if not self.wl.draining:
+                await self.act()
+            await self.wait_changed(0.1)
+        self.finish()
+
+
+class PoisonPublisher(Publisher):
+    """The delivery-limited group's publisher: every ``poison_every``-th message is poison, each on
+    a topic of its own (its dead-letter copies then have no order to keep between them)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.interval_s = self.wl.cfg.dl_publish_interval_s
+
+    def next_message(self) -> Outgoing:
+        out = super().next_message()
+        if out.seq % self.wl.cfg.poison_every == 0:
+            out.payload = POISON + out.payload
+            out.guid = message_guid(out.payload)
+            out.topic = f"q/dl/p{out.seq}"
+            self.stat("poison_published")
+        return out
+
+
 class TakeoverPair:
     """Two processes with one client id: each in turn connects (to a node drawn at random) and
     takes the session over; the broker must close the other's connection first (0x8E on 5.0)."""
@@ -1012,6 +1144,7 @@ class Workload:
         # What the world's own state shows wrong when a client observes something (the runner
         # reports each as a finding): (kind, detail).
         self.state_findings: list[tuple[str, str]] = []
+        self._sa_flagged: set[tuple[str, int]] = set()  # (node, shard) already reported two holders
         self._tasks: list[asyncio.Task[None]] = []
         self._build()
 
@@ -1093,6 +1226,7 @@ class Workload:
             self.clients.append(Publisher(self, "sharepub", 5, host(), qos=self.rng.choice([1, 2]), with_guid=True,
                                           persistent=True, topics=[f"s/{k}" for k in range(4)],
                                           messages=cfg.share_messages))
+        self._build_queues(host)
         if cfg.retained_messages:
             self.clients.append(Publisher(self, "retpub", self._version(), host(), qos=1, with_guid=True,
                                           persistent=True, topics=["r/0", "r/1"],
@@ -1101,6 +1235,49 @@ class Workload:
             self.clients.append(WillClient(self, f"will{i + 1}", self._version(), host(), cfg.will_rounds))
         for c in self.clients:
             self.stats_by_kind.setdefault(c.kind, Counter())
+
+    def _build_queues(self, host: Callable[[], ClientHost]) -> None:
+        """The work-queue clients (docs/queues.md): the single-active group, the delivery-limited
+        group with its poison publisher and stalling consumer, and the dead-letter observer."""
+        cfg, wcfg = self.cfg, self.world.cfg
+        if cfg.queue_members:
+            for i in range(cfg.queue_members):
+                self.clients.append(QueueMember(self, f"sa{i + 1}", f"sa{i + 1}", 5, host(),
+                                                subs=[Sub(SA_FILTER, 1, SA_GROUP)], persistent=True,
+                                                method="B"))
+            self.clients.append(Publisher(self, "sapub", 5, host(), qos=1, with_guid=True, persistent=True,
+                                          topics=[SA_TOPIC], messages=cfg.queue_messages))
+        if cfg.dl_consumers:
+            limit = wcfg.queue_max_deliveries if DL_GROUP in wcfg.queue_limited_groups else 0
+            detail = f"{MAX_DELIVERIES_DETAIL}{limit}" if limit else None
+            for i in range(cfg.dl_consumers):
+                self.clients.append(DeadLetterConsumer(
+                    self, f"dl{i + 1}", f"dl{i + 1}", 5 if i % 2 == 0 else self._version(), host(),
+                    subs=[Sub(DL_FILTER, 1, DL_GROUP, detail)], persistent=False, withhold=False, staller=i > 0))
+            self.clients.append(PoisonPublisher(self, "dlpub", 5, host(), qos=1, with_guid=True, persistent=True,
+                                                topics=["q/dl/0", "q/dl/1"], messages=cfg.dl_messages))
+            self.clients.append(Subscriber(self, "dlq", "dlq", 5, host(), subs=[Sub("$dlq/#", 1)],
+                                           persistent=True, withhold=False))
+
+    def check_single_active(self) -> None:
+        """Single-active (docs/queues.md): in no node's replica of any shard do two members of the
+        single-active group hold messages (claims) at once. Looked at on every delivery to a member."""
+        key = f"{SHARE_PREFIX}{SA_GROUP}\x00{SA_FILTER}"
+        for sn in self.world.nodes:
+            node = sn.node if not sn.crashed else None
+            if node is None or not sn.ready:
+                continue
+            for host in node.hosts:
+                reg = host.state.topics.regs.get(key)
+                if reg is None or not reg.claims:
+                    continue
+                holders = sorted({m for m, _ in reg.claims.values()})
+                if len(holders) > 1 and (sn.name, host.shard) not in self._sa_flagged:
+                    self._sa_flagged.add((sn.name, host.shard))
+                    self.state_findings.append(("single_active_two_holders", (
+                        f"{sn.name} shard {host.shard} at {self.world.scheduler.now:.3f}: {holders} hold "
+                        f"messages of the single-active group {SA_GROUP} at once")))
+        self.stats["single_active_checks"] += 1
 
     def check_registered(self, client: ModelClient, topic_filter: str) -> None:
         """On the racer's SUBACK: the node that sent it must already hold the subscription's

@@ -363,6 +363,10 @@ class WorldConfig:
     publish_timeout_s: float = 5.0
     tuning: NodeTuning = DEFAULT_TUNING  # the seed's node configuration (tuning.py)
     timed_sync: bool = False  # WAL syncs take drawn virtual time beside the loop (TimedSync)
+    # Work queues (docs/queues.md): the workload's delivery-limited $share group ("dl") has these.
+    queue_limited_groups: tuple[str, ...] = ("dl",)
+    queue_max_deliveries: int = 3
+    queue_ack_timeout_s: float = 3.0
 
 
 class World:
@@ -439,6 +443,9 @@ class World:
         cfg.storage.wal_preallocate = False  # no preparer thread
         cfg.storage.inline_sync_max_us = 0
         cfg.listeners.mqtt = f"{sn.host}:{MQTT_PORT}"
+        cfg.queue.limited_groups = list(self.cfg.queue_limited_groups)
+        cfg.queue.max_deliveries = self.cfg.queue_max_deliveries
+        cfg.queue.ack_timeout_s = self.cfg.queue_ack_timeout_s
         self.cfg.tuning.apply(cfg)
         return cfg
 
