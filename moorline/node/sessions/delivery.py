@@ -545,7 +545,9 @@ class LiveSession:
                     continue
                 msg = recent_get(key_base | offset)  # host.message(offset), inlined for a recent one
                 if msg is None:
-                    msg = fetched.get(key_base | offset) if fetched else None
+                    # Not once the shard failed (a damaged record found meanwhile): nothing past
+                    # the damage is delivered, as host.message says.
+                    msg = fetched.get(key_base | offset) if fetched and host.failed is None else None
                     if msg is None:
                         msg = host.message(offset)
                     if msg is None:
