@@ -161,6 +161,7 @@ class FaultPlan:
                     w.net.cut(sn.host, other.host)
             self.isolated[sn.name] = until
             w.note(f"{sn.name} isolated until {until:.1f}")
+            self._record_fault(sn.name, "isolate")
         elif kind == "oneway":
             a = rng.choice(healthy)
             b = rng.choice([sn for sn in w.nodes if sn is not a])
@@ -168,6 +169,8 @@ class FaultPlan:
             w.net.cut(a.host, b.host, both=False)
             self.cut_until[(a.host, b.host)] = until
             w.note(f"link {a.name} -> {b.name} cut until {until:.1f}")
+            self._record_fault(a.name, "oneway")
+            self._record_fault(b.name, "oneway")
         elif kind == "leader_cut":
             leader = self._some_leader(healthy)
             if leader is None:
@@ -179,6 +182,7 @@ class FaultPlan:
                         w.net.cut(leader.host, other.host)
                 self.isolated[leader.name] = until
                 w.note(f"leader {leader.name} cut from its followers until {until:.1f}")
+                self._record_fault(leader.name, "leader_cut")
         if kind == "reset":
             w.net.reset_random(rng)
             w.note("a connection reset")
@@ -189,6 +193,7 @@ class FaultPlan:
     def _crash(self, sn: SimNode) -> None:
         w, rng = self.world, self.rng
         w.crash(sn)
+        self._record_fault(sn.name, "crash")
         if self.cfg.bitflips and rng.random() < 0.5:
             flipped = flip_synced_byte(sn.memory_ledger.as_file(sn.ledger), rng)
             if flipped is not None:
@@ -215,6 +220,12 @@ class FaultPlan:
             self.paused.add(node)
         else:
             self.paused.discard(node)
+        if self.history is not None:
+            self.history.record(self.now, "fault", "fault", process="harness", node=node, reason=reason)
+
+    def _record_fault(self, node: str, reason: str) -> None:
+        """Faults that may delay a committed session close (the will checker excuses what they may
+        cost: checkers.WILL_FAULTS); nothing else reads them."""
         if self.history is not None:
             self.history.record(self.now, "fault", "fault", process="harness", node=node, reason=reason)
 
@@ -279,6 +290,9 @@ class FaultPlan:
                 sn.loop.paused_until = None
         self._record_resumes()
         self.heal_network()
+        from moorline.sim.cluster.checkers import HEALED  # (checkers load with the run, not the module)
+
+        self._record_fault("all", HEALED)
 
 
 class SafetyMonitor:

@@ -129,7 +129,9 @@ class WorkloadConfig:
     crash_restart_s: tuple[float, float] = (0.3, 1.5)  # a consumer that crashed on poison is back after this
     retained_messages: int = 8
     will_clients: int = 2
-    will_rounds: int = 3
+    # Rounds go on into the heal phase (the workload's stop ends them): a will due there, with no
+    # fault near, must be published (checkers: will_not_published).
+    will_rounds: int = 12
     withhold_probability: float = 0.04  # a subscriber withholds an ack, then reconnects
     reconnect_rate_per_s: float = 0.08  # random reconnects of a connected client, per second
     connect_timeout_s: float = 15.0  # above the owner lease: a takeover may wait for it
@@ -1233,6 +1235,12 @@ class Workload:
                                           messages=cfg.retained_messages, retain=True))
         for i in range(cfg.will_clients):
             self.clients.append(WillClient(self, f"will{i + 1}", self._version(), host(), cfg.will_rounds))
+        if cfg.retained_messages:
+            # Retained messages at QoS 0 too: a restore that kept only QoS 1/2 ones (a mutant,
+            # tests/sim_cluster/mutants.py) passed every seed while all retained ones were QoS 1.
+            self.clients.append(Publisher(self, "retpub0", self._version(), host(), qos=0, with_guid=True,
+                                          persistent=False, topics=["r/2"],
+                                          messages=max(1, cfg.retained_messages // 2), retain=True))
         for c in self.clients:
             self.stats_by_kind.setdefault(c.kind, Counter())
 
