@@ -11,7 +11,9 @@ default fault mix and workload from ``--start``, 3 nodes) in a child process who
 ``PYTHONPATH`` points at the copy (it, not the installed package, is imported: the child checks)
 with ``PYTHONHASHSEED=0`` (as ``moorline sim --cluster`` forces it), until the first seed with a
 violation or the seed budget. A sanity run of the unmutated copy on the first seeds comes first:
-if the unmutated build is not clean there, no mutant result means anything.
+if the unmutated build is not clean there, no mutant result means anything. A catch counts only
+if the unmutated copy is clean at that seed too (or the mutant shows a kind it does not): a seed
+the default build fails itself is reported as such, and the mutant runs on from the next seed.
 
     python -m tests.sim_cluster.mutants                       # every mutant, 200 seeds each
     python -m tests.sim_cluster.mutants --seeds 40 --jobs 1   # a cheaper pass
@@ -28,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -332,12 +335,13 @@ class RunOptions:
     keep: bool = False
 
 
-def run_copy(tree: Path, opts: RunOptions, seeds: int, stop_at_first: bool = True) -> Outcome:
+def run_copy(tree: Path, opts: RunOptions, seeds: int, stop_at_first: bool = True, start: int | None = None) -> Outcome:
     """Seeds of the default mix on the copy at ``tree``; the outcome's status is caught (a seed
     had a violation), survived, hung (a seed over SEED_WALL_LIMIT_S) or broken."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env.update(PYTHONPATH=str(tree), PYTHONHASHSEED="0", PYTHONDONTWRITEBYTECODE="1")
-    args = json.dumps({"start": opts.start, "seeds": seeds, "nodes": opts.nodes, "draw_config": opts.draw_config,
+    start = opts.start if start is None else start
+    args = json.dumps({"start": start, "seeds": seeds, "nodes": opts.nodes, "draw_config": opts.draw_config,
                        "timed_sync": opts.timed_sync, "aimed_crashes": opts.aimed_crashes,
                        "stop_at_first": stop_at_first})
     out = Outcome("", "", "survived")
@@ -357,7 +361,7 @@ def run_copy(tree: Path, opts: RunOptions, seeds: int, stop_at_first: bool = Tru
             if not sel.select(timeout=5.0):
                 if time.monotonic() - last > SEED_WALL_LIMIT_S:
                     out.status = "hung"
-                    out.seed = opts.start + out.seeds_run
+                    out.seed = start + out.seeds_run
                     out.kinds = ["seed_over_wall_limit"]
                     proc.kill()
                     break
@@ -394,7 +398,37 @@ def run_copy(tree: Path, opts: RunOptions, seeds: int, stop_at_first: bool = Tru
     return out
 
 
-def run_mutant(mutant: Mutant | None, opts: RunOptions, seeds: int, stop_at_first: bool = True) -> Outcome:
+class Baseline:
+    """The unmutated copy, run on the seeds where a mutant was caught: a catch counts only when the
+    unmutated build is clean at that seed or the mutant shows a violation kind it does not (a seed
+    the default build itself fails is a finding of its own, never a mutant's catch)."""
+
+    def __init__(self, opts: RunOptions) -> None:
+        self.opts = opts
+        self.base = Path(tempfile.mkdtemp(prefix="moorline-mutant-baseline-"))
+        self.tree = copy_tree(self.base, rev=opts.rev)
+        self.kinds: dict[int, list[str]] = {}
+        self.details: dict[int, list[str]] = {}
+        self._lock = threading.Lock()
+
+    def at(self, seed: int) -> list[str]:
+        with self._lock:
+            if seed not in self.kinds:
+                out = run_copy(self.tree, self.opts, 1, stop_at_first=False, start=seed)
+                self.kinds[seed] = out.kinds if out.status != "broken" else ["broken"]
+                self.details[seed] = out.detail
+            return self.kinds[seed]
+
+    def dirty(self) -> dict[int, list[str]]:
+        return {s: k for s, k in sorted(self.kinds.items()) if k}
+
+    def close(self) -> None:
+        if not self.opts.keep:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+
+def run_mutant(mutant: Mutant | None, opts: RunOptions, seeds: int, stop_at_first: bool = True,
+               baseline: Baseline | None = None) -> Outcome:
     """One mutant (None: the unmutated copy) on a fresh copy of the tree."""
     base = Path(tempfile.mkdtemp(prefix=f"moorline-mutant-{mutant.name if mutant else 'sanity'}-"))
     try:
@@ -405,9 +439,26 @@ def run_mutant(mutant: Mutant | None, opts: RunOptions, seeds: int, stop_at_firs
                 file = str(apply_mutant(tree, mutant).relative_to(tree))
             except ValueError as exc:
                 return Outcome(mutant.name, mutant.area, "stale", detail=[str(exc)])
-        out = run_copy(tree, opts, seeds, stop_at_first)
-        out.name, out.area, out.file = (mutant.name, mutant.area, file) if mutant else ("(unmutated)", "-", "")
-        return out
+        start, end = opts.start, opts.start + seeds
+        total = Outcome("", "", "survived")
+        excused: list[str] = []
+        while start < end:
+            out = run_copy(tree, opts, end - start, stop_at_first, start=start)
+            total.seeds_run += out.seeds_run
+            total.wall_s += out.wall_s
+            for k, v in out.paths.items():
+                total.paths[k] = total.paths.get(k, 0) + v
+            if out.status == "caught" and out.seed is not None and baseline is not None:
+                clean_kinds = baseline.at(out.seed)
+                if clean_kinds and set(out.kinds) <= set(clean_kinds):
+                    excused.append(f"seed {out.seed}: {', '.join(out.kinds)} (the unmutated build too)")
+                    start = out.seed + 1
+                    continue
+            total.status, total.seed, total.kinds, total.detail = out.status, out.seed, out.kinds, out.detail
+            break
+        total.detail = total.detail + excused
+        total.name, total.area, total.file = (mutant.name, mutant.area, file) if mutant else ("(unmutated)", "-", "")
+        return total
     finally:
         if not opts.keep:
             shutil.rmtree(base, ignore_errors=True)
@@ -495,15 +546,20 @@ def main(argv: list[str] | None = None) -> int:
             print("the unmutated build is not clean on these seeds: no mutant result would mean anything")
             return 2
     outcomes: list[Outcome] = []
+    baseline = Baseline(opts)
 
     def one(m: Mutant) -> Outcome:
-        o = run_mutant(m, opts, a.seeds)
+        o = run_mutant(m, opts, a.seeds, baseline=baseline)
         where = f" at seed {o.seed} ({', '.join(o.kinds)})" if o.seed is not None else ""
         print(f"{o.name}: {o.status}{where} after {o.seeds_run} seeds, {o.wall_s:.0f} s", flush=True)
         return o
 
-    with ThreadPoolExecutor(a.jobs) as pool:
-        outcomes = list(pool.map(one, todo))
+    try:
+        with ThreadPoolExecutor(a.jobs) as pool:
+            outcomes = list(pool.map(one, todo))
+    finally:
+        baseline.close()
+    dirty = baseline.dirty()
     print()
     print(_table(outcomes))
     killed, judged = score(outcomes)
@@ -512,8 +568,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmutation score: {killed}/{judged}" + (f" = {100 * killed / judged:.0f} %" if judged else "")
           + (f"; stale (snippet not found once): {', '.join(stale)}" if stale else "")
           + (f"; broken copies: {', '.join(broken)}" if broken else ""))
+    for seed, kinds in dirty.items():
+        print(f"the UNMUTATED build fails seed {seed} ({', '.join(kinds)}): a finding of its own; "
+              f"no mutant's catch there counted: {'; '.join(baseline.details.get(seed, []))}")
     if a.json is not None:
         a.json.write_text(json.dumps({"options": asdict(opts), "sanity": asdict(sanity) if sanity else None,
+                                      "unmutated_failing": {str(k): v for k, v in dirty.items()},
                                       "outcomes": [asdict(o) for o in outcomes]}, indent=1), encoding="utf-8")
     return 0 if killed == judged and not stale and not broken else 1
 
