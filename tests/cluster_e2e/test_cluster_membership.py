@@ -111,11 +111,14 @@ def voters_by_shard(cluster: Cluster, via: str) -> dict[int, list[str]]:
 def test_forget_restart_manual_race_and_leave(cluster_factory: ClusterFactory) -> None:
     cluster = cluster_factory(5, CONFIG)
     # The member table: from the bootstrap record, every node announces its addresses.
-    ms = wait_for("every member announced", lambda: (lambda m: m if all(x["cluster"] for x in m["members"])
-                                                     else None)(membership(cluster, "n1")), 30)
+    def settled() -> dict[str, Any] | None:
+        m = membership(cluster, "n1")
+        ok = (all(x["cluster"] and x["live"] and x["state"] == "active" for x in m["members"])
+              and all(s["health"] == "at target" and len(s["voters"]) == 3 for s in m["shards"]))
+        return m if ok else None
+
+    ms = wait_for("every member announced, live and active, every shard at target", settled, 30)
     assert [m["name"] for m in ms["members"]] == ["n1", "n2", "n3", "n4", "n5"]
-    assert all(m["state"] == "active" and m["live"] for m in ms["members"])
-    assert all(s["health"] == "at target" and len(s["voters"]) == 3 for s in ms["shards"])
     status_cli = subprocess.run([sys.executable, "-m", "moorline.cli", "cluster", "status", "--wide", "--http",
                                  f"127.0.0.1:{cluster['n1'].http_port}"], capture_output=True, text=True, timeout=30,
                                 cwd=str(REPO_ROOT), env={**os.environ, "COLUMNS": "200"})
@@ -250,10 +253,13 @@ def test_forget_restart_manual_race_and_leave(cluster_factory: ClusterFactory) -
     pub.join(30)
     assert pub.refused == {} and pub.error is None, (pub.refused, pub.error)
     assert len(pub.acked) > 1000, len(pub.acked)
-    stored: set[int] = set()
-    for shard in range(SHARD_COUNT):
-        for m in cluster["n2"].messages(shard):
-            if m["topic"].startswith("membership/"):
-                stored.add(int(base64.b64decode(m["payload"]).decode()))
-    lost = sorted(pub.acked - stored)
-    assert not lost, f"{len(lost)} acknowledged messages missing, first {lost[:10]}"
+    for shard in range(SHARD_COUNT):  # (a PUBACK says a majority of the voters has it; wait for all)
+        cluster.wait_applied_equal(shard, sorted(stay), timeout=30)
+    for name in sorted(stay):
+        stored: set[int] = set()
+        for shard in range(SHARD_COUNT):
+            for m in cluster[name].messages(shard):
+                if m["topic"].startswith("membership/"):
+                    stored.add(int(base64.b64decode(m["payload"]).decode()))
+        lost = sorted(pub.acked - stored)
+        assert not lost, f"{name}: {len(lost)} acknowledged messages missing, first {lost[:10]}"
