@@ -21,8 +21,9 @@ from moorline.node.replication.group_commit import stage_hard_state, stage_ready
 from moorline.node.replication.membership import refuse_if_left
 from moorline.node.replication.placement import ShardPlacement, layout_fingerprint, place_shards
 from moorline.node.replication.raft_group import build_replica
-from moorline.node.replication.shard_host import ApplyHooks, ShardHost, default_limits, recorded_members
+from moorline.node.replication.shard_host import ApplyHooks, ShardHost, default_limits
 from moorline.node.replication.snapshot_install import recover_install
+from moorline.node.replication.snapshots import recorded_members
 from moorline.raft import MemberId
 from moorline.storage.dirlock import DataDirLock
 from moorline.storage.fsutil import write_file_atomically

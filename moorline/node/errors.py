@@ -14,3 +14,7 @@ class SessionOwnedByOther(Exception):
 class SessionQuotaExceeded(Exception):
     """A CONNECT would give its user more than session.max_persistent_per_user persistent sessions:
     refused, nothing changed."""
+
+
+class ShardUnavailable(Exception):
+    """The shard refuses service (e.g. corruption detected in synced data)."""

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from moorline import coverage
 from moorline.broker import commands as c
 from moorline.broker.session_state import lease_lapsed
-from moorline.node.errors import NodeFailure
-from moorline.node.replication.shard_host import ShardHost, ShardUnavailable
+from moorline.node.errors import NodeFailure, ShardUnavailable
+from moorline.node.replication.shard_host import ShardHost
 from moorline.raft import ProposalDropped
 
 if TYPE_CHECKING:

@@ -51,7 +51,8 @@ from moorline.node.replication.membership import MembershipDriver
 from moorline.node.replication.metadata import MetadataGroup
 from moorline.node.replication.placement import ShardPlacement
 from moorline.node.replication.router import GroupRouter
-from moorline.node.replication.shard_host import ShardHost, SnapshotSettings
+from moorline.node.replication.shard_host import ShardHost
+from moorline.node.replication.snapshots import SnapshotSettings
 from moorline.node.seams import PRODUCTION, Seams
 from moorline.node.sessions.ack_timeout import AckTimeouts
 from moorline.node.sessions.delivery import LiveSession

@@ -59,7 +59,7 @@ def test_a_node_whose_admission_was_pushed_past_its_boot_proposes_under_the_next
         forged = c.encode_entry([], origin=1, boot=1000, seq=1)
         host._apply_entry(Entry(1, 1, data=forged))
         assert host.boot == 1001
-        waiting = list(host._own.values())
+        waiting = list(host.proposer._own.values())
         assert [o.seq for o in waiting] == [1]
         # what waits, and what comes next, is admitted
         assert host.state.admit(1, host.boot, 1)

@@ -50,11 +50,11 @@ def test_outcome_unknown_after_a_timed_out_wait_is_not_left_unretrieved(tmp_path
             assert fut is not None
             with pytest.raises(ShardUnavailable, match="committed nothing"):
                 await node.bounded(fut, 0)  # the SUBSCRIBE is answered with a failure
-            assert not fut.done() and host._own, "the proposal waits, unapplied, to be resent"
+            assert not fut.done() and host.proposer._own, "the proposal waits, unapplied, to be resent"
             # The replica installs a leader's snapshot that applied it (its per-node sequence says
             # so, as _install's state would): the outcome here is unknown.
-            host.state.proposals[host.node_id] = (host.boot, max(host._own))
-            host._settle_own_after_install()
+            host.state.proposals[host.node_id] = (host.boot, max(host.proposer._own))
+            host.proposer.settle_after_install()
             # (read without fut.exception(), which would mark it retrieved)
             assert fut.done() and "outcome unknown" in repr(getattr(fut, "_exception", None))
             del fut

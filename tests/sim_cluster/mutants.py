@@ -183,13 +183,13 @@ MUTANTS: list[Mutant] = [
     # --- forwarding and resend ----------------------------------------------------------------
     Mutant(
         "forward_no_resend", "forwarding",
-        "if not force and lead == self._lead_seen and self._ticks - oldest.sent_tick < self.resend_after_ticks:",
+        "if not force and lead == self._lead_seen and self.ticks - oldest.sent_tick < self.resend_after_ticks:",
         "if not force and lead == self._lead_seen:",
         "proposals forwarded to the leader are never sent again when a frame carrying them was lost",
     ),
     Mutant(
         "held_proposal_overtaken", "forwarding",
-        "        if self._held_from is not None:\n            return  # behind a proposal our log refused",
+        "        if self.held_from is not None:\n            return  # behind a proposal our log refused",
         "        if False:\n            return  # behind a proposal our log refused",
         "a new proposal goes into the log ahead of an earlier one the log refused (held)",
     ),

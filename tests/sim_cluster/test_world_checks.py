@@ -166,7 +166,7 @@ def _barrier_run(tmp_path: Path) -> tuple[ReadBarrierCheck, asyncio.Future[None]
         host = _leader_host(tmp_path)
         watch_barriers(check, "n1", host)
         fut = host.read_barrier()
-        ctx = next(iter(host._reads_asked))
+        ctx = next(iter(host.reads.asked))
         host.state.applied_index = 5
         host._serve_reads(SimpleNamespace(read_states=[ReadState(index=9, ctx=ctx)]))  # type: ignore[arg-type]
         await asyncio.sleep(0)
@@ -189,7 +189,7 @@ def test_a_read_barrier_that_resolves_early_is_caught(tmp_path: Path, monkeypatc
 
     def early(self: ShardHost, rd: object) -> None:  # the slip: served as soon as the leader answers
         serve(self, rd)  # type: ignore[arg-type]
-        for _, fut in self._reads_confirmed:
+        for _, fut in self.reads.confirmed:
             if not fut.done():
                 fut.set_result(None)
 

@@ -8,7 +8,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from moorline.broker import commands as c
-from moorline.node.replication.shard_host import ShardUnavailable, outcome_within
+from moorline.node.errors import ShardUnavailable
+from moorline.node.replication.proposer import outcome_within
 
 if TYPE_CHECKING:
     from moorline.node.node import Node

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from moorline.broker import commands as c
 from moorline.invariant import InvariantViolation
-from moorline.node.replication.shard_host import ShardHost, ShardUnavailable, outcome_within
+from moorline.node.errors import ShardUnavailable
+from moorline.node.replication.proposer import outcome_within
+from moorline.node.replication.shard_host import ShardHost
 from moorline.raft import Message
 
 if TYPE_CHECKING:

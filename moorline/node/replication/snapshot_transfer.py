@@ -53,8 +53,10 @@ import msgspec
 from moorline import coverage
 from moorline.broker.shard import ShardState
 from moorline.hashing import crc32c
+from moorline.node.errors import ShardUnavailable
 from moorline.node.replication import snapshot_install
-from moorline.node.replication.shard_host import ShardHost, ShardUnavailable, decode_conf
+from moorline.node.replication.shard_host import ShardHost
+from moorline.node.replication.snapshots import decode_conf
 from moorline.raft import MemberId, Message, MessageType
 from moorline.raft.types import Snapshot, SnapshotMeta
 from moorline.storage.fsutil import ensure_dir, fsync_dir, write_all
@@ -454,7 +456,7 @@ class SnapshotTransfers:
                     self._abort_in(t, "the leader started another transfer")  # it gave up on that one
                 else:
                     return "another transfer of this shard is in progress"
-        if host.staged_install is not None or host._installed is not None:
+        if host.staged_install is not None or host.installed is not None:
             return "an install of this shard is in progress"
         if len(self._in) >= self.limits.max_transfers:
             return f"{self.limits.max_transfers} transfers are in progress here {BUSY}"
@@ -515,13 +517,13 @@ class SnapshotTransfers:
                 _close_staging(t)
                 if staged is not None:
                     staged.store.close()
-                t.host._run_io(snapshot_install.discard_staging, t.directory)
+                t.host.snaps.run_io(snapshot_install.discard_staging, t.directory)
 
     async def _hand_to_core(self, t: _Incoming, staged: snapshot_install.StagedInstall, seq: int) -> None:
         host, offer = t.host, t.offer
         if self._in.get(offer.transfer) is not t:
             raise TransferAbort("abandoned")
-        if host.failed is not None or host.staged_install is not None or host._installed is not None:
+        if host.failed is not None or host.staged_install is not None or host.installed is not None:
             raise TransferAbort("the shard cannot take it now")
         host.staged_install = staged  # no new snapshot of the old state starts from here on
         try:

@@ -15,8 +15,8 @@ from moorline.broker import commands as c
 from moorline.broker.messages import MessageProps, StoredMessage
 from moorline.broker.session_state import SENT, Session
 from moorline.hashing import guid128
-from moorline.node.errors import NodeFailure, SessionOwnedByOther, SessionQuotaExceeded
-from moorline.node.replication.shard_host import ShardHost, ShardUnavailable
+from moorline.node.errors import NodeFailure, SessionOwnedByOther, SessionQuotaExceeded, ShardUnavailable
+from moorline.node.replication.shard_host import ShardHost
 from moorline.node.sessions.delivery import LiveSession
 from moorline.node.sessions.subscriptions import reg_key_for
 

@@ -14,7 +14,8 @@ from moorline.broker.messages import StoredMessage
 from moorline.broker.share_policy import dead_letter_message
 from moorline.broker.topic_state import same_incarnation
 from moorline.hashing import shard_of
-from moorline.node.replication.shard_host import ShardHost, consume_outcome
+from moorline.node.replication.proposer import consume_outcome
+from moorline.node.replication.shard_host import ShardHost
 from moorline.testing.volatile_dlq import VolatileDeliveryCounts
 
 if TYPE_CHECKING:

@@ -11,8 +11,7 @@ from moorline.broker import commands as c
 from moorline.broker.session_state import Session, SubscriptionState
 from moorline.broker.share_policy import GroupPolicy, group_policy
 from moorline.mqtt.topics import parse_shared
-from moorline.node.errors import NodeFailure
-from moorline.node.replication.shard_host import ShardUnavailable
+from moorline.node.errors import NodeFailure, ShardUnavailable
 from moorline.node.sessions.delivery import LiveSession
 
 if TYPE_CHECKING:

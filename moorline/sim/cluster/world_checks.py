@@ -176,8 +176,8 @@ def watch_barriers(check: ReadBarrierCheck, node: str, host: Any) -> None:
 
     def barrier() -> asyncio.Future[None]:
         fut: asyncio.Future[None] = read_barrier()
-        ctx = next(reversed(host._reads_asked), None)
-        if ctx is not None and host._reads_asked[ctx] is fut:
+        ctx = next(reversed(host.reads.asked), None)
+        if ctx is not None and host.reads.asked[ctx] is fut:
             asked.append((ctx, fut))
             check.watch(node, host.shard, ctx, fut, applied)
             check.judge_now(node, host.shard, ctx, fut, applied)
