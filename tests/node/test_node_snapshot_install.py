@@ -100,7 +100,7 @@ class Crash(Exception):
 
 
 def install(data: Path, tmp: Path, crash_at: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run the install (ShardHost._install, then the group commit's WAL records and sync, then the
+    """Run the install (ShardSnapshots.install, then the group commit's WAL records and sync, then the
     clean-up) and stop dead at ``crash_at``."""
     st = staged(data, tmp)
     if crash_at == "staged":
