@@ -59,6 +59,14 @@ class Faults:
     # its own memory, not in the shard's replicated state (testing/volatile_dlq.py): a new leader
     # counts from zero, so a poison message is handed out past queue.max_deliveries.
     dlq_count_not_replicated: bool = False
+    # Broken: a shard's leader promotes a learner to voter without waiting for it to be within
+    # cluster.promote_lag_entries of its log (replication/membership.py, reconcile.py): a voter that
+    # cannot vote for anything recent yet counts towards the quorum.
+    promote_before_caught_up: bool = False
+    # Broken: after a forget the reconciler grows a shard with a voter on the forgotten node before
+    # removing that voter (reconcile.py): a shard of 3 with one dead voter becomes 4 with 3 live,
+    # whose majority a second failure takes away (RabbitMQ #7209's lesson, the wrong way round).
+    grow_before_shrink_on_forget: bool = False
 
     @property
     def any_broken(self) -> bool:
@@ -85,6 +93,7 @@ BROKEN_SWITCHES = (
     "unsafe_ack_before_sync", "drop_on_restart", "loose_packet_ids",
     "dedup_at_propose_only", "renumber_packet_ids_on_takeover", "no_owner_lease", "ack_before_quorum",
     "forwarder_drops_on_leader_change", "suback_before_all_shards", "no_clock_bound", "dlq_count_not_replicated",
+    "promote_before_caught_up", "grow_before_shrink_on_forget",
 )
 # The cluster simulator's: each must be caught by `moorline sim --cluster` with the default fault mix.
 CLUSTER_SWITCHES = BROKEN_SWITCHES[3:]

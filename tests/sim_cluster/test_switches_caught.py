@@ -27,6 +27,12 @@ exactly; the numbers move with the workload and the node code, the bound is what
 - dlq_count_not_replicated:         5 seeds (seed 4: delivery_limit_exceeded: a poison message
                                     reached 5 member sessions with queue.max_deliveries = 3, its
                                     hand-outs counted again from zero by a new leader)
+- promote_before_caught_up:         1 seed  (seed 0: conf_promote_lagging: an operator's
+                                    add-replica made a learner on a crashed node a voter 876
+                                    entries behind; tests/sim_cluster/test_membership_sim.py)
+- grow_before_shrink_on_forget:     5 seeds (seed 4: membership_not_converged: after the forget of
+                                    a crashed node, 3 nodes have no node to grow onto, so the
+                                    forgotten voter stays in every shard)
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ SIGNATURE: dict[str, frozenset[str]] = {
     "suback_before_all_shards": frozenset({"lost", "suback_unregistered"}),
     "no_clock_bound": frozenset({"double_owner", "stale_owner", "session_lost"}),
     "dlq_count_not_replicated": frozenset({"delivery_limit_exceeded"}),
+    "promote_before_caught_up": frozenset({"conf_promote_lagging"}),
+    "grow_before_shrink_on_forget": frozenset({"conf_grow_before_shrink", "membership_not_converged"}),
 }
 
 # Switches the default mix and workload do not catch within MAX_SEEDS, and what they miss. The

@@ -323,7 +323,8 @@ class MembershipDriver:
                     continue
             if move.kind == "promote":
                 pr = raft.progress.get(member)
-                if pr is None or raft.log.last_index() - pr.match > self.cfg.promote_lag_entries:
+                if (pr is None or raft.log.last_index() - pr.match > self.cfg.promote_lag_entries) \
+                        and not self.node.faults.promote_before_caught_up:
                     continue  # not caught up yet: promoted once it is (or given up after move_timeout_s)
             if move.kind == "remove" and member in applied.voters:
                 live = {m for m in applied.voters if raft.is_active(m) or m == tuple(self.node.member)}
@@ -370,7 +371,9 @@ class MembershipDriver:
             cluster_key=self.node.cfg.cluster.cluster_id + "/" + ",".join(sorted(table.members)),
             max_moves=self.cfg.max_concurrent_moves, promote_lag_entries=self.cfg.promote_lag_entries,
             auto_remove_after_s=self.cfg.auto_remove_after_s, in_progress=len(table.moves),
-            leaderships=self._leaderships()))
+            leaderships=self._leaderships(),
+            grow_before_shrink=self.node.faults.grow_before_shrink_on_forget,
+            promote_unchecked=self.node.faults.promote_before_caught_up))
         for mv in moves:
             try:
                 result = await self._propose_meta(c.MoveStart(mv.shard, mv.kind, mv.node, mv.member[0], mv.member[1],

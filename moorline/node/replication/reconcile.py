@@ -88,6 +88,9 @@ class PlanSettings:
     auto_remove_after_s: float = 0.0  # 0: never remove a down node's memberships by itself
     in_progress: int = 0  # moves already under way (count against max_moves)
     leaderships: dict[str, int] = field(default_factory=dict)  # node name -> groups it leads
+    # Bug switches (testing/faults.py; the simulator's harness sets them, never production).
+    grow_before_shrink: bool = False  # grow_before_shrink_on_forget: a gone voter goes after the growth
+    promote_unchecked: bool = False  # promote_before_caught_up: a learner's lag is not looked at
 
 
 def _removable(node: NodeView | None, auto_remove_after_s: float) -> str | None:
@@ -124,7 +127,7 @@ def _grow(g: GroupView, counted: list[MemberId], by_member: dict[MemberId, NodeV
             continue  # its old storage is still a member: that one is removed first
         if n.member_id in learners:
             lag = None if g.lag is None else g.lag.get(n.member_id)
-            if g.lag is not None and (lag is None or lag > settings.promote_lag_entries):
+            if g.lag is not None and not settings.promote_unchecked and (lag is None or lag > settings.promote_lag_entries):
                 continue  # not caught up (or not heard from by the leader): not yet
         key = (1 if n.zone in zones_used else 0, voters_of.get(n.name, 0), settings.leaderships.get(n.name, 0),
                guid128("reconcile", settings.cluster_key, g.shard, n.name), n.name)
@@ -151,6 +154,9 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
             return out
         if g.busy:
             continue
+        if settings.grow_before_shrink and g.target is not None and sum(
+                _removable(by_member.get(v), settings.auto_remove_after_s) is None for v in g.voters) < g.target:
+            continue  # the broken order: this shard grows first (2.), its gone voter goes afterwards
         for m in g.voters:
             node = by_member.get(m)
             why = _removable(node, settings.auto_remove_after_s)
@@ -180,10 +186,11 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
             break
         if g.busy or g.shard in touched:
             continue
-        if any(_removable(by_member.get(v), settings.auto_remove_after_s) is not None for v in g.voters):
+        gone = [v for v in g.voters if _removable(by_member.get(v), settings.auto_remove_after_s) is not None]
+        if gone and not settings.grow_before_shrink:
             continue  # a gone voter must go first (shrink before grow); 1. could not remove it now
         leaving = [v for v in g.voters if v in by_member and by_member[v].state == "leaving"]
-        counted = [v for v in g.voters if v not in leaving]
+        counted = [v for v in g.voters if v not in leaving and v not in gone]
         if g.target is not None and len(counted) < g.target:
             move = _grow(g, counted, by_member, eligible, voters_of, settings)
             if move is not None:

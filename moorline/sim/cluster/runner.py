@@ -109,6 +109,7 @@ class FaultPlan:
         self.paused: set[str] = set()  # nodes whose pause is recorded in the history and not yet its end
         self.history: Any = None  # the workload's History: pauses are recorded in it for the checkers
         self.armed_until: dict[str, float] = {}  # crashes aimed at a protocol moment, not yet fired
+        self.members: Any = None  # membership_faults.MembershipPlan: node faults wait while it holds
 
     @property
     def now(self) -> float:
@@ -118,6 +119,9 @@ class FaultPlan:
         w = self.world
         out = set(self.down_until) | set(self.isolated) | set(self.armed_until)
         out |= {sn.name for sn in w.nodes if sn.boot_error is not None}  # e.g. refused damaged data
+        out |= w.forgotten  # gone for good (membership_faults.py)
+        if self.members is not None:
+            out |= set(self.members.draining)  # draining, then stopped
         out |= {sn.name for sn in w.nodes if sn.loop is not None and sn.loop.paused_until is not None
                 and sn.loop.paused_until > self.now}
         hosts = {sn.host: sn.name for sn in w.nodes}
@@ -134,7 +138,7 @@ class FaultPlan:
         self.expire()
         minority = (len(w.nodes) - 1) // 2
         healthy = [sn for sn in w.nodes if sn.name not in self.faulty() and sn.ready]
-        room = len(self.faulty()) < minority
+        room = len(self.faulty()) < minority and not (self.members is not None and self.members.hold())
         if self.cfg.aimed_crashes:
             kind = rng.choices(["crash", "aimed_crash", "pause", "isolate", "oneway", "leader_cut", "reset", "heal"],
                                weights=[2, 2, 2, 2, 1, 2, 2, 1])[0]
@@ -319,12 +323,16 @@ class SafetyMonitor:
 
 
 def _replicas_converged(world: World) -> bool:
-    live = [sn.node for sn in world.nodes if sn.node is not None and sn.ready]
-    if len(live) < len(world.nodes):
+    from moorline.sim.cluster.membership_faults import member_replicas
+
+    live = [sn for sn in world.nodes if sn.node is not None and sn.ready]
+    if len(live) < len(world.nodes) - len(world.forgotten):
         return False
-    for g in range(len(live[0].groups)):
-        applied = {n.groups[g].state.applied_index for n in live}
-        commit = {n.groups[g].raft.log.committed for n in live}
+    for g in range(len(live[0].node.groups)):  # type: ignore[union-attr]
+        names = set(member_replicas(world, [sn.name for sn in live], g))
+        members = [sn.node for sn in live if sn.name in names and sn.node is not None]
+        applied = {n.groups[g].state.applied_index for n in members}
+        commit = {n.groups[g].raft.log.committed for n in members}
         if len(applied) != 1 or len(commit) != 1:
             return False
     return True
@@ -337,8 +345,16 @@ def compare_replicas(world: World) -> list[Finding]:
     live = [(sn.name, sn.node) for sn in world.nodes if sn.node is not None and sn.ready]
     if len(live) < 2:
         return findings
-    first_name, first = live[0]
-    for g in range(len(first.groups)):
+    from moorline.sim.cluster.membership_faults import member_replicas
+
+    all_live = live
+    for g in range(len(all_live[0][1].groups)):
+        # A replica removed from the group (membership_faults.py) is no copy of it any more.
+        names = set(member_replicas(world, [name for name, _ in all_live], g))
+        live = [(name, node) for name, node in all_live if name in names]
+        if len(live) < 2:
+            continue
+        first_name, first = live[0]
         ref_host = first.groups[g]
         if ref_host.failed is not None:
             findings.append(Finding("replica_failed", f"{first_name} group {g}: {ref_host.failed}"))
@@ -406,6 +422,11 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
     records: list[dict[str, Any]] = []
     plan = FaultPlan(world, rng, cfg)
     monitor = SafetyMonitor(world)
+    from moorline.sim.cluster.membership_faults import ConfRules, Convergence, MembershipPlan
+
+    members = plan.members = MembershipPlan(world, random.Random(f"{seed}/membership"), plan)
+    conf_rules = ConfRules(world, members.forgotten_ids)
+    convergence = Convergence(members)
     try:
         world.start_all()
         if not world.wait_ready(60):
@@ -423,19 +444,30 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
             while world.scheduler.now < end:
                 world.run_for(0.1)
                 monitor.sample()
+                conf_rules.sample()
+                members.tick()
                 if world.scheduler.now >= next_fault:
                     plan.step()
                     next_fault = world.scheduler.now + rng.uniform(*cfg.fault_gap_s)
                 else:
                     plan.expire()
+            members.settle()
             plan.heal_all()
+            convergence.healed()
             heal_end = world.scheduler.now + cfg.heal_s
             while world.scheduler.now < heal_end:
                 world.run_for(0.1)
                 monitor.sample()
+                conf_rules.sample()
+                convergence.sample()
             workload.stop()
             workload.drain(cfg.drain_s)
             converge_end = world.scheduler.now + cfg.converge_s
+            while world.scheduler.now < converge_end and not _replicas_converged(world):
+                world.run_for(0.1)
+                convergence.sample()
+            findings += [Finding(kind, detail) for kind, detail in convergence.finish(world)]
+            conf_rules.sample()
             while world.scheduler.now < converge_end and not _replicas_converged(world):
                 world.run_for(0.1)
             findings += [Finding(v.kind, v.detail) for v in check_history(records)]
@@ -450,6 +482,9 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
                 plan.counts["corruption_reported"] = len(reported)
             findings += [f for f in replicas if f not in reported]
         findings += monitor.findings
+        findings += [Finding(kind, detail) for kind, detail in conf_rules.findings]
+        plan.counts.update(members.counts)
+        plan.counts["conf_changes_judged"] = conf_rules.judged
         # World-state checks (world_checks.py): durable promises, read barriers, canonical snapshots.
         findings += [Finding(kind, detail) for kind, detail in world.world_findings()]
         plan.counts.update(world.check_counts())

@@ -65,7 +65,10 @@ EPOCH_MS = 1_790_000_000_000  # the world's wall clock at t=0 (a fixed date: tra
 
 class SimClock:
     """A node's clock: the loop's (virtual, rate-scaled) time, and a wall clock offset from the
-    world's by the node's skew."""
+    world's by the node's skew. The wall clock is disciplined (NTP, as docs/design.md "Leases and
+    clocks" requires): its offset stays the skew while the monotonic clock's rate drifts. (A wall
+    clock drifting with the rate put two nodes 1.1 s apart by the end of a seed, past
+    cluster.max_clock_offset_ms: a 3-node cluster that forgot a node then refused every CONNECT.)"""
 
     def __init__(self, loop: VirtualLoop, skew_ms: int) -> None:
         self.loop = loop
@@ -75,7 +78,7 @@ class SimClock:
         return self.loop.time()
 
     def wall_ms(self) -> int:
-        return EPOCH_MS + self.skew_ms + int(self.loop.time() * 1000)
+        return EPOCH_MS + self.skew_ms + int(self.loop.scheduler.now * 1000)
 
 
 class MemoryLedger(SyncLedger):
@@ -367,6 +370,12 @@ class WorldConfig:
     queue_limited_groups: tuple[str, ...] = ("dl",)
     queue_max_deliveries: int = 3
     queue_ack_timeout_s: float = 3.0
+    # Membership (membership_faults.py): the reconciler's times scaled to a seed's virtual minute.
+    reconcile_interval_s: float = 2.0
+    reconcile_after_event_s: float = 0.5
+    move_timeout_s: float = 10.0
+    promote_lag_entries: int = 100
+    drain_timeout_s: float = 5.0  # membership_faults.DRAIN_TIMEOUT_S
 
 
 class World:
@@ -382,6 +391,7 @@ class World:
         self.base = base
         self.crash_rng = random.Random(self.rng.getrandbits(64))
         self.events: list[str] = []
+        self.forgotten: set[str] = set()  # nodes forgotten by the membership faults: never restarted
         self.nodes: list[SimNode] = []
         self.scheduler.on_error = self._loop_error
         names = [f"n{i}" for i in range(1, self.cfg.nodes + 1)]
@@ -446,6 +456,11 @@ class World:
         cfg.queue.limited_groups = list(self.cfg.queue_limited_groups)
         cfg.queue.max_deliveries = self.cfg.queue_max_deliveries
         cfg.queue.ack_timeout_s = self.cfg.queue_ack_timeout_s
+        cfg.cluster.reconcile_interval_s = self.cfg.reconcile_interval_s
+        cfg.cluster.reconcile_after_event_s = self.cfg.reconcile_after_event_s
+        cfg.cluster.move_timeout_s = self.cfg.move_timeout_s
+        cfg.cluster.promote_lag_entries = self.cfg.promote_lag_entries
+        cfg.cluster.drain_timeout_s = self.cfg.drain_timeout_s
         self.cfg.tuning.apply(cfg)
         return cfg
 

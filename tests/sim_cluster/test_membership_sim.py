@@ -1,0 +1,129 @@
+"""Membership changes in the cluster simulator's default mix (issue 31 item 7;
+moorline/sim/cluster/membership_faults.py, docs/simulation.md).
+
+- The two membership bug switches are caught at the seeds measured (3 nodes, default mix), each by
+  a violation of its own kind that the default build of the same seed does not report.
+- A default seed whose mix raced operators' add-replica against the reconciler, and one whose mix
+  forgot a crashed node, are clean with their conf changes judged; the first replays exactly
+  (same trace hash).
+- The convergence verdict and the configuration-change rules, on planted states.
+
+About 70 s on two cores.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from moorline.raft.types import ConfChange, ConfChangeType, ConfState
+from moorline.sim.cluster.membership_faults import ConfRules
+from moorline.sim.cluster.runner import SeedResult, run_seed
+
+pytestmark = pytest.mark.timeout(600)
+
+# switch -> (the first seed from 0 that catches it, the kinds it is caught by)
+CAUGHT: dict[str, tuple[int, frozenset[str]]] = {
+    "promote_before_caught_up": (0, frozenset({"conf_promote_lagging"})),
+    "grow_before_shrink_on_forget": (4, frozenset({"membership_not_converged", "conf_grow_before_shrink"})),
+}
+RACE_SEED = 0  # a default seed whose operators' remove-replica and add-replica were done (202) or refused (409)
+FORGET_SEED = 4  # a default seed that forgot a crashed node (answered 200)
+
+
+def _run(args: tuple[int, tuple[str, ...]]) -> SeedResult:
+    seed, switches = args
+    return run_seed(seed, 3, frozenset(switches))
+
+
+@pytest.fixture(scope="module")
+def results() -> Iterator[dict[tuple[int, tuple[str, ...]], SeedResult]]:
+    work = sorted({(seed, (sw,)) for sw, (seed, _) in CAUGHT.items()} | {(seed, ()) for seed, _ in CAUGHT.values()}
+                  | {(RACE_SEED, ()), (FORGET_SEED, ())})
+    workers = max(1, min(2, os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield dict(zip(work, pool.map(_run, work), strict=True))
+
+
+@pytest.mark.parametrize("switch", sorted(CAUGHT))
+def test_membership_switch_is_caught(switch: str, results: dict[tuple[int, tuple[str, ...]], SeedResult]) -> None:
+    seed, kinds = CAUGHT[switch]
+    broken = results[(seed, (switch,))]
+    assert any(f.kind in kinds for f in broken.findings), (
+        f"{switch} not caught at seed {seed}: {[(f.kind, f.detail) for f in broken.findings[:5]]}")
+    default = results[(seed, ())]
+    assert not [f for f in default.findings if f.kind in kinds], (
+        f"the default build of seed {seed} reports it too: {default.findings[:5]}")
+
+
+def test_default_seed_with_replica_races_is_clean_and_replays(
+        results: dict[tuple[int, tuple[str, ...]], SeedResult]) -> None:
+    r = results[(RACE_SEED, ())]
+    assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:10]]}\nreplay: {r.replay_command()}"
+    assert r.counts.get("remove-replica_202", 0) >= 1, r.counts
+    assert r.counts.get("add-replica_202", 0) >= 1, r.counts
+    assert r.counts.get("add-replica_409", 0) >= 1, r.counts  # the reconciler won a race
+    assert r.counts.get("conf_changes_judged", 0) >= 3, r.counts
+    again = run_seed(RACE_SEED, 3)
+    assert again.trace_hash == r.trace_hash
+
+
+def test_default_seed_with_a_forget_is_clean(results: dict[tuple[int, tuple[str, ...]], SeedResult]) -> None:
+    r = results[(FORGET_SEED, ())]
+    assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:10]]}\nreplay: {r.replay_command()}"
+    assert r.counts.get("forget_200", 0) == 1, r.counts
+    assert r.counts.get("conf_changes_judged", 0) >= 4, r.counts  # the forgotten voter removed from each shard
+
+
+# --- the rules on planted states ------------------------------------------------------------------
+A, B, C, D = (1, "a"), (2, "b"), (3, "c"), (4, "d")
+
+
+class FakeRaft:
+    """The parts of a leader's Raft node ConfRules reads, with a propose that does what is planted."""
+
+    def __init__(self, conf: ConfState, after: ConfState, pending: bool = False, match: int = 100) -> None:
+        self.active_conf_state = conf
+        self.after = after
+        self.pending_conf_index = 10 if pending else 0
+        self.log = SimpleNamespace(applied=5, last_index=lambda: 100)
+        self.progress = {m: SimpleNamespace(match=match, is_learner=m in conf.learners) for m in conf.members()}
+        self.term = 2
+        self.is_leader = True
+
+    def propose_conf_change(self, cc: ConfChange) -> int:
+        self.active_conf_state = self.after
+        return 101
+
+
+def _judge(raft: FakeRaft, cc: ConfChange, forgotten: set[Any] | None = None, origin: str = "reconcile") -> list[str]:
+    table = SimpleNamespace(moves={0: SimpleNamespace(origin=origin)})
+    node = SimpleNamespace(cfg=SimpleNamespace(cluster=SimpleNamespace(promote_lag_entries=10)),
+                           membership=SimpleNamespace(table=table))
+    rules = ConfRules(SimpleNamespace(nodes=[]), forgotten or set())  # type: ignore[arg-type]
+    propose = rules._wrap(SimpleNamespace(name="n1", node=node), SimpleNamespace(shard=0), raft)  # type: ignore[arg-type]
+    propose(cc)
+    return [k for k, _ in rules.findings]
+
+
+def test_conf_rules_pass_a_lawful_promote() -> None:
+    conf = ConfState.of([A, B], [C])
+    assert _judge(FakeRaft(conf, ConfState.of([A, B, C])), ConfChange(ConfChangeType.PROMOTE, C)) == []
+
+
+def test_conf_rules_find_each_planted_break() -> None:
+    conf = ConfState.of([A, B], [C])
+    promote = ConfChange(ConfChangeType.PROMOTE, C)
+    assert _judge(FakeRaft(conf, ConfState.of([A, B, C]), pending=True), promote) == ["conf_two_pending"]
+    assert _judge(FakeRaft(conf, ConfState.of([A, B, C, D])), promote) == ["conf_multi_voter_change"]
+    assert _judge(FakeRaft(conf, ConfState.of([A, B, C]), match=50), promote) == ["conf_promote_lagging"]
+    gone = ConfState.of([A, B, D], [C])
+    assert _judge(FakeRaft(gone, ConfState.of([A, B, C, D])), promote, {D}) == ["conf_grow_before_shrink"]
+    # an operator's add-replica that won the race against the reconciler's removal is not judged
+    assert _judge(FakeRaft(gone, ConfState.of([A, B, C, D])), promote, {D}, origin="manual") == []
