@@ -20,7 +20,8 @@ from moorline.mqtt.reasons import ReasonCode as RC
 from moorline.mqtt.topics import TopicBounds
 from moorline.node.admin.sys_topics import SysTopics
 from moorline.node.edge.auth import Authorizer
-from moorline.node.edge.connection import Connection, FailedLoginLog
+from moorline.node.edge.connection import Connection
+from moorline.node.edge.control import FailedLoginLog
 from moorline.node.edge.drain import (
     Drain,
     Phase,
