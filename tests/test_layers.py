@@ -21,14 +21,6 @@ PURE_LAYERS = ("raft", "broker", "mqtt", "storage")
 
 # (file under moorline/node, imported module) -> why it is still allowed
 EDGE_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
-    ("edge/connection.py", "moorline.node.replication.shard_host"):
-        "Callback and ShardUnavailable (re-exported there): ShardUnavailable is moorline.node.errors', "
-        "Callback replication/proposer.py's type; connection.py (another engineer's file this session) "
-        "should take the error from errors.py and the callback type from a typing-only import",
-    ("edge/control.py", "moorline.node.replication.shard_host"):
-        "ShardUnavailable (split out of edge/connection.py): as edge/connection.py",
-    ("edge/inbound.py", "moorline.node.replication.shard_host"):
-        "Callback and ShardUnavailable (split out of edge/connection.py): as edge/connection.py",
 }
 
 # (file under moorline/node, accessed expression) -> why it is still allowed

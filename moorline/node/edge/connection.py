@@ -25,8 +25,7 @@ from moorline.mqtt.reasons import v3_connack_applicable
 from moorline.node.edge.auth import Principal
 from moorline.node.edge.control import ConnectionControl, log_task_error
 from moorline.node.edge.inbound import InboundPublishes
-from moorline.node.node import NodeFailure
-from moorline.node.replication.shard_host import ShardUnavailable
+from moorline.node.errors import NodeFailure, ShardUnavailable
 from moorline.node.sessions.delivery import LiveSession, OutboundPublish
 
 if TYPE_CHECKING:

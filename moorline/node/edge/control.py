@@ -23,8 +23,7 @@ from moorline.node.edge.auth import Principal
 from moorline.node.edge.drain import refusal_connack
 from moorline.node.edge.inbound import message_props
 from moorline.node.edge.tls import certificate_login
-from moorline.node.node import NodeFailure, SessionOwnedByOther, SessionQuotaExceeded
-from moorline.node.replication.shard_host import ShardUnavailable
+from moorline.node.errors import NodeFailure, SessionOwnedByOther, SessionQuotaExceeded, ShardUnavailable
 from moorline.node.sessions.delivery import LiveSession, ReadFilter
 
 if TYPE_CHECKING:

@@ -10,6 +10,7 @@ import dataclasses
 import enum
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from moorline.broker import commands as c
@@ -19,12 +20,15 @@ from moorline.mqtt import packets as p
 from moorline.mqtt.codec import MQTT_5, encode_puback
 from moorline.mqtt.errors import ProtocolError
 from moorline.mqtt.reasons import ReasonCode as RC
-from moorline.node.replication.shard_host import Callback, ShardUnavailable
+from moorline.node.errors import ShardUnavailable
 
 if TYPE_CHECKING:
     from moorline.node.edge.connection import Connection
 
 log = logging.getLogger("moorline.conn")
+
+# Completes an acknowledgement slot: (result, error), the shape of a proposal's waiter.
+AckCallback = Callable[[Any, BaseException | None], None]
 
 
 class AckKind(enum.Enum):
@@ -211,17 +215,17 @@ class InboundPublishes:
             self.queue_ack(kind, pid, RC.UNSPECIFIED_ERROR, str(exc)[:200])(None, None)
 
     def queue_ack(self, kind: AckKind, packet_id: int, reason: int = 0,
-                  reason_string: str | None = None) -> Callback:
+                  reason_string: str | None = None) -> AckCallback:
         """Queue the acknowledgement of one PUBLISH (or PUBREL); ``reason`` forces its reason code
         (a refusal decided before any proposal). Returns the callback that completes it."""
         return self._queue(AckSlot(kind, packet_id, reason, reason_string, self.conn.read_at()))
 
-    def queue_group_ack(self, pids: list[int]) -> Callback:
+    def queue_group_ack(self, pids: list[int]) -> AckCallback:
         """Queue the PUBACKs of a group (one slot for ``len(pids)`` PUBLISHes); returns the callback
         that completes it."""
         return self._queue(AckSlot(AckKind.PUBACK_GROUP, 0, 0, None, self.conn.read_at(), len(pids), pids))
 
-    def _queue(self, slot: AckSlot) -> Callback:
+    def _queue(self, slot: AckSlot) -> AckCallback:
         """Acks leave in queue order, so a later one waits for an earlier one."""
         self.acks.append(slot)
         self.waiting += slot.count
