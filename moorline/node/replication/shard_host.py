@@ -192,6 +192,13 @@ class ShardHost:
         rd = self.raft.ready()
         if rd.snapshot is not None:
             self.snaps.install(rd.snapshot)
+        if rd.early_messages and self.failed is None:
+            # A leader's appends and heartbeats go out now, while its own fsync of these entries
+            # runs: the followers write theirs in parallel, so an acknowledgement waits for one
+            # fsync round, not the leader's and then a follower's in series. Safe because the
+            # core counts the leader's own copy only at advance(), after that sync.
+            self.hooks.send(self, rd.early_messages)
+            rd.early_messages = []
         return rd
 
     def after_sync(self, stage_hard_state: Callable[[int, HardState], None]) -> bool:
@@ -227,8 +234,8 @@ class ShardHost:
                 self.proposer.ack_appended(rd.entries)
         if rd.hard_state is not None:
             log_.set_hard_state(rd.hard_state)
-        if rd.early_messages or rd.messages:
-            self.hooks.send(self, rd.early_messages + rd.messages)
+        if rd.messages:  # votes and append acknowledgements: only once this Ready is durable
+            self.hooks.send(self, rd.messages)
         for e in rd.committed_entries:
             self._apply_entry(e)
         self.raft.advance(rd)
