@@ -30,7 +30,7 @@ exactly; the numbers move with the workload and the node code, the bound is what
 - promote_before_caught_up:         1 seed  (seed 0: conf_promote_lagging: an operator's
                                     add-replica made a learner on a crashed node a voter 876
                                     entries behind; tests/sim_cluster/test_membership_sim.py)
-- grow_before_shrink_on_forget:     5 seeds (seed 4: membership_not_converged: after the forget of
+- grow_before_shrink_on_forget:     3 seeds (seed 2: membership_not_converged: after the forget of
                                     a crashed node, 3 nodes have no node to grow onto, so the
                                     forgotten voter stays in every shard)
 """

@@ -11,6 +11,8 @@ exactly as the HTTP routes call it:
   a voter on a node that is down, paused or cut off, when there is one), then adds it back with ``add-replica`` at the
   moment the reconciler grows the shard too, and again (a learner is promoted by a second
   add-replica once caught up): the member table refuses whichever comes second (409).
+- **drain** a healthy node (the server's drain, as ``moorline cluster drain``), then stop it; it
+  starts again 1-8 s later, as in a rolling restart.
 
 While a shard is below its target or a change is in progress, no new node fault starts (a shard
 of two voters has no fault to spare); connection resets go on.

@@ -6,7 +6,9 @@ a pause longer than the election timeout and sometimes longer than the owner lea
 (a node cut off both ways, one direction of one link, or a shard leader cut from its followers),
 a reset of a random connection, or a heal. A minority of nodes at most is faulty at a time, so
 every shard keeps a majority of its voters and the promises apply. Clocks are skewed and their
-rates drift within the documented bound throughout (world.py).
+rates drift within the documented bound throughout (world.py). Membership changes join the mix
+from their own stream (membership_faults.py): forget of a crashed node, an operator's
+remove-replica and add-replica racing the reconciler, a drain and stop of a healthy node.
 
 Checks at the end: the history checkers (checkers.py, the definitions ``moorline verify`` uses),
 Raft election safety (one leader per group and term, sampled every 100 ms of virtual time), every

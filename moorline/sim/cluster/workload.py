@@ -1106,7 +1106,11 @@ class WillClient(ModelClient):
         ended_by_broker = self.ended is conn and self.end_reason not in ("closed", "reader stopped")
         self.awaiting_end = None
         conn.close()
-        if (ended_by_broker and not self.server_disconnected and not sn.crashed and sn.boots == boots):
+        # A draining node (membership_faults.py) reads nothing more and closes each connection
+        # once answered: a 3.1.1 client cannot tell whether its DISCONNECT was read (it was not).
+        drained = sn.server is not None and sn.server.drain is not None and sn.server.drain.draining
+        if (ended_by_broker and not self.server_disconnected and not sn.crashed and sn.boots == boots
+                and not drained):
             self.rec("fail", "publish", guid=will.guid, topic=will.topic, qos=1, reason=WILL_DISCARDED,
                      detail="will")
             self.stat("wills_discarded")
