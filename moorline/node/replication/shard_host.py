@@ -176,22 +176,42 @@ class ShardHost:
         self.proposer.propose_held()
 
     def has_work(self) -> bool:
-        """Commands to seal, or a Ready for the WAL."""
+        """Commands to seal, or a Ready for the WAL (none while a leader's snapshot is installed)."""
+        if self.snaps.installing is not None:
+            return False
         return self.proposer.has_batch() or self._rd is not None or self.raft.has_ready()
 
+    @property
+    def installing(self) -> bool:
+        """A leader's snapshot is being installed (its files off the loop): nothing is taken from
+        the core, applied, or read from the store until it is done."""
+        return self.snaps.installing is not None
+
     def take_ready(self) -> Ready | None:
-        """The Ready to write to the WAL now: one ``after_sync`` left waiting, or the core's next."""
-        if self._rd is None and self.raft.has_ready():
+        """The Ready to write to the WAL now: one ``after_sync`` left waiting, or the core's next
+        (None while a snapshot's install runs: its Ready comes when the files are in place)."""
+        if self._rd is None and self.snaps.installing is None and self.raft.has_ready():
             self._rd = self._next_ready()
         return self._rd
 
-    def _next_ready(self) -> Ready:
-        """The core's next Ready; one carrying a leader's snapshot installs it first (files,
-        state, store), so the WAL records staged after it (truncation, snapshot mark, hard state:
+    def ready_after_install(self, rd: Ready) -> None:
+        """The install of ``rd``'s snapshot is done (``ShardSnapshots``): ``rd`` is the Ready the
+        group commit writes next (the node kicks it)."""
+        self._rd = rd
+        if rd.early_messages:
+            self.hooks.send(self, rd.early_messages)
+            rd.early_messages = []
+
+    def _next_ready(self) -> Ready | None:
+        """The core's next Ready. One carrying a leader's snapshot starts its install (files off
+        the loop, then state and store: ``ShardSnapshots.install``) and is held until that is done
+        (None here), so the WAL records staged after it (truncation, snapshot mark, hard state:
         group_commit.stage_ready) follow a durable install."""
         rd = self.raft.ready()
         if rd.snapshot is not None:
-            self.snaps.install(rd.snapshot)
+            self.snaps.install(rd)
+            if self.snaps.installing is not None:
+                return None  # handed back by ready_after_install
         if rd.early_messages and self.failed is None:
             # A leader's appends and heartbeats go out now, while its own fsync of these entries
             # runs: the followers write theirs in parallel, so an acknowledgement waits for one
@@ -210,8 +230,11 @@ class ShardHost:
         if rd is None:
             return False
         self._persisted(rd)
-        while self.failed is None and self.raft.has_ready():
-            rd = self._next_ready()
+        while self.failed is None and self.snaps.installing is None and self.raft.has_ready():
+            next_rd = self._next_ready()
+            if next_rd is None:
+                return False  # an install started: its Ready comes when its files are in place
+            rd = next_rd
             if rd.entries or rd.snapshot is not None or rd.must_sync:
                 self._rd = rd
                 return True
@@ -330,8 +353,9 @@ class ShardHost:
     def message(self, offset: int) -> StoredMessage | None:
         """The message at ``offset`` (kept decoded while recent; else read from the store). None
         once the shard failed: its readers get nothing from it (not a later message past a
-        damaged one), and what it owes them stays owed in its state."""
-        if self.failed is not None:
+        damaged one), and what it owes them stays owed in its state; None while a leader's
+        snapshot is installed (the stores move; the install reloads what sessions here deliver)."""
+        if self.failed is not None or self.snaps.installing is not None:
             return None
         if self.recent is not None:
             msg = self.recent.get(self.shard, offset)

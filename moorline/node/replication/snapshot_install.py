@@ -22,6 +22,13 @@ core's Ready carries the snapshot (``ShardHost._install``):
    new hard state, synced together.
 5. After that sync, ``COMMIT`` and the staging directory (with the old store) are removed.
 
+Steps 1-3 (with the old store's closing before them and the staged store's ``relocate`` after)
+run off the event loop (``install_files`` through ``run_off_loop``: the node's file-work
+executor, or, under the simulator's inline seam, at once with the completion a loop pass later):
+they fsync and rename, which must never delay a heartbeat. Meanwhile the shard takes no Ready,
+applies nothing and reads nothing from either store (``ShardHost``); its state and store are
+swapped when they are done, and the Ready with the snapshot goes to the WAL after that.
+
 Recovery (``recover_install``) finds a staging directory with ``COMMIT`` and repeats 2 and 3 where
 they had not happened (each step looks at what exists, so repeating is harmless), and step 4 if
 the WAL's snapshot mark for the group is older than the snapshot: then no batch after the
@@ -33,10 +40,13 @@ snapshot the snapshot store names, which is what steps 2 and 3 (in that order) g
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,6 +104,48 @@ def commit_install(staged: StagedInstall, store_dir: Path, snapshots: SnapshotSt
     write_file_atomically(staged.directory / COMMIT_FILE, json.dumps(record).encode())
     staged.committed = True
     _roll_forward(staged.directory, staged.shard, staged.index, staged.term, store_dir, snapshots)
+
+
+def install_files(staged: StagedInstall, old_store: MessageStore, snapshots: SnapshotStore,
+                  before: Callable[[], None] | None = None) -> None:
+    """The file work of an install, on any thread (the loop touches neither store meanwhile):
+    ``before`` (the end of a snapshot job still writing the old store), the old store closed (its
+    buffered records written where its directory still is), steps 1-3, the staged store relocated
+    to the live directory. An ``OSError`` before ``COMMIT`` leaves the old replica on disk; after
+    it, a restart finishes the install (``staged.committed`` says which)."""
+    if before is not None:
+        before()
+    old_store.close()
+    commit_install(staged, old_store.directory, snapshots)
+    staged.store.relocate(old_store.directory)
+
+
+def run_off_loop(executor: concurrent.futures.Executor | None, fn: Callable[[], None],
+                 done: Callable[[BaseException | None], None]) -> concurrent.futures.Future[None]:
+    """``fn()`` on ``executor``, then ``done(error or None)`` on the running loop. Without an
+    executor (the simulator's inline seam: no threads) ``fn`` runs now and ``done`` a loop pass
+    later, so the caller takes the same path in an order the seed decides. Returns the work's
+    future (``result()`` waits for it, on a thread that may block: shutdown)."""
+    loop = asyncio.get_running_loop()
+    if executor is None:
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        try:
+            fn()
+            fut.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to ``done``
+            fut.set_exception(exc)
+        loop.call_soon(done, fut.exception())
+        return fut
+
+    def finished(f: concurrent.futures.Future[None]) -> None:
+        try:
+            loop.call_soon_threadsafe(done, f.exception())
+        except RuntimeError:  # the loop is closed: the node is gone (a restart finishes the install)
+            pass
+
+    fut = executor.submit(fn)
+    fut.add_done_callback(finished)
+    return fut
 
 
 def _roll_forward(directory: Path, shard: int, index: int, term: int, store_dir: Path,

@@ -32,8 +32,7 @@ from moorline.broker.shard import ShardState
 from moorline.node.errors import ShardUnavailable
 from moorline.node.replication import snapshot_install
 from moorline.node.sessions.recent import SHARD_SHIFT
-from moorline.raft import ConfState, MemberId
-from moorline.raft.types import Snapshot
+from moorline.raft import ConfState, MemberId, Ready
 from moorline.storage.msgstore import MessageStore, StoreSyncJob
 from moorline.storage.snapshots import write_snapshot_file
 
@@ -158,10 +157,20 @@ class ShardSnapshots:
     def __init__(self, host: ShardHost) -> None:
         self.host = host
         self.job: _SnapshotJob | None = None
+        # The Ready carrying a leader's snapshot while the install's files are moved off the loop,
+        # and that work's future (``install``).
+        self.installing: tuple[Ready, concurrent.futures.Future[None]] | None = None
 
     def take_snapshot(self) -> tuple[int, int]:
         """Persist the state at the applied index now, on this thread (shutdown, tests); waits for
-        a snapshot in flight first. The caller marks it in the WAL."""
+        a snapshot in flight first. The caller marks it in the WAL. Refused (OSError) while a
+        leader's snapshot is installed: the restart finishes that install (snapshot_install.py)."""
+        if self.installing is not None:
+            try:
+                self.installing[1].result()  # blocking: shutdown, after the loop's work is done
+            except BaseException:  # noqa: BLE001 - the restart sees what was done
+                pass
+            raise OSError(f"shard {self.host.shard}: stopped while installing a leader's snapshot")
         self.wait_job()
         coverage.hit("snapshot_taken")
         self.host.entries_since_snapshot = 0
@@ -354,57 +363,96 @@ class ShardSnapshots:
         else:
             executor.submit(run)
 
-    def install(self, snap: Snapshot) -> None:
-        """The core accepted a leader's snapshot (the Ready carries it): the staged state and store
+    def install(self, rd: Ready) -> None:
+        """The core accepted a leader's snapshot (``rd`` carries it): the staged state and store
         replace this replica's, durably (snapshot_install.py), before the Ready's WAL records are
-        staged. A Ready with a snapshot nobody staged (a peer of another version) fails the shard
-        rather than apply an empty state."""
+        staged. The file work (a snapshot job still writing the old store, closing it, COMMIT,
+        renames, fsyncs) runs off the event loop (``snapshot_install.run_off_loop``); meanwhile
+        ``installing`` holds the Ready and the host takes nothing from its core, applies nothing
+        and reads nothing from either store. ``_install_done`` swaps state and store and hands the
+        Ready back (``ShardHost.ready_after_install``). A Ready with a snapshot nobody staged (a
+        peer of another version) fails the shard rather than apply an empty state."""
         coverage.hit("snapshot_installed")
+        snap = rd.snapshot
+        assert snap is not None
         meta = snap.meta
-        staged, self.host.staged_install = self.host.staged_install, None
+        staged = self.host.staged_install  # kept until the swap: no snapshot of the old state starts
         if staged is None or (staged.index, staged.term) != (meta.index, meta.term):
+            self.host.staged_install = None
             self.host.fail(f"asked to install a snapshot at index {meta.index} (term {meta.term}) that was not "
-                      "received here")
+                           "received here")
             log.error("shard %d: %s", self.host.shard, self.host.failed)
             if staged is not None:
                 self.run_io(snapshot_install.discard_staging, staged.directory)
             return
-        self.wait_job()  # none should be (the receiver waited): never two writers of one store
+        job = self.job  # none should be (the receiver waited): never two writers of one store
         old_store = self.host.store
-        # Closed before its directory moves aside: closing writes the records it still buffers to
-        # its last segment by path, which after the move is absent (the group-commit task died on
-        # it) or, worse, the installed store's segment of the same name (found by moorline sim
-        # --cluster with a small raft.follower_log_margin_entries, which makes installs common).
-        old_store.close()
-        try:
-            snapshot_install.commit_install(staged, old_store.directory, self.host.snapshots)
-            staged.store.relocate(old_store.directory)
-        except OSError as exc:
+        snapshots = self.host.snapshots
+        # Closed (off the loop) before its directory moves aside: closing writes the records it
+        # still buffers to its last segment by path, which after the move is absent (the
+        # group-commit task died on it) or, worse, the installed store's segment of the same name
+        # (found by moorline sim --cluster with a small raft.follower_log_margin_entries).
+        fut = snapshot_install.run_off_loop(
+            self.host.snapshot_settings.executor,
+            lambda: snapshot_install.install_files(staged, old_store, snapshots,
+                                                   before=None if job is None else lambda: _job_result(job)),
+            lambda exc: self._install_done(rd, staged, job, exc))
+        self.installing = (rd, fut)
+
+    def _install_done(self, rd: Ready, staged: snapshot_install.StagedInstall, job: _SnapshotJob | None,
+                      exc: BaseException | None) -> None:
+        """Back on the loop after the install's file work: swap state and store, then the Ready
+        with the snapshot is the next the group commit writes."""
+        if self.installing is None or self.installing[0] is not rd:
+            return
+        self.installing = None
+        host = self.host
+        host.staged_install = None
+        snap = rd.snapshot
+        assert snap is not None
+        meta = snap.meta
+        if job is not None and self.job is job:
+            self._snapshot_written(job)
+        if exc is not None:
             # Before COMMIT: the old replica stays on disk; after it: a restart finishes the install.
             # Either way this process serves neither (the group commit must not stop for it).
-            self.host.fail(f"installing the leader's snapshot at index {meta.index} failed: {exc}")
-            log.error("shard %d: %s", self.host.shard, self.host.failed)
+            host.fail(f"installing the leader's snapshot at index {meta.index} failed: {exc!r}")
+            log.error("shard %d: %s", host.shard, host.failed)
             return
-        self.host.store = staged.store
-        self.host.store.on_corruption = self.host.store_damaged
-        old_state, self.host.state = self.host.state, staged.state
-        self.host.raft_log.apply_snapshot(snap)
-        self.host.generation += 1
-        self.host.installs += 1
-        self.host.entries_since_snapshot = 0
-        self.host.last_snapshot_bytes = staged.state_file_bytes
-        self.host.last_snapshot = None
-        self.host.installed = staged
-        if self.host.recent is not None:  # nothing cached of the old state may be delivered
+        if host.failed is not None:  # stopped meanwhile (a bug, corruption): it serves nothing
+            staged.store.close()  # (the install reached COMMIT: a restart finishes it)
+            return
+        host.store = staged.store
+        host.store.on_corruption = host.store_damaged
+        old_state, host.state = host.state, staged.state
+        host.raft_log.apply_snapshot(snap)
+        host.generation += 1
+        host.installs += 1
+        host.entries_since_snapshot = 0
+        host.last_snapshot_bytes = staged.state_file_bytes
+        host.last_snapshot = None
+        host.installed = staged
+        host.ready_after_install(rd)
+        if host.recent is not None:  # nothing cached of the old state may be delivered
             mask = (1 << SHARD_SHIFT) - 1
-            self.host.recent.drop(self.host.shard, [k & mask for k in list(self.host.recent.by_key) if k >> SHARD_SHIFT == self.host.shard])
-        self.host.proposer.settle_after_install()
-        self.host.check_admission()  # the installed state may admit this node only under a later boot
+            host.recent.drop(host.shard, [k & mask for k in list(host.recent.by_key) if k >> SHARD_SHIFT == host.shard])
+        host.proposer.settle_after_install()
+        host.check_admission()  # the installed state may admit this node only under a later boot
         log.warning("shard %d: installed the leader's snapshot at index %d (term %d): this replica was "
-                    "%d entries behind", self.host.shard, meta.index, meta.term, meta.index - old_state.applied_index)
-        hook = self.host.snapshot_settings.on_installed
+                    "%d entries behind", host.shard, meta.index, meta.term, meta.index - old_state.applied_index)
+        hook = host.snapshot_settings.on_installed
         if hook is not None:
-            hook(self.host)
+            hook(host)
+
+
+def _job_result(job: _SnapshotJob) -> None:
+    """Until a snapshot job's file work ended (blocking: off the loop); its outcome is taken on
+    the loop (``_snapshot_written``)."""
+    if job.future is not None:
+        try:
+            job.future.result()
+        except Exception:  # noqa: BLE001 - _snapshot_written reports it
+            pass
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:

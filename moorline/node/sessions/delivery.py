@@ -435,8 +435,8 @@ class LiveSession:
             if not dq or shard in self.unconfirmed:
                 continue
             host = hosts[shard]
-            if host.failed is not None:
-                continue
+            if host.failed is not None or host.installing:
+                continue  # (an install moves the stores: host.message gives nothing meanwhile)
             store = host.store
             key_base = shard << SHARD_SHIFT
             reads: list[RecordRead] = []
@@ -469,7 +469,7 @@ class LiveSession:
         fetched: dict[int, StoredMessage] = {}
         for (shard, store, reads), records in zip(jobs, results, strict=True):
             host = hosts[shard]
-            if host.store is not store or host.failed is not None:
+            if host.store is not store or host.failed is not None or host.installing:
                 continue  # replaced by an installed snapshot, or failed, while reading
             key_base = shard << SHARD_SHIFT
             for plan, record in zip(reads, records, strict=True):
