@@ -92,6 +92,9 @@ class HttpConfig:
     console_update_interval_s: float = 1.0
     console_history_s: float = 300.0
     max_admin_page: int = 1000
+    # GET /v1/clients and DELETE /v1/clients/{id} ask the other nodes' HTTP listeners: each answer
+    # within this many seconds, or that node is reported unreachable.
+    peer_request_timeout_s: float = 3.0
 
 
 @dataclass
@@ -605,6 +608,8 @@ class NodeConfig:
                               "http.console_update_interval_s 0.5 or more, http.max_admin_page 1 or more")
         if not 0 <= h.console_history_s <= 86_400:
             raise ConfigError("http.console_history_s must be between 0 and 86400")
+        if not 0.1 <= h.peer_request_timeout_s <= 60:
+            raise ConfigError("http.peer_request_timeout_s must be between 0.1 and 60")
         for rule in self.auth.acl:
             if rule.action not in ("publish", "subscribe", "all"):
                 raise ConfigError(f"acl action must be publish, subscribe or all, not {rule.action!r}")

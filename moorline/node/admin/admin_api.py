@@ -42,6 +42,7 @@ from moorline.broker.session_state import Session
 from moorline.broker.topic_state import DELIVERY_LIMIT
 from moorline.mqtt.topics import TopicBounds, topic_filter_error
 from moorline.node.admin.http_api import CALLER, Caller, Handler, _err
+from moorline.node.admin.peer_http import answer_error, ask_peers, peer_addresses, quote_segment
 from moorline.node.edge.auth import Authorizer
 from moorline.node.node import Node, reg_key_for
 from moorline.node.replication.shard_host import ShardUnavailable, consume_outcome
@@ -278,29 +279,91 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
                    "protocol": "MQTT 5" if conn.version == 5 else "MQTT 3.1.1" if conn.version == 4 else "MQTT 3.1",
                    "since_ms": round((now_wall - (now_mono - conn.connected_at)) * 1000)}
 
+    def scope_of(req: web.Request) -> str | web.Response:
+        scope = req.query.get("scope", "cluster")
+        if scope not in ("cluster", "node"):
+            return _err(400, "scope must be cluster (every node's clients) or node (this node's)")
+        return scope
+
     @routes.get("/v1/clients")
     async def clients(req: web.Request) -> web.Response:
+        """This node's clients and, unless ``scope=node``, every live peer's (peer_http.py): a
+        peer that does not answer is listed in ``unreachable``, one whose list was cut at
+        http.max_admin_page in ``partial``."""
         page = _page(req, max_page)
         if isinstance(page, web.Response):
             return page
-        q, user = req.query.get("q", ""), req.query.get("user")
+        scope = scope_of(req)
+        if isinstance(scope, web.Response):
+            return scope
+        q, user, only = req.query.get("q", ""), req.query.get("user"), req.query.get("node")
         visible = owner_filter()
-        rows = (r for r in client_rows() if visible(r["principal"]) and q in r["client_id"]
-                and (user is None or r["user"] == user))
-        return web.json_response({"node": me_name(), **_paged(rows, *page)})
+        me = me_name()
+        rows = [r for r in client_rows() if visible(r["principal"]) and q in r["client_id"]
+                and (user is None or r["user"] == user)] if only in (None, me) else []
+        unreachable: list[dict[str, str]] = []
+        partial: list[str] = []
+        if scope == "cluster" and node.link is not None:
+            live, down = peer_addresses(node, node.clock.monotonic())
+            if only is not None:
+                live = {k: v for k, v in live.items() if k == only}
+                down = {k: v for k, v in down.items() if k == only}
+            unreachable += [{"node": k, "error": v} for k, v in sorted(down.items())]
+            query = {"scope": "node", "q": q, "offset": "0", "limit": str(max_page), **({"user": user} if user else {})}
+            answers = await ask_peers(live, "GET", "/v1/clients", query, req.headers.get("Authorization"),
+                                      hcfg.peer_request_timeout_s)
+            for name, ans in answers.items():
+                items = ans.body.get("items") if ans.status == 200 and isinstance(ans.body, dict) else None
+                if not isinstance(items, list):
+                    unreachable.append({"node": name, "error": answer_error(ans)})
+                    continue
+                rows += [r for r in items if isinstance(r, dict) and isinstance(r.get("client_id"), str)]
+                if isinstance(ans.body.get("total"), int) and ans.body["total"] > len(items):
+                    partial.append(name)
+            unreachable.sort(key=lambda u: u["node"])
+        rows.sort(key=lambda r: (r["client_id"], str(r.get("node"))))
+        out: dict[str, Any] = {"node": me, "scope": scope, **_paged(rows, *page)}
+        if scope == "cluster":
+            out.update(unreachable=unreachable, partial=sorted(partial))
+        return web.json_response(out)
 
     @routes.delete("/v1/clients/{client_id}")
     async def disconnect(req: web.Request) -> web.Response:
+        """Here if the client is connected here; else (unless ``scope=node``) through the node
+        that serves its session (the session shard's owner), or every live peer when none is known."""
         if (refused := admin_only()) is not None:
             return refused
+        scope = scope_of(req)
+        if isinstance(scope, web.Response):
+            return scope
         cid = req.match_info["client_id"]
+        me = me_name()
         conn = node.connections.get(cid)
-        if conn is None:
-            return _err(404, f"client {cid!r} is not connected to this node ({me_name()}): GET /v1/sessions/{{id}} "
-                             "names the node that serves it", node=me_name())
-        conn.disconnect(ADMINISTRATIVE_ACTION, "administrative action")
-        log.info("client %r disconnected by an administrator (%s)", cid, CALLER.get().principal.username)
-        return web.json_response({"client_id": cid, "node": me_name(), "disconnected": True})
+        if conn is not None:
+            conn.disconnect(ADMINISTRATIVE_ACTION, "administrative action")
+            log.info("client %r disconnected by an administrator (%s)", cid, CALLER.get().principal.username)
+            return web.json_response({"client_id": cid, "node": me, "disconnected": True})
+        if scope == "node" or node.link is None:
+            return _err(404, f"client {cid!r} is not connected to this node ({me})", node=me)
+        live, down = peer_addresses(node, node.clock.monotonic())
+        sess = find_session(cid)
+        owner = node.node_name(sess.owner_node) if sess is not None and sess.connected and sess.owner_node else None
+        if owner is not None and owner != me:
+            if owner not in live:
+                return _err(503, f"client {cid!r} is served by {owner}, which cannot be asked: "
+                                 f"{down.get(owner, 'not a member')}", owner_node=owner)
+            live = {owner: live[owner]}
+        answers = await ask_peers(live, "DELETE", "/v1/clients/" + quote_segment(cid), {"scope": "node"},
+                                  req.headers.get("Authorization"), hcfg.peer_request_timeout_s)
+        for _name, ans in sorted(answers.items()):
+            if ans.status == 200 and isinstance(ans.body, dict):
+                return web.json_response({**ans.body, "forwarded_by": me})
+        refusals = {n: answer_error(a) for n, a in answers.items() if a.status != 404}
+        if refusals:
+            return _err(502, f"client {cid!r}: no node disconnected it", nodes=refusals,
+                        unreachable=[{"node": k, "error": v} for k, v in sorted(down.items())])
+        return _err(404, f"client {cid!r} is not connected to any node that answered", node=me,
+                    unreachable=[{"node": k, "error": v} for k, v in sorted(down.items())])
 
     # --- sessions -------------------------------------------------------------------------------
     def find_session(cid: str) -> Session | None:
@@ -507,6 +570,8 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
         nodes = [{"id": n["id"], "self": n.get("self", False), "reachable": n.get("reachable", False),
                   "address": n.get("cluster") or n.get("http"), "groups_led": n.get("groups_led", 0),
                   **({"zone": n["zone"]} if n.get("zone") else {})} for n in status["nodes"]]
+        membership = node.membership.status() if getattr(node, "membership", None) is not None else None
+        by_shard = {row["shard"]: row for row in membership["shards"]} if membership is not None else {}
         shards = []
         for h in node.hosts:
             t = h.state.topics
@@ -515,7 +580,10 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
                            "learners": st["learners"], "term": st["term"], "commit": st["commit"],
                            "replicas": st["replicas"], "low_water": t.low_water, "next_offset": t.next_offset,
                            "messages": len(t.meta), "bytes": t.bytes_used, "available": h.failed is None,
-                           "target": min(cfg.shard.replicas, len(nodes))})
+                           # the member table's target and health (voters on members not gone)
+                           # where it exists; else the configured replica count
+                           **({"target": by_shard[h.shard]["target"], "health": by_shard[h.shard]["health"]}
+                              if h.shard in by_shard else {"target": min(cfg.shard.replicas, len(nodes))})})
         out: dict[str, Any] = {
             "t": round(time.time() * 1000), "node": me_name(), "uptime_s": sampler.uptime_s(),
             "started_ms": round(sampler.started_wall * 1000), "disk_bytes": sampler.disk_bytes,
@@ -523,6 +591,9 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
             "rates": sampler.points[-1] if sampler.points else None,
             "p99_ack_ms": node.ack_latency.percentile_ms(0.99),  # last minute; None when nothing was acknowledged
             "nodes": nodes, "metadata_leader": status["metadata"].get("leader"), "shards": shards,
+            # the member table (None: a single node; no drain or forget to offer)
+            "members": None if membership is None else [
+                {"name": m["name"], "state": m["state"], "live": m["live"]} for m in membership["members"]],
         }
         if full:
             out["history"] = list(sampler.points)

@@ -167,10 +167,11 @@ async def hand_over(node: Node, timeout_s: float) -> bool:
     return True
 
 
-def advertised_address(node: Node, bound_mqtt: tuple[str, int]) -> str:
+def advertised_address(node: Node, bound_mqtt: tuple[str, int], advertise: bool = True) -> str:
     """This node's client address for its peers to hand out: ``listeners.advertise``, else the bound
-    MQTT address, a wildcard host replaced by the host of --cluster."""
-    if node.cfg.listeners.advertise:
+    MQTT address, a wildcard host replaced by the host of --cluster. ``advertise=False``: the bound
+    address alone (the HTTP listener's, for the peers' admin requests)."""
+    if advertise and node.cfg.listeners.advertise:
         return node.cfg.listeners.advertise
     host, port = bound_mqtt
     if host in ("0.0.0.0", "::", "") and node.link is not None:
@@ -211,9 +212,10 @@ def lagging_replicas(node: Node, host: Any, max_lag: int) -> list[str]:
     return out
 
 
-def announcement(node: Node, drain: Drain, client_address: str) -> dict[str, Any]:
-    """What this node tells its peers every announcement: where its clients connect, whether it
-    drains, which groups it leads, and which of those are not whole (lagging_replicas)."""
+def announcement(node: Node, drain: Drain, client_address: str, http_address: str | None = None) -> dict[str, Any]:
+    """What this node tells its peers every announcement: where its clients connect (and its HTTP
+    listener, for the admin API's cluster-wide lists: node/admin/peer_http.py), whether it drains,
+    which groups it leads, and which of those are not whole (lagging_replicas)."""
     max_lag = node.cfg.cluster.ready_max_lag_entries
     leads: list[int] = []
     lagging: list[int] = []
@@ -222,7 +224,10 @@ def announcement(node: Node, drain: Drain, client_address: str) -> dict[str, Any
             leads.append(host.shard)
             if lagging_replicas(node, host, max_lag):
                 lagging.append(host.shard)
-    return {"client": client_address, "draining": drain.draining, "leads": leads, "lagging": lagging}
+    out = {"client": client_address, "draining": drain.draining, "leads": leads, "lagging": lagging}
+    if http_address is not None:
+        out["http"] = http_address
+    return out
 
 
 def node_readiness(node: Node, drain: Drain | None) -> list[str]:

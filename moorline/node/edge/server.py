@@ -317,7 +317,8 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
     client_address = node.client_address = advertised_address(node, by_key["mqtt"].bound())
     if node.link is not None:
         link = node.link
-        link.announce_extra = lambda: announcement(node, drain, client_address)
+        http_address = advertised_address(node, by_key["http"].bound(), advertise=False)
+        link.announce_extra = lambda: announcement(node, drain, client_address, http_address)
         drain.on_begin.append(link.announce_now)  # the peers stop sending clients here at once
         link.on_drain_request = lambda peer: _drain_asked(drain, f"asked through {peer} (POST /v1/drain)")
     # shutdown_timeout: open requests (a long fetch, a WebSocket) get shutdown_drain_s to finish, not aiohttp's 60 s

@@ -60,8 +60,11 @@ function toast(text, error) {
   toast.timer = setTimeout(() => { el.hidden = true; }, 5000);
 }
 
-async function api(method, path) {
-  const resp = await fetch(path, { method, credentials: "same-origin", headers: { Accept: "application/json" } });
+async function api(method, path, send) {
+  const headers = { Accept: "application/json" };
+  if (send !== undefined) headers["Content-Type"] = "application/json";
+  const resp = await fetch(path, { method, credentials: "same-origin", headers,
+    body: send === undefined ? undefined : JSON.stringify(send) });
   let body = null;
   try { body = await resp.json(); } catch (e) { body = null; }
   if (!resp.ok && resp.status !== 202) {
@@ -130,10 +133,14 @@ function renderOverview() {
     `metadata leader: ${snap.metadata_leader || "none"} · ${snap.shards.length} shards`;
   const leaders = {};
   for (const s of snap.shards) if (s.leader) leaders[s.leader] = (leaders[s.leader] || 0) + 1;
+  const members = {};
+  for (const m of snap.members || []) members[m.name] = m;
   const cards = snap.nodes.map((n) => {
     const up = n.reachable;
+    const member = members[n.id];
     const rows = [
       ["state", up ? "up" : "down"],
+      ...(member ? [["membership", member.state]] : []),
       ["address", n.address || "–"],
       ...(snap.nodes.some((x) => x.zone) ? [["zone", n.zone || "–"]] : []),
       ["shard leaders", String(leaders[n.id] || 0)],
@@ -145,7 +152,8 @@ function renderOverview() {
     return h("div", { class: "card" + (up ? "" : " down"), "data-node": n.id, "data-state": up ? "up" : "down" },
       h("h3", {}, n.id, h("span", { class: "badge " + (up ? "up" : "down") }, up ? "up" : "down"),
         n.self ? h("span", { class: "badge self" }, "this node") : null),
-      h("dl", { class: "kv" }, rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])));
+      h("dl", { class: "kv" }, rows.flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])),
+      clusterActions(n, member));
   });
   document.getElementById("nodes").replaceChildren(...cards);
   const charts = [
@@ -161,6 +169,46 @@ function renderOverview() {
   document.getElementById("charts").replaceChildren(...charts);
 }
 
+// Cluster actions (admin only, where the member table provides them): drain a live member, forget
+// a dead one. Each asks for confirmation in the page (#confirm) before it is sent.
+function clusterActions(n, member) {
+  if (!state.me || !state.me.admin || !member || member.state === "forgotten" || member.state === "left") return null;
+  const buttons = [];
+  if (n.reachable) {
+    buttons.push(h("button", { class: "danger admin-action", "data-action": "drain", "data-node": n.id,
+      onclick: () => clusterAct("POST", "/v1/drain", { node: n.id },
+        `Drain ${n.id}? It hands over its leaderships, moves its clients to other nodes and stops (exit 0).` +
+        (n.self ? " It serves this console: the page stops updating." : "")) }, "Drain"));
+  } else {
+    buttons.push(h("button", { class: "danger admin-action", "data-action": "forget", "data-node": n.id,
+      onclick: () => clusterAct("POST", `/v1/cluster/members/${encodeURIComponent(n.id)}/forget`, {},
+        `Forget ${n.id}? Its replicas are removed from every shard and made elsewhere; ` +
+        "it can never rejoin with its data directory.") }, "Forget"));
+  }
+  return h("div", { class: "actions" }, buttons);
+}
+
+function askConfirm(question) {
+  const box = document.getElementById("confirm");
+  document.getElementById("confirm-text").textContent = question;
+  box.hidden = false;
+  return new Promise((resolve) => {
+    const done = (yes) => { box.hidden = true; resolve(yes); };
+    document.getElementById("confirm-yes").onclick = () => done(true);
+    document.getElementById("confirm-no").onclick = () => done(false);
+  });
+}
+
+async function clusterAct(method, path, body, question) {
+  if (!(await askConfirm(question))) return;
+  try {
+    const r = await api(method, path, body);
+    toast(`${method} ${path}: ${JSON.stringify(r)}`);
+  } catch (e) {
+    toast(e.message, true);
+  }
+}
+
 function renderShards() {
   const snap = state.snap;
   if (!snap) return;
@@ -168,7 +216,8 @@ function renderShards() {
   let leaderless = 0, below = 0;
   const rows = snap.shards.map((s) => {
     const live = s.voters.filter((v) => up.has(v)).length;
-    const isBelow = s.target !== null && live < s.target;
+    // below target: the member table says so (voters on members not gone), or voters are down
+    const isBelow = s.target !== null && (s.health === "below target" || live < s.target);
     const isBad = !s.leader || isBelow || !s.available;
     if (!s.leader) leaderless++;
     if (isBelow) below++;
@@ -180,7 +229,8 @@ function renderShards() {
     });
     const mine = Object.values(s.replicas).find((r) => r.applied !== undefined);
     const appliedLag = mine ? Math.max(0, s.commit - mine.applied) : null;
-    return h("tr", { class: isBad ? "bad" : "", "data-shard": s.shard, "data-leader": s.leader || "" },
+    return h("tr", { class: isBad ? "bad" : "", "data-shard": s.shard, "data-leader": s.leader || "",
+      "data-below": isBelow ? "1" : "0", "data-health": s.health || "" },
       h("td", {}, s.shard),
       h("td", { class: s.leader ? "" : "red" }, s.leader || "no leader"),
       h("td", {}, s.voters.join(", ")),
