@@ -14,6 +14,7 @@ from moorline.broker.messages import StoredMessage
 from moorline.broker.share_policy import dead_letter_message
 from moorline.broker.topic_state import same_incarnation
 from moorline.hashing import shard_of
+from moorline.node.errors import ShardUnavailable
 from moorline.node.replication.proposer import consume_outcome
 from moorline.node.replication.shard_host import ShardHost
 from moorline.testing.volatile_dlq import VolatileDeliveryCounts
@@ -86,7 +87,10 @@ class ShareDispatch:
                         and not any(m == active for m, _ in reg.claims.values())):
                     self._activating.add((reg_key, active))
                     coverage.hit("share_single_active_handover")
-                    fut = self.node.propose(shard, c.ShareActivate(reg_key, online[0], active))
+                    try:
+                        fut = self.node.propose(shard, c.ShareActivate(reg_key, online[0], active))
+                    except ShardUnavailable:  # refused (e.g. raft.max_pending_proposals): the next dispatch asks again
+                        fut = None
                     if fut is not None:
                         def activated(f: asyncio.Future[Any], key: tuple[str, str] = (reg_key, active)) -> None:
                             consume_outcome(f)  # nobody awaits it: an error (outcome unknown) is retried
