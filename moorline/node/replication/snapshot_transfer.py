@@ -40,40 +40,36 @@ import dataclasses
 import logging
 import os
 import random
-import struct
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
-import crc32c as _crc32c_module
 import msgspec
 
 from moorline import coverage
-from moorline.broker.shard import ShardState
 from moorline.hashing import crc32c
 from moorline.node.errors import ShardUnavailable
 from moorline.node.replication import snapshot_install
 from moorline.node.replication.shard_host import ShardHost
 from moorline.node.replication.snapshots import decode_conf
+from moorline.node.replication.transfer_staging import (
+    PART_RECORDS,
+    PART_STATE,
+    Incoming,
+    close_staging,
+    finish_staging,
+    open_staging,
+    write_chunk,
+)
 from moorline.raft import MemberId, Message, MessageType
 from moorline.raft.types import Snapshot, SnapshotMeta
-from moorline.storage.fsutil import ensure_dir, fsync_dir, write_all
-from moorline.storage.msgstore import HEADER_BYTES as RECORD_HEADER_BYTES
-from moorline.storage.msgstore import MAGIC as RECORD_MAGIC
-from moorline.storage.msgstore import MAX_RECORD_BYTES, MessageStore
-from moorline.storage.snapshots import read_snapshot_file
+from moorline.storage.msgstore import MessageStore
 
 log = logging.getLogger("moorline.snapshot")
 
 T = TypeVar("T")
 PAYLOAD_KIND = "snap"
-PART_STATE = 0  # chunk of the snapshot file
-PART_RECORDS = 1  # chunk of framed store records
 BUSY = "(cluster.max_snapshot_transfers)"  # ends the reason of a refusal for want of a free slot
-_RECORD_HEADER = struct.Struct("<HHIIq")
-_crc = _crc32c_module.crc32c  # takes any buffer (no copy of a record to check it)
 
 
 class Offer(msgspec.Struct, tag=1, array_like=True, frozen=True):
@@ -170,24 +166,7 @@ class _Outgoing:
     task: asyncio.Task[None] | None = None
 
 
-# --- the follower's side -------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class _Incoming:
-    offer: Offer
-    peer: str
-    host: ShardHost
-    directory: Path
-    queue: asyncio.Queue[Chunk | Done | None]
-    next_seq: int = 1
-    task: asyncio.Task[None] | None = None
-    handed: bool = False  # to the core: the install owns the staging directory from then on
-    # Written only by the executor's calls of this transfer, one at a time.
-    state_fd: int | None = None
-    state_written: int = 0
-    store: MessageStore | None = None
-    received: array[int] = field(default_factory=lambda: array("q"))  # offsets of the records received
+# --- both sides (the follower's file work: transfer_staging.py) ---------------------------------
 
 
 class SnapshotTransfers:
@@ -212,7 +191,7 @@ class SnapshotTransfers:
         self._rng = rng or random.Random()
         self._out: dict[int, _Outgoing] = {}
         self._out_by_target: dict[tuple[int, MemberId], _Outgoing] = {}
-        self._in: dict[int, _Incoming] = {}
+        self._in: dict[int, Incoming] = {}
         self.stats = TransferStats()
         self._closed = False
 
@@ -421,7 +400,7 @@ class SnapshotTransfers:
         root = host.snapshot_settings.install_root
         assert root is not None
         directory = snapshot_install.staging_dir(root, offer.shard, f"{offer.index}-{offer.transfer:x}")
-        t = _Incoming(offer, peer, host, directory, asyncio.Queue(self.limits.window_chunks + 1))
+        t = Incoming(offer, peer, host, directory, asyncio.Queue(self.limits.window_chunks + 1))
         self._in[offer.transfer] = t
         t.task = asyncio.get_running_loop().create_task(self._run_receive(t), name=f"snapshot-receive:{offer.shard}")
 
@@ -466,7 +445,7 @@ class SnapshotTransfers:
         if not self._send_raw(peer, encode(ack)):
             log.debug("snapshot transfer: an acknowledgement to %s was dropped", peer)
 
-    def _abort_in(self, t: _Incoming, reason: str, tell: bool = True) -> None:
+    def _abort_in(self, t: Incoming, reason: str, tell: bool = True) -> None:
         if self._in.get(t.offer.transfer) is not t:
             return
         del self._in[t.offer.transfer]
@@ -478,11 +457,11 @@ class SnapshotTransfers:
         if t.task is not None and t.task is not asyncio.current_task():
             t.task.cancel()
 
-    async def _run_receive(self, t: _Incoming) -> None:
+    async def _run_receive(self, t: Incoming) -> None:
         executor = t.host.snapshot_settings.executor
         staged: snapshot_install.StagedInstall | None = None
         try:
-            await _io(executor, _open_staging, t)
+            await _io(executor, open_staging, t)
             self._reply(t.peer, Ack(t.offer.transfer, 0))
             while True:
                 try:
@@ -492,14 +471,14 @@ class SnapshotTransfers:
                 if item is None:
                     raise TransferAbort("cancelled")
                 if type(item) is Chunk:
-                    await _io(executor, _write_chunk, t, item)
+                    await _io(executor, write_chunk, t, item)
                     self.stats.bytes_received += len(item.data)
                     self._reply(t.peer, Ack(t.offer.transfer, item.seq))
                     continue
                 assert type(item) is Done
                 if item.records != len(t.received):
                     raise TransferAbort(f"{len(t.received)} records arrived, the leader sent {item.records}")
-                staged = await _io(executor, _finish_staging, t)
+                staged = await _io(executor, finish_staging, t)
                 await self._hand_to_core(t, staged, item.seq)
                 return
         except TransferAbort as exc:
@@ -514,12 +493,12 @@ class SnapshotTransfers:
         finally:
             self._in.pop(t.offer.transfer, None)
             if not t.handed:
-                _close_staging(t)
+                close_staging(t)
                 if staged is not None:
                     staged.store.close()
                 t.host.snaps.run_io(snapshot_install.discard_staging, t.directory)
 
-    async def _hand_to_core(self, t: _Incoming, staged: snapshot_install.StagedInstall, seq: int) -> None:
+    async def _hand_to_core(self, t: Incoming, staged: snapshot_install.StagedInstall, seq: int) -> None:
         host, offer = t.host, t.offer
         if self._in.get(offer.transfer) is not t:
             raise TransferAbort("abandoned")
@@ -556,118 +535,3 @@ async def _io(executor: concurrent.futures.Executor | None, fn: Callable[..., T]
     if executor is None:
         return fn(*args)
     return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
-
-
-# --- staging (executor threads; one call of a transfer at a time) ---------------------------------
-
-
-def _open_staging(t: _Incoming) -> None:
-    directory = t.directory
-    ensure_dir(directory.parent)
-    if directory.exists():
-        snapshot_install.discard_staging(directory)
-    directory.mkdir()
-    t.state_fd = os.open(directory / snapshot_install.STATE_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    # The node's ledger of synced lengths (a test harness's, else None) follows the received store
-    # into the live directory (``relocate``): a crash after the install cuts its files by their own lengths.
-    store = MessageStore(directory / snapshot_install.STORE_DIR, segment_bytes=t.host.store.segment_bytes,
-                         ledger=t.host.store.ledger, cache_bytes=0)
-    store.open()
-    store.reset(t.offer.low_water)
-    t.store = store
-
-
-def _write_chunk(t: _Incoming, chunk: Chunk) -> None:
-    if crc32c(chunk.data) != chunk.crc:
-        raise ValueError(f"chunk {chunk.seq} fails its checksum")
-    if chunk.part == PART_STATE:
-        if t.received:
-            raise ValueError("snapshot file bytes after store records")
-        if t.state_written + len(chunk.data) > t.offer.state_file_bytes:
-            raise ValueError("more snapshot file bytes than offered")
-        assert t.state_fd is not None
-        write_all(t.state_fd, chunk.data)
-        t.state_written += len(chunk.data)
-        return
-    if chunk.part != PART_RECORDS:
-        raise ValueError(f"unknown chunk part {chunk.part}")
-    if t.state_written != t.offer.state_file_bytes:
-        raise ValueError("store records before the whole snapshot file")
-    assert t.store is not None
-    for offset, record in _parse_records(chunk.data, t.offer.low_water, t.offer.next_offset):
-        t.store.append_received(offset, record)
-        t.received.append(offset)
-
-
-def _parse_records(data: bytes, low: int, high: int) -> list[tuple[int, bytes]]:
-    """The framed records of a chunk, each checked as the store checks its own (magic, length,
-    CRC over length, offset and payload) and within [``low``, ``high``)."""
-    out: list[tuple[int, bytes]] = []
-    mv = memoryview(data)
-    p = 0
-    n = len(data)
-    while p < n:
-        if p + RECORD_HEADER_BYTES > n:
-            raise ValueError("a record header is cut off")
-        magic, flags, crc, length, offset = _RECORD_HEADER.unpack_from(mv, p)
-        end = p + RECORD_HEADER_BYTES + length
-        if magic != RECORD_MAGIC or flags != 0 or length > MAX_RECORD_BYTES or end > n:
-            raise ValueError(f"a malformed record at byte {p} of a chunk")
-        if _crc(mv[p + 8 : end]) != crc:
-            raise ValueError(f"record {offset} fails its checksum")
-        if not low <= offset < high:
-            raise ValueError(f"record {offset} is outside [{low}, {high})")
-        out.append((offset, bytes(mv[p + RECORD_HEADER_BYTES : end])))
-        p = end
-    mv.release()
-    return out
-
-
-def _close_staging(t: _Incoming) -> None:
-    if t.state_fd is not None:
-        try:
-            os.close(t.state_fd)
-        except OSError:
-            pass
-        t.state_fd = None
-    if t.store is not None:
-        t.store.close()
-        t.store = None
-
-
-def _finish_staging(t: _Incoming) -> snapshot_install.StagedInstall:
-    """Everything received, durable and checked; the state decoded (all off the event loop)."""
-    offer = t.offer
-    if t.state_written != offer.state_file_bytes:
-        raise ValueError(f"{t.state_written} of {offer.state_file_bytes} snapshot file bytes arrived")
-    assert t.state_fd is not None and t.store is not None
-    os.fsync(t.state_fd)
-    os.close(t.state_fd)
-    t.state_fd = None
-    saved = read_snapshot_file(t.directory / snapshot_install.STATE_FILE, (offer.shard, offer.index, offer.term))
-    if saved.meta != offer.meta:
-        raise ValueError("the snapshot file's configuration differs from the offer's")
-    store = t.store
-    store.end_received(offer.next_offset)
-    store.sync()
-    fsync_dir(t.directory)
-    old = t.host.state
-    state = ShardState.restore(saved.data, old.topics.limits, old.sessions.max_expiry_s)
-    if (state.shard, state.applied_index, state.topics.next_offset) != (offer.shard, offer.index, offer.next_offset):
-        raise ValueError(f"the state is of shard {state.shard} at index {state.applied_index} (next offset "
-                         f"{state.topics.next_offset}); offered: shard {offer.shard} at {offer.index} ({offer.next_offset})")
-    if state.topics.incarnation != old.topics.incarnation:
-        raise ValueError(f"the state is of incarnation {state.topics.incarnation}, this shard's is {old.topics.incarnation}")
-    meta = state.topics.meta
-    received = set(t.received)
-    missing = [o for o in meta if o not in received]
-    if missing:
-        # Installing would lose them here (a leader that started its records above them): refused.
-        raise ValueError(f"the leader sent no record of {len(missing)} message(s) its state keeps "
-                         f"(offsets {missing[0]}..{missing[-1]}, records sent from {offer.low_water})")
-    gone = [o for o in t.received if o not in meta]  # released at the leader before its snapshot
-    if gone:
-        store.release(gone)
-    t.store = None
-    return snapshot_install.StagedInstall(offer.shard, offer.index, offer.term, offer.meta, t.directory, state,
-                                          store, len(saved.data), (offer.leader[0], offer.leader[1]))
