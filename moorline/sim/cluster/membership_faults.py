@@ -47,6 +47,7 @@ RACE_ADD_S = (0.2, 2.0)  # the operator's add-replica after its remove (the reco
 RACE_AGAIN_S = (1.0, 3.0)  # and again (a learner is promoted by a second add-replica)
 RACE_ADDS = 3
 DRAIN_TIMEOUT_S = 5.0  # cluster.drain_timeout_s of the simulator's nodes (WorldConfig)
+MIN_VOTERS_TO_REMOVE = 3  # a race's remove-replica leaves a shard two voters at least (see _race)
 HOLD_MAX_S = 20.0  # node faults wait at most this long for the shards to be back at target
 CONVERGE_BOUND_S = 30.0  # after the heal: every shard at target within this (virtual seconds)
 
@@ -247,7 +248,7 @@ class MembershipPlan:
         shard = self.rng.choice(shards)
         by_id = {v: k for k, v in ids.items()}
         voters = [by_id[v] for v in confs[shard].voters if v in by_id and by_id[v] not in w.forgotten]
-        if len(confs[shard].voters) < 3:
+        if len(confs[shard].voters) < MIN_VOTERS_TO_REMOVE:
             # Not down to one voter: a shard of one voter with no learner compacts its log past
             # its last snapshot (ShardHost.advance), and growing it again then fails the group
             # ("need a snapshot but storage has none"; seed 4 found it, docs/simulation.md).
