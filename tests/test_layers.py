@@ -32,8 +32,6 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
         "the cluster CLI's helpers, shared by the groups CLI: to become public helpers of an admin CLI module",
     ("admin/groups_cli.py", "import moorline.node.admin.cluster_cli._get"): "as above",
     ("admin/http_api.py", "site._server"): "aiohttp's TCPSite has no public accessor for its server",
-    ("admin/sys_topics.py", "conn._closing"): "edge/connection.py has no public 'closing' yet (edge is being edited)",
-    ("admin/sys_topics.py", "conn._write"): "edge/connection.py has no public write for $SYS yet (edge is being edited)",
     ("edge/server.py", "c._closing"): "edge's own connection state, read by its server: to become public in edge/",
     ("edge/server.py", "conn._closing"): "as above",
     ("edge/server.py", "conn._write"): "as above",

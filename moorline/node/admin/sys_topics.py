@@ -114,7 +114,7 @@ class SysTopics:
         changed = [(t, v) for t, v in sorted(values.items()) if self.values.get(t) != v]
         self.values = values
         for conn, filters in list(self.subscribers.items()):
-            if conn._closing:
+            if conn.closing:
                 del self.subscribers[conn]
                 continue
             wanted = [(t, v) for t, v in changed if any(matches(f, t) for f in filters)]
@@ -122,7 +122,7 @@ class SysTopics:
                 self._send(conn, wanted, False)
 
     def _send(self, conn: Connection, items: list[tuple[str, bytes]], retain: bool) -> None:
-        if not items or conn._closing:
+        if not items or conn.closing:
             return
         live = conn.live
         if live is None or not live.writable:
@@ -138,7 +138,7 @@ class SysTopics:
             if isinstance(data, bytes):  # None: above the client's maximum packet size (MQTT-3.1.2-25)
                 out.append(data)
         if out:
-            conn._write(b"".join(out))
+            conn.write(b"".join(out))
             self.sent += len(out)
 
     def collect(self) -> dict[str, bytes]:
