@@ -113,7 +113,7 @@ def test_console_cluster_actions_and_shards_below_target(cluster: Cluster, tmp_p
 
 
 ACTIONS = ("JSON.stringify([...document.querySelectorAll('#nodes [data-action]')]"
-           ".map(b => b.dataset.action + ':' + b.dataset.node).sort())")
+           ".map(b => b.dataset.action + ':' + b.dataset.target).sort())")
 
 
 async def drive(cluster: Cluster, url: str, shots: Path) -> None:
@@ -138,7 +138,7 @@ async def drive(cluster: Cluster, url: str, shots: Path) -> None:
                                " && document.querySelectorAll('#nodes [data-action=\"drain\"]').length === 3", 15)
         assert json.loads(await browser.eval(ACTIONS)) == ["drain:n1", "drain:n2", "drain:n3"]
         assert await browser.eval("document.getElementById('confirm').hidden") is True
-        await browser.eval("document.querySelector('[data-action=\"drain\"][data-node=\"n3\"]').click()")
+        await browser.eval("document.querySelector('[data-action=\"drain\"][data-target=\"n3\"]').click()")
         await browser.wait_for("the drain asked for confirmation", "!document.getElementById('confirm').hidden", 5)
         question = await browser.eval("document.getElementById('confirm-text').textContent")
         assert question.startswith("Drain n3?"), question
@@ -153,9 +153,9 @@ async def drive(cluster: Cluster, url: str, shots: Path) -> None:
         cluster.kill9("n3")
         await browser.wait_for("n3 down with a forget action",
                                "document.querySelector('#nodes [data-node=\"n3\"]').dataset.state === 'down'"
-                               " && !!document.querySelector('[data-action=\"forget\"][data-node=\"n3\"]')", 15)
+                               " && !!document.querySelector('[data-action=\"forget\"][data-target=\"n3\"]')", 15)
         assert json.loads(await browser.eval(ACTIONS)) == ["drain:n1", "drain:n2", "forget:n3"]
-        await browser.eval("document.querySelector('[data-action=\"forget\"][data-node=\"n3\"]').click()")
+        await browser.eval("document.querySelector('[data-action=\"forget\"][data-target=\"n3\"]').click()")
         await browser.wait_for("the forget asked for confirmation", "!document.getElementById('confirm').hidden"
                                " && document.getElementById('confirm-text').textContent.startsWith('Forget n3?')", 5)
         await browser.eval("document.getElementById('confirm-yes').click()")

@@ -82,23 +82,30 @@ def _table(title: str, columns: list[str], rows: list[list[str]], page: dict[str
 def clients_list(http: Http = "127.0.0.1:8888", user: User = None, password: Password = None, token: Token = None,
                  q: Annotated[str | None, typer.Option(help="a part of the client id")] = None,
                  of_user: Annotated[str | None, typer.Option("--of-user", help="only this user's clients")] = None,
+                 node: Annotated[str | None, typer.Option(help="only the clients of this node")] = None,
+                 here: Annotated[bool, typer.Option("--here", help="only the node at --http (scope=node)")] = False,
                  limit: Limit = 100, offset: Offset = 0, as_json: AsJson = False) -> None:
-    """Clients connected to the node at --http (each node lists its own)."""
+    """Clients connected to the cluster (the node at --http asks the others), or to one node."""
     page = call(http, "GET", "/v1/clients", _auth(user, password, token),
-                {"q": q, "user": of_user, "limit": limit, "offset": offset})
+                {"q": q, "user": of_user, "node": node, "scope": "node" if here else None, "limit": limit,
+                 "offset": offset})
     if as_json:
         typer.echo(json.dumps(page, indent=2))
         return
-    _table(f"clients of {page.get('node', '?')}", ["client id", "user", "address", "protocol", "since"],
-           [[c["client_id"], c.get("user") or "-", c["address"], c["protocol"], _when(c["since_ms"])]
-            for c in page["items"]], page)
+    _table(f"clients (asked {page.get('node', '?')})", ["client id", "user", "node", "address", "protocol", "since"],
+           [[c["client_id"], c.get("user") or "-", c.get("node") or "-", c["address"], c["protocol"],
+             _when(c["since_ms"])] for c in page["items"]], page)
+    for u in page.get("unreachable") or []:
+        typer.echo(f"not listed: {u.get('node')}'s clients ({u.get('error')})", err=True)
+    for name in page.get("partial") or []:
+        typer.echo(f"partial: {name} has more clients than http.max_admin_page", err=True)
 
 
 @clients_app.command("disconnect")
 def clients_disconnect(client_id: Annotated[str, typer.Argument(help="the client id")],
                        http: Http = "127.0.0.1:8888", user: User = None, password: Password = None,
                        token: Token = None) -> None:
-    """Disconnect a client from the node at --http (MQTT 5 DISCONNECT 0x98, Administrative action)."""
+    """Disconnect a client, on whichever node serves it (MQTT 5 DISCONNECT 0x98, Administrative action)."""
     r = call(http, "DELETE", f"/v1/clients/{urllib.parse.quote(client_id, safe='')}", _auth(user, password, token))
     typer.echo(f"disconnected {r['client_id']} from {r['node']}")
 

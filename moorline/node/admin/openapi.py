@@ -284,6 +284,8 @@ PAGE_PARAMS = (
 )
 Q_PARAM = Param("q", "query", string(), "only items whose client id (group name) contains this")
 CLIENT_ID = Param("client_id", "path", string(), "the MQTT client id", required=True)
+SCOPE = Param("scope", "query", string(enum=["cluster", "node"], default="cluster"),
+              "cluster: every live node (asked over HTTP); node: this node only")
 RETAINED_FILTER = Param("filter", "query", string(default="#"), "an MQTT topic filter")
 
 
@@ -313,20 +315,27 @@ CONSOLE_ROUTES: tuple[Route, ...] = (
         200: ("text/event-stream: a snapshot event (JSON) every http.console_update_interval_s", None),
         429: ("http.max_console_streams are open", ERROR),
     }, tags=("console",)),
-    Route("get", "/v1/clients", "Clients connected to this node (the admin role sees all; others their own)",
+    Route("get", "/v1/clients", "Clients connected to the cluster (scope=node: this node's); the admin role sees "
+          "all, others their own. Each live peer's list is fetched over HTTP with the caller's credentials",
           CALLER, {
-              200: ("a page of clients", page_of(obj({
+              200: ("a page of clients; with scope=cluster, the nodes that could not be asked (unreachable) and "
+                    "those whose list was cut at http.max_admin_page (partial)", page_of(obj({
                   "client_id": string(), "user": nullable(string()), "node": string(), "address": string(),
                   "protocol": string(), "since_ms": integer("connected since, ms since the epoch"),
               }, ("client_id", "node", "address", "protocol", "since_ms"), more=True))),
-              400: ("offset or limit out of range", ERROR),
-          }, params=(*PAGE_PARAMS, Q_PARAM, Param("user", "query", string(), "only this user's clients")),
+              400: ("offset, limit or scope out of range", ERROR),
+          }, params=(*PAGE_PARAMS, Q_PARAM, Param("user", "query", string(), "only this user's clients"),
+                     Param("node", "query", string(), "only the clients of this node"), SCOPE),
           tags=("console",)),
-    Route("delete", "/v1/clients/{client_id}", "Disconnect a client (MQTT 5 DISCONNECT 0x98)", ADMIN, {
-        200: ("disconnected", obj({"client_id": string(), "node": string(), "disconnected": boolean()},
+    Route("delete", "/v1/clients/{client_id}", "Disconnect a client (MQTT 5 DISCONNECT 0x98), on whichever node "
+          "serves it (scope=node: only if here)", ADMIN, {
+        200: ("disconnected", obj({"client_id": string(), "node": string(), "disconnected": boolean(),
+                                   "forwarded_by": string("the node asked, when another disconnected it")},
                                   ("client_id", "node", "disconnected"))),
-        404: ("the client is not connected to this node", ERROR),
-    }, params=(CLIENT_ID,), tags=("console",)),
+        404: ("the client is not connected to any node that answered", ERROR),
+        502: ("the nodes asked refused or did not answer", ERROR),
+        503: ("the node serving it cannot be asked", ERROR),
+    }, params=(CLIENT_ID, SCOPE), tags=("console",)),
     Route("get", "/v1/sessions", "Sessions (the admin role sees all; others their own)", CALLER, {
         200: ("a page of sessions", page_of(SESSION_ROW)),
         400: ("offset, limit or connected out of range", ERROR),

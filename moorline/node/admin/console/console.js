@@ -175,12 +175,12 @@ function clusterActions(n, member) {
   if (!state.me || !state.me.admin || !member || member.state === "forgotten" || member.state === "left") return null;
   const buttons = [];
   if (n.reachable) {
-    buttons.push(h("button", { class: "danger admin-action", "data-action": "drain", "data-node": n.id,
+    buttons.push(h("button", { class: "danger admin-action", "data-action": "drain", "data-target": n.id,
       onclick: () => clusterAct("POST", "/v1/drain", { node: n.id },
         `Drain ${n.id}? It hands over its leaderships, moves its clients to other nodes and stops (exit 0).` +
         (n.self ? " It serves this console: the page stops updating." : "")) }, "Drain"));
   } else {
-    buttons.push(h("button", { class: "danger admin-action", "data-action": "forget", "data-node": n.id,
+    buttons.push(h("button", { class: "danger admin-action", "data-action": "forget", "data-target": n.id,
       onclick: () => clusterAct("POST", `/v1/cluster/members/${encodeURIComponent(n.id)}/forget`, {},
         `Forget ${n.id}? Its replicas are removed from every shard and made elsewhere; ` +
         "it can never rejoin with its data directory.") }, "Forget"));
@@ -286,7 +286,7 @@ async function showSession(cid) {
     h("td", {}, x.no_local ? "yes" : "no"), h("td", {}, x.subscription_id === null ? "–" : x.subscription_id)));
   const actions = [];
   if (state.me && state.me.admin) {
-    if (s.connected && s.owner_node === state.me.node) {
+    if (s.connected) {  // on whichever node serves it: DELETE /v1/clients asks that node
       actions.push(h("button", { class: "danger admin-action", "data-action": "disconnect",
         onclick: () => act("DELETE", "/v1/clients/" + encodeURIComponent(cid),
           `Disconnect client ${cid}? (MQTT 5 DISCONNECT 0x98)`) }, "Disconnect client"));
