@@ -158,7 +158,7 @@ def passwd(
     password: Annotated[str | None, typer.Argument(help="omit to be prompted")] = None,
 ) -> None:
     """Add or change a user in a password file (salted scrypt hashes)."""
-    from moorline.node.edge.auth import set_password
+    from moorline.node.edge.credentials import set_password
 
     if password is None:
         password = typer.prompt("password", hide_input=True, confirmation_prompt=True)
@@ -175,7 +175,7 @@ def token(
     user: Annotated[str, typer.Argument()],
 ) -> None:
     """Give a user a new HTTP bearer token (replacing an earlier one); prints it once, stores its hash."""
-    from moorline.node.edge.auth import new_token
+    from moorline.node.edge.credentials import new_token
 
     try:
         secret = new_token(file, user)

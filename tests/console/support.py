@@ -9,7 +9,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from moorline.node.edge.auth import set_password
+from moorline.node.edge.credentials import set_password
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 USERS = {"root": "root-pass", "alice": "alice-pass", "bob": "bob-pass"}  # root has the admin role

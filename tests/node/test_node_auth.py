@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moorline.node.edge.auth as auth
+import moorline.node.edge.credentials as credentials
 from moorline.config import AclRule, AuthConfig, ConfigError, NodeConfig
 from moorline.mqtt.topics import matches
 from moorline.node.edge.auth import Authorizer, Login, Principal, intersect_filters
@@ -210,8 +211,8 @@ def test_filter_intersection_is_exact(x: str, y: str) -> None:
 @pytest.fixture(scope="module")
 def password_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("auth") / "passwd"
-    auth.set_password(path, "alice", "wonderland")
-    auth.set_password(path, "bob", "builder")
+    credentials.set_password(path, "alice", "wonderland")
+    credentials.set_password(path, "bob", "builder")
     return path
 
 
@@ -285,7 +286,7 @@ def test_unknown_users_and_missing_passwords_pay_the_same_scrypt(password_file: 
         return real(password, encoded)
 
     monkeypatch.setattr(auth, "verify_password", spy)
-    assert auth.parse_scrypt(a.dummy_hash)[:3] == auth.parse_scrypt(a.users["alice"])[:3]  # same N, r, p
+    assert credentials.parse_scrypt(a.dummy_hash)[:3] == credentials.parse_scrypt(a.users["alice"])[:3]  # same N, r, p
 
     async def body() -> list[Login]:
         return [await a.authenticate("mallory", b"wonderland", "10.0.0.1"),
@@ -406,9 +407,9 @@ def test_anonymous_logins() -> None:
 
 def test_bearer_tokens_are_stored_hashed(tmp_path: Path) -> None:
     path = tmp_path / "tokens"
-    first = auth.new_token(path, "spark")
-    other = auth.new_token(path, "ops")
-    second = auth.new_token(path, "spark")  # replaces the first
+    first = credentials.new_token(path, "spark")
+    other = credentials.new_token(path, "ops")
+    second = credentials.new_token(path, "spark")  # replaces the first
     assert first.encode() not in path.read_bytes() and second.encode() not in path.read_bytes()
     a = Authorizer(AuthConfig(token_file=str(path), admin_users=["spark"]), loopback_only=True)
     assert a.authenticate_token(second, "h") == (Login.OK, "spark")
@@ -426,7 +427,7 @@ def test_password_file_entries_are_checked_when_read(tmp_path: Path) -> None:
     for bad in ("alice:scrypt$16384$8$1$zz$00", "alice:scrypt$3$8$1$00$" + "00" * 32, "alice:plain", ":scrypt$1"):
         path.write_text(bad + "\n")
         with pytest.raises(ConfigError):
-            auth.read_password_file(path)
+            credentials.read_password_file(path)
 
 
 # --- HTTP off loopback ---------------------------------------------------------------------------------
