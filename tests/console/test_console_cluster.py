@@ -155,6 +155,9 @@ async def drive(cluster: Cluster, url: str, shots: Path) -> None:
                                "document.querySelector('#nodes [data-node=\"n3\"]').dataset.state === 'down'"
                                " && !!document.querySelector('[data-action=\"forget\"][data-target=\"n3\"]')", 15)
         assert json.loads(await browser.eval(ACTIONS)) == ["drain:n1", "drain:n2", "forget:n3"]
+        # GET /v1/clients names the dead node as unreachable (not silently left out)...
+        wait_for("n3 unreachable in GET /v1/clients", lambda: [u["node"] for u in clients_of(
+            cluster, "n1", "root")["unreachable"]] == ["n3"] or None, 10, 0.2)
         await browser.eval("document.querySelector('[data-action=\"forget\"][data-target=\"n3\"]').click()")
         await browser.wait_for("the forget asked for confirmation", "!document.getElementById('confirm').hidden"
                                " && document.getElementById('confirm-text').textContent.startsWith('Forget n3?')", 5)
@@ -163,6 +166,8 @@ async def drive(cluster: Cluster, url: str, shots: Path) -> None:
                                ".includes('\"state\":\"forgotten\"')", 15)
         await browser.wait_for("no action for a forgotten member",
                                "!document.querySelector('[data-node=\"n3\"] [data-action]')", 10)
+        # ... and no longer once it is forgotten (a member gone for good is not asked).
+        wait_for("n3 no longer asked", lambda: clients_of(cluster, "n1", "root")["unreachable"] == [] or None, 10, 0.2)
 
         # Every shard had a voter on n3: each is below the member table's target (3), marked red.
         await browser.eval("location.hash = '#shards'")

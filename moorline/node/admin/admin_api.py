@@ -15,8 +15,9 @@ authentication (HTTP Basic or Bearer). Access:
 
 What one node knows: sessions, retained messages and ``$share`` groups are replicated state (every
 node holds every shard, as voter or learner), so any node lists them all, as of its last apply.
-Connected clients are those of this node's own MQTT listeners; the console asks the node it was
-loaded from. Rates, uptime and disk use in the live stream are this node's, computed here.
+Connected clients are not replicated: ``GET /v1/clients`` adds each live peer's own list, fetched
+over HTTP with the caller's credentials (peer_http.py), and ``DELETE /v1/clients/{id}`` asks the
+node serving the client. Rates, uptime and disk use in the live stream are this node's, computed here.
 
 Lists are paged (``offset``, ``limit`` up to ``http.max_admin_page``) and filtered (``q``: a part
 of the client id, topic or group name; more per route).
