@@ -634,10 +634,6 @@ class _RunCheck:
         for e in sorted(self.first, key=lambda x: (x.mono, x.index)):
             if not any(row.matches(e.get("topic")) for row in checked.get(e.sub, ())):
                 continue
-            if (e.get("topic") or "").startswith("$dlq/"):
-                # A dead letter is the broker's publish, made when its message reaches the group's
-                # delivery limit (which consumers decide), not in its publisher's order (seed 130).
-                continue
             key = (e.sub, e.get("guid"))
             if key in seen:
                 continue
