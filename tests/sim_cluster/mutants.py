@@ -321,6 +321,7 @@ class Outcome:
     detail: list[str] = field(default_factory=list)
     file: str = ""
     paths: dict[str, int] = field(default_factory=dict)  # rare node paths reached over the seeds run
+    failing: list[str] = field(default_factory=list)  # every seed run with a violation: "seed: kinds"
 
 
 @dataclass
@@ -383,6 +384,8 @@ def run_copy(tree: Path, opts: RunOptions, seeds: int, stop_at_first: bool = Tru
                 out.seeds_run += 1
                 for k, v in rec["paths"].items():
                     out.paths[k] = out.paths.get(k, 0) + v
+                if rec["kinds"]:
+                    out.failing.append(f"{rec['seed']}: {', '.join(rec['kinds'])}")
                 if rec["kinds"] and out.status == "survived":
                     out.status = "caught"
                     out.seed = rec["seed"]
@@ -541,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'clean' if sanity.status == 'survived' else sanity.status + ' ' + ', '.join(sanity.kinds)} "
               f"in {sanity.wall_s:.0f} s", flush=True)
         if sanity.status != "survived":
+            print(f"  failing seeds: {'; '.join(sanity.failing)}")
             for d in sanity.detail:
                 print(f"  {d}")
             print("the unmutated build is not clean on these seeds: no mutant result would mean anything")
