@@ -18,6 +18,7 @@ from moorline.raft.types import (
     HardState,
     Snapshot,
     SnapshotMeta,
+    SnapshotTemporarilyUnavailable,
     UnavailableError,
 )
 
@@ -102,7 +103,16 @@ class MemoryStorage:
     def last_index(self) -> int:
         return self._ents[0].index + len(self._ents) - 1
 
+    def snapshot_index(self) -> int:
+        """The index of the last recorded snapshot (0: none)."""
+        return self._snapshot.meta.index
+
     def snapshot(self) -> Snapshot:
+        if self._snapshot.meta.index < self._ents[0].index:
+            # The host compacted past its last snapshot (a group of one voter keeps no entries
+            # nobody will ask for): that snapshot no longer joins up with the log. The host takes
+            # a new one; until then a member that needs one waits.
+            raise SnapshotTemporarilyUnavailable("log compacted past the last snapshot")
         return self._snapshot
 
     # -- host-side writes --------------------------------------------------------------------

@@ -674,7 +674,7 @@ def _rebuild(records: list[Record]) -> MemoryStorage:
     for r in records:
         if r.kind == RecordKind.SNAPSHOT:
             assert r.snapshot is not None
-            if r.snapshot.meta.index >= st.snapshot().meta.index:
+            if r.snapshot.meta.index >= st.snapshot_index():
                 st.apply_snapshot(r.snapshot)
             continue
         if r.entries and r.entries[0].index <= st.last_index() + 1:

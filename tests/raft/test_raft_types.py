@@ -19,6 +19,7 @@ from moorline.raft import (
     MessageType,
     Snapshot,
     SnapshotMeta,
+    SnapshotTemporarilyUnavailable,
     Stream,
     UnavailableError,
 )
@@ -91,6 +92,21 @@ def test_memory_storage_append_truncate_compact() -> None:
     st_.apply_snapshot(Snapshot(meta=SnapshotMeta(index=10, term=3, conf_state=ConfState.of([A, B]))))
     assert (st_.first_index(), st_.last_index()) == (11, 10)
     assert st_.initial_state()[1] == ConfState.of([A, B])
+
+
+def test_a_snapshot_older_than_the_compacted_log_is_not_handed_out() -> None:
+    """A group of one voter compacts past its last snapshot; grown again, its leader must not send
+    that snapshot (it does not join up with the log): the storage says to wait for a new one."""
+    st_ = MemoryStorage()
+    st_.append([Entry(1, i) for i in range(1, 9)])
+    st_.create_snapshot(3, ConfState.of([A]), b"s")
+    assert st_.snapshot().meta.index == 3
+    st_.compact(6)
+    assert st_.snapshot_index() == 3
+    with pytest.raises(SnapshotTemporarilyUnavailable):
+        st_.snapshot()
+    st_.create_snapshot(7, ConfState.of([A]), b"t")
+    assert st_.snapshot().meta.index == 7
 
 
 def test_conf_change_validation() -> None:

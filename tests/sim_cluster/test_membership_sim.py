@@ -96,9 +96,6 @@ def test_drawn_seed_107_share_activation_refused_is_no_exception() -> None:
     assert not [f for f in r.findings if f.kind == "node_exception"], r.findings[:3]
 
 
-@pytest.mark.xfail(strict=True, reason="open: a group of one voter and no learner compacts its Raft log past its "
-                   "last snapshot (ShardHost._persisted), so growing it again fails the group ('need a snapshot but "
-                   "storage has none'); docs/simulation.md. Fixed: this passes, remove the mark")
 def test_a_shard_shrunk_to_one_voter_grows_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Seed 4 with the races allowed to leave a shard one voter (after the forget, three nodes are
     two): the operator's add-replica and the reconciler grow it back, and no replica fails."""

@@ -270,6 +270,10 @@ class ShardHost:
         if len(st.voters) == 1 and not st.learners:
             # One voter: no follower will ever ask for an applied entry again.
             log_.compact(min(self.state.applied_index, log_.last_index()))
+        elif log_.first_index() - 1 > log_.snapshot_index():
+            # The group grew after one voter had compacted past its last snapshot: a new member
+            # can only start from a snapshot that joins up with the log (the core waits for it).
+            self.snaps.start_snapshot()
 
     def _apply_entry(self, e: Entry) -> None:
         if e.type != EntryType.NORMAL or not e.data:  # a configuration change, a leader's no-op

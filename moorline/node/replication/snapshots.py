@@ -327,7 +327,7 @@ class ShardSnapshots:
         """The snapshot at ``index`` is durable: the core's storage records it and drops entries."""
         self.host.last_snapshot = info
         log_ = self.host.raft_log
-        if index >= log_.first_index() - 1 and index >= log_.snapshot().meta.index:
+        if index >= log_.first_index() - 1 and index >= log_.snapshot_index():
             log_.create_snapshot(index, conf, b"")
         active = self.host.raft.active_conf_state
         if len(active.voters) > 1 or active.learners:
