@@ -163,7 +163,7 @@ def test_default_seeds_that_found_bugs_are_clean(seed: int) -> None:
     assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:5]]}\nreplay: {r.replay_command()}"
 
 
-@pytest.mark.parametrize("seed", [203, 116, 140, 123])
+@pytest.mark.parametrize("seed", [203, 116, 140, 123, 5])
 def test_drawn_config_seeds_that_found_bugs_are_clean(seed: int) -> None:
     # Each seed replays with the node configuration it draws (tuning.py), as it ran when it found the bug.
     r = run_seed(seed, nodes=3, cfg=RunConfig(draw_config=True))

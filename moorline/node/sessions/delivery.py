@@ -32,6 +32,7 @@ from moorline.broker.session_state import (
     packet_id_of,
 )
 from moorline.broker.topic_state import ACL_NO_READER, Registration, TopicState, same_incarnation
+from moorline.node.errors import ShardUnavailable
 from moorline.node.sessions.recent import SHARD_SHIFT
 from moorline.raft import ProposalDropped
 from moorline.storage.msgstore import MessageStore, RecordRead
@@ -91,6 +92,7 @@ class ReadFilter:
 REPLICA_CATCH_UP_POLL_S = 0.01  # a resuming session waiting for a lagging replica looks again this often
 READ_BARRIER_WAIT_S = 2.0  # a session's read barrier on a shard not answered in this long is asked again
 READ_BARRIER_RETRY_S = 0.5  # ...and after this long when the shard has no known leader
+ACK_RETRY_S = 0.2  # acknowledgements the session shard refused (pending-proposal bound) are proposed again
 
 
 class LiveSession:
@@ -814,7 +816,16 @@ class LiveSession:
             self._report_done(done)
             return
         # QoS 1 acks may be committed late (one lost with its owner is redelivered): no sync of their own.
-        fut = self.node.propose_lazy(self.shard, c.SessionAcks(self.client_id, self.epoch, acks), want=True)
+        try:
+            fut = self.node.propose_lazy(self.shard, c.SessionAcks(self.client_id, self.epoch, acks), want=True)
+        except ShardUnavailable:
+            # The session shard takes no more proposals from this node now (raft.max_pending_proposals
+            # during a partition, or failed): keep the acks (at most the in-flight window) and try
+            # again; a session that ends meanwhile has those messages resent, as MQTT allows.
+            if not self.closed:
+                self._acks[:0] = acks
+                self._ack_flush = asyncio.get_running_loop().call_later(ACK_RETRY_S, self._flush_acks)
+            return
         assert fut is not None
         fut.add_done_callback(self._acks_committed)
 
