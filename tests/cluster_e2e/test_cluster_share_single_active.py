@@ -5,6 +5,7 @@ ends, the standby continues from the first unacknowledged message, in order, not
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -98,4 +99,61 @@ def test_single_active_member_node_killed_the_next_member_continues(cluster_fact
     assert got2 == sent[25:], "from the first unacknowledged message, in order, nothing skipped"
     assert m2.recv_or_none(1.5) is None, "nothing twice"
     for c in (m2, pub):
+        c.disconnect()
+
+
+def test_three_members_on_three_nodes_5000_messages_active_node_killed_mid_stream(
+        cluster_factory: ClusterFactory) -> None:
+    """The issue's scale: three members, one per node; 5,000 messages published while the active
+    member's node is SIGKILLed part-way. Only the active member receives; the next in join order
+    continues from the first message the first did not acknowledge, in order, nothing skipped;
+    the third receives nothing; the only repeats are deliveries the dead member had in flight."""
+    total, kill_after = 5_000, 2_000
+    cluster = cluster_factory(3, config_text=CONFIG + "[session]\nowner_lease_s = 4.0\n")
+    topic = cluster.topic_led_by("n3", "sm/t")
+    m2_id = cluster.client_id_on_shard("sm-m2", cluster.shard_of(cluster.topic_led_by("n2", "sm/x")))
+    m3_id = cluster.client_id_on_shard("sm-m3", cluster.shard_of(topic))
+    pub_id = cluster.client_id_on_shard("sm-pub", cluster.shard_of(topic))
+    m1 = connect(cluster["n1"], "sm-m1", clean=True, expiry=0)
+    subscribe(m1, [(f"$share/sa/{topic}", 1)])
+    m2 = connect(cluster["n2"], m2_id, clean=True, expiry=0)
+    subscribe(m2, [(f"$share/sa/{topic}", 1)])
+    m3 = connect(cluster["n3"], m3_id, clean=True, expiry=0)
+    subscribe(m3, [(f"$share/sa/{topic}", 1)])
+    pub = connect(cluster["n3"], pub_id, clean=True, expiry=0)
+    sent = [f"{i:05}".encode() for i in range(total)]
+    refused: list[object] = []
+
+    def publish_all() -> None:
+        for body in sent:
+            ack = pub.publish_and_wait(topic, body, 1, timeout=60)
+            if ack.reason != 0:
+                refused.append(ack)
+
+    publisher = threading.Thread(target=publish_all, daemon=True)
+    publisher.start()
+    got1: list[bytes] = []
+    while len(got1) < kill_after:
+        m = m1.next_message(60)
+        m1.send(encode_ack(PUBACK, m.pid, 5))  # type: ignore[arg-type]
+        got1.append(m.payload)
+    cluster.kill9("n1")  # mid-stream: the publisher is still publishing
+    assert got1 == sent[:kill_after], "the active member receives in order"
+    got2: list[bytes] = []
+    while not got2 or got2[-1] != sent[-1]:
+        m = m2.next_message(90)
+        m2.send(encode_ack(PUBACK, m.pid, 5))  # type: ignore[arg-type]
+        got2.append(m.payload)
+    publisher.join(90)
+    assert not publisher.is_alive() and not refused, refused[:3]
+    first = sent.index(got2[0])
+    assert got2 == sent[first:], "the next member continues in order, nothing skipped"
+    assert first <= kill_after, "nothing the first member never received was skipped"
+    # Repeats only of what the dead member had in flight (at most the session's outbound window).
+    assert kill_after - first <= 256, f"{kill_after - first} messages delivered twice"
+    print(f"single-active, {total} messages, active node killed after {kill_after}: "
+          f"{kill_after - first} delivered again to the next member")
+    assert m3.recv_or_none(1.5) is None, "the third member is standby throughout"
+    assert m2.recv_or_none(1.0) is None, "nothing after the last message"
+    for c in (m2, m3, pub):
         c.disconnect()
