@@ -448,6 +448,7 @@ def run_mutant(mutant: Mutant | None, opts: RunOptions, seeds: int, stop_at_firs
         while start < end:
             out = run_copy(tree, opts, end - start, stop_at_first, start=start)
             total.seeds_run += out.seeds_run
+            total.failing += out.failing
             total.wall_s += out.wall_s
             for k, v in out.paths.items():
                 total.paths[k] = total.paths.get(k, 0) + v
