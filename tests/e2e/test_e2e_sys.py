@@ -13,7 +13,7 @@ from e2e_support import Paho, wait_until
 from listener_support import broker_errors
 from rawclient import PUBLISH, RawClient
 
-from moorline.node.edge.auth import hash_password
+from moorline.node.edge.credentials import hash_password
 
 pytestmark = [pytest.mark.e2e, pytest.mark.moorline_only, pytest.mark.timeout(120)]
 

@@ -270,7 +270,7 @@ def test_https_off_loopback_needs_authentication(tmp_path: Path) -> None:
 
 def test_a_tls_listener_off_loopback_still_needs_a_login(broker_factory: BrokerFactory, tmp_path: Path,
                                                          uniq: str) -> None:
-    from moorline.node.edge.auth import hash_password
+    from moorline.node.edge.credentials import hash_password
 
     certs = dev_certs(tmp_path)
     passwd = tmp_path / "passwd"
