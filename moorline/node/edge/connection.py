@@ -99,7 +99,7 @@ class Connection(asyncio.Protocol):
             self._closing = True
             transport.close()
             return
-        self.server.connections.add(self)
+        self.server.connections[self] = None
         if self.server.reading_paused:
             transport.pause_reading()  # type: ignore[attr-defined]
         transport.set_write_buffer_limits(high=self.cfg.write_buffer_high_bytes)  # type: ignore[attr-defined]
@@ -226,7 +226,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
-        self.server.connections.discard(self)
+        self.server.connections.pop(self, None)
         if self.server.sys_topics is not None:
             self.server.sys_topics.drop(self)
         if self._timer is not None:

@@ -147,7 +147,9 @@ class MqttServer:
     def __init__(self, node: Node, authorizer: Authorizer) -> None:
         self.node = node
         self.authorizer = authorizer
-        self.connections: set[Connection] = set()
+        # Insertion-ordered (not a set): a drain or a lag pause goes through connections in the order
+        # they came, the same in every run (the simulator replays a seed exactly), not by object address.
+        self.connections: dict[Connection, None] = {}
         lcfg = node.cfg.listeners
         self.max_connections = lcfg.max_connections
         self.reading_paused = False

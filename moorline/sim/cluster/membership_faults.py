@@ -317,7 +317,6 @@ class ConfRules:
     def __init__(self, world: World, forgotten_ids: set[tuple[int, str]]) -> None:
         self.world = world
         self.forgotten_ids = forgotten_ids
-        self.wrapped: set[int] = set()
         self.findings: list[tuple[str, str]] = []
         self.judged = 0
 
@@ -326,9 +325,12 @@ class ConfRules:
             assert sn.node is not None
             for h in sn.node.groups:
                 raft = h.raft
-                if id(raft) not in self.wrapped:
-                    self.wrapped.add(id(raft))
-                    raft.propose_conf_change = self._wrap(sn, h, raft)  # type: ignore[method-assign,assignment]
+                # Marked on the wrapper, not remembered by id(): a new replica's Raft node may get a
+                # dead one's address, and would go unjudged (and a seed would not replay exactly).
+                if not getattr(raft.propose_conf_change, "conf_rules_wrapped", False):
+                    wrapper = self._wrap(sn, h, raft)
+                    wrapper.conf_rules_wrapped = True  # type: ignore[attr-defined]
+                    raft.propose_conf_change = wrapper  # type: ignore[method-assign,assignment]
 
     def sample(self) -> None:
         """Every leader counts the voters of the latest configuration in its log."""
