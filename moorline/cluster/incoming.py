@@ -57,8 +57,10 @@ class Acceptor:
         self.peers = peers
         self.handler = handler
         self.connections: dict[tuple[str, Stream], IncomingConn] = {}
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.streams: set[ByteStream] = set()
+        # Insertion-ordered (not sets of objects): closing goes through them in the order they came,
+        # the same in every run, not by object address (the simulator replays a seed exactly).
+        self.tasks: dict[asyncio.Task[None], None] = {}
+        self.streams: dict[ByteStream, None] = {}
         self.pending_handshakes = 0  # from hosts that are not a member's
         self.pending_by_host: dict[str, int] = {}
         self.refused = 0
@@ -94,10 +96,10 @@ class Acceptor:
         if not member:
             self.pending_handshakes += 1
         self.pending_by_host[host] = self.pending_by_host.get(host, 0) + 1
-        self.streams.add(stream)
+        self.streams[stream] = None
         task = asyncio.get_running_loop().create_task(self._serve(stream, member))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self.tasks[task] = None
+        task.add_done_callback(lambda t: self.tasks.pop(t, None))
 
     def _member_hosts(self) -> set[str]:
         return {p.address[0] for p in self.peers.values()}
@@ -137,7 +139,7 @@ class Acceptor:
                 await self._receive(conn)
         finally:
             stream.close()
-            self.streams.discard(stream)
+            self.streams.pop(stream, None)
 
     async def _authenticate(self, stream: ByteStream, member: bool) -> IncomingConn | None:
         env = self.env

@@ -108,7 +108,9 @@ class Node:
         self._guid_counter = 0
         self.ack_latency = AckLatency(seams.clock.monotonic)  # PUBLISH read -> PUBACK/PUBREC written
         self.supervisor = Supervisor(self._on_fatal, cfg.supervisor.backoff_initial_s, cfg.supervisor.backoff_max_s)
-        self.background: set[asyncio.Task[Any]] = set()  # one-off cleanups nobody awaits
+        # One-off cleanups nobody awaits; insertion-ordered so that stop cancels them in the order they
+        # began, not by object address (the simulator replays a seed exactly).
+        self.background: dict[asyncio.Task[Any], None] = {}
         self.fatal: BaseException | None = None
         self.stopping = asyncio.Event()
         self.ledger = seams.sync_ledger or (SyncLedger(Path(faults.sync_ledger)) if faults.sync_ledger else None)
@@ -144,7 +146,7 @@ class Node:
 
     def run_in_background(self, task: asyncio.Task[Any]) -> None:
         """A one-off cleanup nobody awaits: kept until done, cancelled at stop, its failure logged."""
-        self.background.add(task)
+        self.background[task] = None
         task.add_done_callback(self.background_done)
 
     @property
@@ -223,7 +225,7 @@ class Node:
             self.supervisor.spawn("membership", self.membership.run, critical=False)
 
     def background_done(self, task: asyncio.Task[Any]) -> None:
-        self.background.discard(task)
+        self.background.pop(task, None)
         if not task.cancelled() and task.exception() is not None:
             log.info("a background cleanup did not finish: %s", task.exception())
 
