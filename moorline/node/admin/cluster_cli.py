@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import urllib.error
 import urllib.request
@@ -10,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
+from moorline.node.admin.cli_auth import auth_header
 from moorline.node.admin.membership_cli import print_membership, register
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Inspect a moorline cluster.")
@@ -31,19 +31,31 @@ class Refused(Exception):
     """The node answered with an error (401, 403, ...): asking another would not help."""
 
 
-def _get(base: str, path: str, auth: str | None, timeout_s: float) -> Any:
-    req = urllib.request.Request(base.rstrip("/") + path, headers={"Authorization": auth} if auth else {})
+def _request(base: str, path: str, auth: str | None, timeout_s: float, body: Any = None) -> Any:
+    """GET ``path`` (or POST ``body`` as JSON) on one node; its JSON answer. Refused: the node said
+    no (asking another would not help); Unreachable: no answer."""
+    headers = {"Authorization": auth} if auth else {}
+    data = None
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+        data = json.dumps(body).encode()
+    req = urllib.request.Request(base.rstrip("/") + path, data=data, headers=headers,
+                                 method="GET" if body is None else "POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as exc:
-        body = exc.read().decode(errors="replace")[:300]
-        raise Refused(f"{base}{path}: HTTP {exc.code} {body}") from exc
+        text = exc.read().decode(errors="replace")[:300]
+        raise Refused(f"{base}{path}: HTTP {exc.code} {text}") from exc
     except urllib.error.URLError as exc:
         reason = exc.reason
         raise Unreachable(reason.strerror if isinstance(reason, OSError) and reason.strerror else str(reason)) from exc
     except (OSError, ValueError) as exc:  # a timeout, a reset, an answer that is not JSON
         raise Unreachable(str(exc)) from exc
+
+
+def _get(base: str, path: str, auth: str | None, timeout_s: float) -> Any:
+    return _request(base, path, auth, timeout_s)
 
 
 def _addresses(http: str) -> list[str]:
@@ -71,11 +83,7 @@ def status(
     commit and applied positions per replica), as the first node of --http that answers sees them."""
     from rich.console import Console
 
-    auth = None
-    if token:
-        auth = f"Bearer {token}"
-    elif user is not None:
-        auth = "Basic " + base64.b64encode(f"{user}:{password or ''}".encode()).decode()
+    auth = auth_header(user, password, token)
     bases = _addresses(http)
     if not bases:
         raise typer.BadParameter("give at least one HOST:PORT", param_hint="--http")
@@ -154,29 +162,8 @@ def _print(console: Any, base: str, cluster: dict[str, Any], shards: dict[str, A
 register(app)  # forget, shard add-replica|remove-replica
 
 
-def _auth_header(user: str | None, password: str | None, token: str | None) -> str | None:
-    if token:
-        return f"Bearer {token}"
-    if user is not None:
-        return "Basic " + base64.b64encode(f"{user}:{password or ''}".encode()).decode()
-    return None
-
-
 def _post(base: str, path: str, body: Any, auth: str | None, timeout_s: float) -> Any:
-    headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth else {})}
-    req = urllib.request.Request(base.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers,
-                                 method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as exc:
-        text = exc.read().decode(errors="replace")[:300]
-        raise Refused(f"{base}{path}: HTTP {exc.code} {text}") from exc
-    except urllib.error.URLError as exc:
-        reason = exc.reason
-        raise Unreachable(reason.strerror if isinstance(reason, OSError) and reason.strerror else str(reason)) from exc
-    except (OSError, ValueError) as exc:
-        raise Unreachable(str(exc)) from exc
+    return _request(base, path, auth, timeout_s, body)
 
 
 @app.command()
@@ -202,7 +189,7 @@ def drain(
     from rich.console import Console
 
     err = Console(stderr=True)
-    auth = _auth_header(user, password, token)
+    auth = auth_header(user, password, token)
     bases = _addresses(http)
     if not bases:
         raise typer.BadParameter("give at least one HOST:PORT", param_hint="--http")

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import base64
 import urllib.parse
 from typing import Annotated, Any
 
 import typer
 
+from moorline.node.admin.cli_auth import auth_header
 from moorline.node.admin.cluster_cli import Refused, Unreachable, _addresses, _get
 
 PAGE = 500  # groups asked for per request (at most http.max_admin_page: 1000 by default)
@@ -28,11 +28,7 @@ def groups(
     active member, and dead-letter counts (waiting to move, moved as the recorded drops go)."""
     from rich.console import Console
 
-    auth = None
-    if token:
-        auth = f"Bearer {token}"
-    elif user is not None:
-        auth = "Basic " + base64.b64encode(f"{user}:{password or ''}".encode()).decode()
+    auth = auth_header(user, password, token)
     bases = _addresses(http)
     if not bases:
         raise typer.BadParameter("give at least one HOST:PORT", param_hint="--http")

@@ -4,7 +4,6 @@ the member table printed by ``moorline cluster status``."""
 
 from __future__ import annotations
 
-import base64
 import json
 import urllib.error
 import urllib.parse
@@ -13,20 +12,14 @@ from typing import Annotated, Any
 
 import typer
 
+from moorline.node.admin.cli_auth import auth_header
+
 HttpOpt = Annotated[str, typer.Option(
     help="a node's HTTP listener HOST:PORT, or several separated by commas: the first that answers is asked")]
 UserOpt = Annotated[str | None, typer.Option(help="HTTP Basic user (an admin)")]
 PasswordOpt = Annotated[str | None, typer.Option(help="HTTP Basic password")]
 TokenOpt = Annotated[str | None, typer.Option(help="bearer token (instead of user/password)")]
 TimeoutOpt = Annotated[float, typer.Option(help="seconds to wait for each node")]
-
-
-def _auth(user: str | None, password: str | None, token: str | None) -> str | None:
-    if token:
-        return f"Bearer {token}"
-    if user is not None:
-        return "Basic " + base64.b64encode(f"{user}:{password or ''}".encode()).decode()
-    return None
 
 
 def _bases(http: str) -> list[str]:
@@ -91,7 +84,7 @@ def forget(
     Refused while the node is live, or when removing it would leave a shard without a live majority
     of its voters (the answer names the shards)."""
     path = f"/v1/cluster/members/{urllib.parse.quote(node, safe='')}/forget" + ("?force=true" if force else "")
-    _, status, body = _call(http, "POST", path, _auth(user, password, token), timeout)
+    _, status, body = _call(http, "POST", path, auth_header(user, password, token), timeout)
     _report("forget", status, body)
 
 
@@ -106,7 +99,7 @@ def leave(
     Its data directory is marked: starting it again is refused. Refused when the node is not live,
     or when too few live active nodes would remain to take its voters."""
     path = f"/v1/cluster/members/{urllib.parse.quote(node, safe='')}/leave"
-    _, status, body = _call(http, "POST", path, _auth(user, password, token), timeout)
+    _, status, body = _call(http, "POST", path, auth_header(user, password, token), timeout)
     _report("leave", status, body)
 
 
@@ -132,7 +125,7 @@ def add_replica(
     """Make NODE a voter of SHARD: a caught-up learner is promoted; a node that follows nothing of
     the shard becomes a learner first (run it again once it has caught up). Refused while the shard
     has another change in progress (the reconciler's, say): one change per shard at a time."""
-    _replica("POST", "add-replica", shard, node, http, _auth(user, password, token), timeout)
+    _replica("POST", "add-replica", shard, node, http, auth_header(user, password, token), timeout)
 
 
 @shard_app.command("remove-replica")
@@ -145,7 +138,7 @@ def remove_replica(
     """Remove NODE's replica (voter or learner) of SHARD. Refused when it would leave the shard without
     a live majority of its voters, or while another change of the shard is in progress. A shard left
     below shard.replicas is grown again by the reconciler."""
-    _replica("DELETE", "remove-replica", shard, node, http, _auth(user, password, token), timeout)
+    _replica("DELETE", "remove-replica", shard, node, http, auth_header(user, password, token), timeout)
 
 
 def register(app: typer.Typer) -> None:
