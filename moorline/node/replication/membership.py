@@ -255,6 +255,17 @@ class MembershipDriver:
             raise ShardUnavailable("the metadata group took no proposal")
         return await outcome_within(fut, PROPOSE_TIMEOUT_S)
 
+    async def _operator_change(self, cmd: c.Command) -> Any:
+        """An operator's change through the metadata group: what its apply returned, or the answer
+        to give instead (503: not committed in time; 409: the member table refused it, saying why)."""
+        try:
+            result = await self._propose_meta(cmd)
+        except (TimeoutError, ShardUnavailable) as exc:
+            return OpResult(503, {"error": f"the metadata group did not commit the change: {exc}"})
+        if isinstance(result, str):
+            return OpResult(409, {"error": result})
+        return result
+
     async def _announce(self, table: MembershipState, now: float) -> None:
         link = self.node.link
         me = link.spec.me
@@ -437,12 +448,9 @@ class MembershipDriver:
                                            "removed where a live majority remains; the groups named stay "
                                            "unavailable until enough of their voters return, and a live node "
                                            "forgotten keeps serving what it can until it is stopped"})
-        try:
-            why = await self._propose_meta(c.MemberSetState(name, "forgotten", self.node.now_ms()))
-        except (TimeoutError, ShardUnavailable) as exc:
-            return OpResult(503, {"error": f"the metadata group did not commit the change: {exc}"})
-        if why is not None:
-            return OpResult(409, {"error": str(why)})
+        refused = await self._operator_change(c.MemberSetState(name, "forgotten", self.node.now_ms()))
+        if isinstance(refused, OpResult):
+            return refused
         self.kick()
         return OpResult(200, {"member": name, "state": "forgotten", "forced": bool(risks),
                               "risks": risks, "shards": sorted(s for s, v in voters.items() if m.member_id in v)})
@@ -471,12 +479,9 @@ class MembershipDriver:
             return OpResult(409, {"error": f"refusing: after {name} leaves, {len(others)} live active node(s) remain "
                                            f"({', '.join(sorted(others)) or 'none'}) and a shard needs {need} voters; "
                                            f"the shards it votes in could not be given a replacement"})
-        try:
-            why = await self._propose_meta(c.MemberSetState(name, "leaving", self.node.now_ms()))
-        except (TimeoutError, ShardUnavailable) as exc:
-            return OpResult(503, {"error": f"the metadata group did not commit the change: {exc}"})
-        if why is not None:
-            return OpResult(409, {"error": str(why)})
+        refused = await self._operator_change(c.MemberSetState(name, "leaving", self.node.now_ms()))
+        if isinstance(refused, OpResult):
+            return refused
         self.kick()
         voted = sorted(h.shard for h in self.node.hosts if m.member_id in h.raft.active_conf_state.voters)
         return OpResult(202, {"member": name, "state": "leaving", "shards": voted,
@@ -509,13 +514,10 @@ class MembershipDriver:
                     return OpResult(409, {"error": f"removing {name} would leave shard {shard} without a live "
                                                    f"majority of its voters"})
             move_kind = "remove"
-        try:
-            result = await self._propose_meta(c.MoveStart(shard, move_kind, name, m.node_id, m.storage_id, "manual",
-                                                          self.node.now_ms()))
-        except (TimeoutError, ShardUnavailable) as exc:
-            return OpResult(503, {"error": f"the metadata group did not commit the change: {exc}"})
-        if isinstance(result, str):
-            return OpResult(409, {"error": result})
+        result = await self._operator_change(c.MoveStart(shard, move_kind, name, m.node_id, m.storage_id, "manual",
+                                                         self.node.now_ms()))
+        if isinstance(result, OpResult):
+            return result
         return OpResult(202, {"shard": shard, "move": move_summary(result),
                               "note": "the shard's leader proposes it; GET /v1/cluster shows it until it is done"
                                       + (" (a learner first: add-replica again once it is caught up to make it a "
