@@ -182,7 +182,7 @@ class Startup:
         link = ClusterLink(spec, self.node.cfg.cluster, self.node.storage_id, self.known_members(), self.node.seams.rng(), layout,
                            seams=self.node.seams)
         self.attach_cluster(link)
-        await link.start()
+        await link.start(self.node.supervisor)  # its announce and clock loops are supervised
         members = await link.wait_for_members(self.node.cfg.cluster.bootstrap_timeout_s)
         self.save_members(members)
         ids = {name: (spec.node_id(name), sid) for name, sid in members.items()}

@@ -156,7 +156,7 @@ class Node:
 
     def node_name(self, node_id: int) -> str:
         """A Raft node id as operators know it: its --initial-cluster name ("n1" on a single node)."""
-        if self.link is not None and 1 <= node_id <= len(self.link.spec.names):
+        if self.link is not None and self.link.spec.has_id(node_id):
             return self.link.spec.name_of(node_id)
         return f"n{node_id}"
 

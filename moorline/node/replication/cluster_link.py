@@ -26,8 +26,8 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -51,9 +51,14 @@ from moorline.node.replication.snapshot_transfer import SnapshotTransfers, Trans
 from moorline.node.seams import PRODUCTION, Seams
 from moorline.raft import Message, MessageType, Stream, coalesce, expand
 
+if TYPE_CHECKING:
+    from moorline.node.supervisor import Supervisor
+
 log = logging.getLogger("moorline.cluster.link")
 
 ANNOUNCE_INTERVAL_S = 1.0  # storage-id announcements to peers, until and after bootstrap
+ANNOUNCE_TASK = "cluster-announce"  # the link's loops, as the node's Supervisor names them
+CLOCK_TASK = "cluster-clocks"
 MAX_RAFT_NUMBER = (1 << 62) - 1  # terms, indexes, commits: a peer's larger (or negative) one is refused
 REFUSAL_LOG_INTERVAL_S = 60.0  # a peer's refused frames are logged at most this often (and counted always)
 _fwd_enc = msgspec.msgpack.Encoder()
@@ -108,16 +113,38 @@ def parse_hostport(value: str, what: str) -> tuple[str, int]:
 
 @dataclass(frozen=True)
 class ClusterSpec:
+    """The cluster as this node's link knows it. ``names`` are the initial members (the cluster's
+    key and bootstrap); ``ids`` and ``addresses`` also hold members learned at runtime from the
+    member table (``ClusterLink.learn_member``)."""
+
     me: str
-    names: tuple[str, ...]  # initial_cluster order: node ids are positions + 1
+    names: tuple[str, ...]  # initial_cluster order: their node ids are positions + 1
     addresses: dict[str, tuple[str, int]]
     listen: tuple[str, int]
+    ids: dict[str, int] = field(default_factory=dict)  # every known member's node id (initial ones filled in)
+
+    def __post_init__(self) -> None:
+        for pos, name in enumerate(self.names):
+            self.ids.setdefault(name, pos + 1)
 
     def node_id(self, name: str) -> int:
-        return self.names.index(name) + 1
+        """KeyError: not a member this node knows."""
+        return self.ids[name]
 
     def name_of(self, node_id: int) -> str:
-        return self.names[node_id - 1]
+        """KeyError: no member this node knows has that id."""
+        for name, nid in self.ids.items():
+            if nid == node_id:
+                return name
+        raise KeyError(node_id)
+
+    def has_id(self, node_id: int) -> bool:
+        return any(nid == node_id for nid in self.ids.values())
+
+    @property
+    def known(self) -> tuple[str, ...]:
+        """Every member this node knows (initial ones first, then as learned)."""
+        return tuple(self.ids)
 
     @property
     def my_id(self) -> int:
@@ -184,7 +211,10 @@ class ClusterLink:
         self._clock = seams.clock.monotonic
         self._out: list[tuple[int, Message]] = []
         self._flush_scheduled = False
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._supervisor: Supervisor | None = None  # runs the announce and clock loops (start)
+        self._tasks: list[asyncio.Task[Any]] = []  # the same loops when no supervisor was given
+        self._tls = tls is not None
+        self._real_network = seams.cluster_network is None
         # Set by the node once its groups exist: (shard, message) in, (shard, entries) forwarded in.
         self.on_raft: Callable[[int, Message], None] | None = None
         self.on_forward: Callable[[int, list[bytes]], None] | None = None
@@ -206,10 +236,17 @@ class ClusterLink:
             seams.clock.wall_ms, seams.clock.monotonic, cfg.max_clock_offset_ms)
 
     # --- lifecycle -------------------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, supervisor: Supervisor | None = None) -> None:
+        """Listen and dial the peers; the announce and clock loops run under ``supervisor`` (the
+        node's: a loop that raises is logged, counted and restarted), else as plain tasks (tests)."""
         await self.transport.start()
-        self._tasks.append(asyncio.get_running_loop().create_task(self._announce_loop(), name="cluster-announce"))
-        self._tasks.append(asyncio.get_running_loop().create_task(self._clock_loop(), name="cluster-clocks"))
+        if supervisor is not None:
+            self._supervisor = supervisor
+            supervisor.spawn(ANNOUNCE_TASK, self._announce_loop, critical=False)
+            supervisor.spawn(CLOCK_TASK, self._clock_loop, critical=False)
+        else:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._announce_loop(), name=ANNOUNCE_TASK))
+            self._tasks.append(asyncio.get_running_loop().create_task(self._clock_loop(), name=CLOCK_TASK))
         self._check_complete()
 
     async def wait_for_members(self, timeout_s: float) -> dict[str, str]:
@@ -225,6 +262,8 @@ class ClusterLink:
         return dict(self.members)
 
     async def close(self) -> None:
+        if self._supervisor is not None:
+            await self._supervisor.stop([ANNOUNCE_TASK, CLOCK_TASK])
         await cancel_all(self._tasks)
         await self.snapshots.close()
         await self.transport.close()
@@ -252,7 +291,7 @@ class ClusterLink:
             except Exception:  # noqa: BLE001 - the storage-id announcement must go on regardless
                 log.exception("cluster: this node's announcement could not be completed")
         body = _fwd_enc.encode(fields)
-        for peer in self.spec.names:
+        for peer in self.spec.known:
             if peer != self.spec.me:
                 self.transport.send(peer, Stream.CONTROL, Payload("member", body))
 
@@ -263,9 +302,40 @@ class ClusterLink:
 
     def request_drain(self, peer: str) -> bool:
         """Ask ``peer`` to drain (POST /v1/drain naming another node); False: no such peer."""
-        if peer == self.spec.me or peer not in self.spec.names:
+        if peer == self.spec.me or peer not in self.spec.ids:
             return False
         self.transport.send(peer, Stream.CONTROL, Payload("drain", b""))
+        return True
+
+    def learn_member(self, name: str, node_id: int, address: tuple[str, int]) -> bool:
+        """A member this node did not start with (the member table admitted it): from now on the
+        link accepts its authenticated connections (the same proof as any peer's: its certificate
+        with cluster TLS, else the cluster secret), dials it, and maps its node id, so its Raft
+        traffic, forwards and snapshots flow like an initial member's. True when it was new.
+        Refused (logged, False): this node's name, a node id another member has, and, without
+        cluster TLS on a real network, an address off loopback."""
+        if name == self.spec.me:
+            return False
+        known = self.spec.ids.get(name)
+        if known is not None:
+            if known != node_id:
+                log.error("cluster: the member table names %s node id %d, but this node knows it as %d; "
+                          "not changed", name, node_id, known)
+            return False
+        if self.spec.has_id(node_id):
+            log.error("cluster: the member table names %s node id %d, which is %s's here; not added", name,
+                      node_id, self.spec.name_of(node_id))
+            return False
+        if not self._tls and self._real_network:
+            try:
+                require_tls_or_loopback([address[0]])
+            except ClusterConfigError as exc:
+                log.error("cluster: member %s (%s:%d) not added: %s", name, address[0], address[1], exc)
+                return False
+        self.spec.ids[name] = node_id
+        self.spec.addresses[name] = address
+        self.transport.add_peer(name, address)
+        log.info("cluster: %s (node id %d, %s:%d) is a member: now a peer of this node", name, node_id, *address)
         return True
 
     # --- outgoing --------------------------------------------------------------------------------
@@ -286,15 +356,17 @@ class ClusterLink:
         out, self._out = self._out, []
         batches, rest = coalesce(self.spec.my_id, out)
         for batch in batches:
-            self.transport.send_heartbeats(self.spec.name_of(batch.dst), batch)
+            if self.spec.has_id(batch.dst):
+                self.transport.send_heartbeats(self.spec.name_of(batch.dst), batch)
         by_dst: dict[int, list[tuple[int, Message]]] = {}
         for shard, m in rest:
             by_dst.setdefault(m.to[0], []).append((int(shard), m))
         for dst, items in by_dst.items():
-            self.transport.send_raft(self.spec.name_of(dst), items)
+            if self.spec.has_id(dst):  # (a member removed from the link since the message was made)
+                self.transport.send_raft(self.spec.name_of(dst), items)
 
     def forward(self, shard: int, node_id: int, entries: list[bytes]) -> None:
-        if node_id == self.spec.my_id or not 1 <= node_id <= len(self.spec.names):
+        if node_id == self.spec.my_id or not self.spec.has_id(node_id):
             return
         self.transport.send(self.spec.name_of(node_id), Stream.APPEND, Payload("fwd", _fwd_enc.encode((shard, entries))))
 

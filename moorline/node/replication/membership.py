@@ -32,6 +32,7 @@ from typing import Any
 from moorline.broker import commands as c
 from moorline.broker.membership import GONE, MembershipState, Move
 from moorline.config import ConfigError
+from moorline.node.replication.cluster_link import parse_hostport
 from moorline.node.replication.reconcile import (
     GroupView,
     NodeView,
@@ -105,6 +106,7 @@ class MembershipDriver:
         self._proposed: dict[tuple[int, int], int] = {}  # (shard, move id) -> log index of our proposal
         self.left = False  # this node saw itself left in the member table (and asked itself to stop)
         self._fenced: set[str] = set()  # members this node's cluster link no longer talks to
+        self._learn_refused: dict[tuple[str, int, str], None] = {}  # members the link refused to add
 
     # --- views -------------------------------------------------------------------------------
     @property
@@ -205,6 +207,7 @@ class MembershipDriver:
         self._signature = signature
         self._check_left(table)
         self._fence(table)
+        self._learn_peers(table)
         await self._announce(table, now)
         self._drive_moves(table, now)
         meta = self.node.meta_host
@@ -248,6 +251,28 @@ class MembershipDriver:
             link.transport.remove_peer(m.name)
             self._fenced.add(m.name)
             log.info("cluster: %s is %s: no longer a peer of this node", m.name, m.state)
+
+    def _learn_peers(self, table: MembershipState) -> None:
+        """Every member the table knows with a cluster address becomes a peer of this node's link
+        (a member admitted after this node started: its node id and address come from the table).
+        Gone members are not (``_fence`` removed them)."""
+        link = self.node.link
+        for m in table.members.values():
+            if m.state in GONE or not m.cluster or m.name in link.spec.ids or m.name in self._fenced:
+                continue
+            attempt = (m.name, m.node_id, m.cluster)
+            if attempt in self._learn_refused:
+                continue  # refused once with these details (logged then): not every step
+            try:
+                address = parse_hostport(m.cluster, f"member {m.name}'s cluster address")
+            except ConfigError as exc:
+                log.error("cluster: %s", exc)
+                self._learn_refused[attempt] = None
+                continue
+            if link.learn_member(m.name, m.node_id, address):
+                self.kick()
+            else:
+                self._learn_refused[attempt] = None
 
     async def _propose_meta(self, cmd: c.Command) -> Any:
         fut = self.node.propose(self.node.meta_group, cmd)
