@@ -182,6 +182,9 @@ class ShardConfig:
     reserved_headroom_bytes: int = 16 << 20  # publishes refused (0x97) before max_bytes - headroom
     snapshot_every_entries: int = 20_000
     housekeeping_interval_s: float = 1.0  # expiry / release commands proposed by the leader
+    # Follow-ups a shard's leader derives each housekeeping round (sessions/followups.py): at most
+    # this many acknowledged offsets reported again, and ghost registrations unregistered; 0: off.
+    followups_max_per_round: int = 1024
 
 
 @dataclass
@@ -485,6 +488,8 @@ class NodeConfig:
             raise ConfigError("mqtt.max_packet_size must not exceed raft.max_entry_bytes")
         if not 1 <= self.shard.count <= 4096:
             raise ConfigError("shard.count must be within 1..4096")
+        if self.shard.followups_max_per_round < 0:
+            raise ConfigError("shard.followups_max_per_round must be 0 (off) or more")
         if self.session.max_pending_notices < 1:
             raise ConfigError("session.max_pending_notices must be 1 or more")
         if not 0 < self.supervisor.backoff_initial_s <= self.supervisor.backoff_max_s:

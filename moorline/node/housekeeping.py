@@ -1,5 +1,6 @@
-"""Housekeeping (leader-stamped times): retention, $share timers, wills and expiry rounds, pins;
-snapshots when due and WAL / store reclaim."""
+"""Housekeeping (leader-stamped times): retention, $share timers, wills and expiry rounds, pins,
+follow-ups derived from replicated state (lost ack reports, ghost registrations); snapshots when
+due and WAL / store reclaim."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from moorline.broker import commands as c
 from moorline.broker.session_state import lease_lapsed
 from moorline.node.errors import NodeFailure, ShardUnavailable
 from moorline.node.replication.shard_host import ShardHost
+from moorline.node.sessions.followups import FollowUps
 from moorline.raft import ProposalDropped
 
 if TYPE_CHECKING:
@@ -25,6 +27,7 @@ class Housekeeping:
 
     def __init__(self, node: Node) -> None:
         self.node = node
+        self.followups = FollowUps(node)  # lost ack reports, ghost registrations (sessions/followups.py)
 
     def after_commit(self) -> None:
         for host in self.node.hosts:
@@ -55,6 +58,7 @@ class Housekeeping:
             now = self.node.now_ms()
             for host in self.node.hosts:
                 if host.failed is not None or not host.raft.is_leader:
+                    self.followups.forget(host.shard)
                     continue  # leader-proposed: entry times are the leader's, and proposed once
                 try:
                     t = host.state.topics
@@ -67,6 +71,7 @@ class Housekeeping:
                         coverage.hit("owner_lease_lapsed")
                     if any(not s.connected or lease_lapsed(s, now) for s in sessions):
                         await self.node.lifecycle.session_housekeeping(host.shard)  # wills due, expiry, owners gone
+                    self.followups.run(host)  # derived from the replicas: lost ack reports, ghosts
                 except (ShardUnavailable, ProposalDropped, NodeFailure) as exc:
                     # One shard's trouble (a failed will publish, a full proposal queue) must not
                     # stop retention and reclaim for every other shard: it is tried next round.

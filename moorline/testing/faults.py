@@ -20,6 +20,11 @@ class Faults:
     # Instrument: every group commit waits this long before its sync (a slow disk), without
     # blocking the event loop, so tests can hold commands between proposal and commit.
     slow_sync_s: float = 0.0
+    # Instrument: the ack reports that follow a session's committed acknowledgements
+    # (sessions/delivery.py) are never proposed, as if each proposing node crashed right after the
+    # SessionAcks committed. Nothing is lost: the topic shard's leader reports them again from the
+    # replicated state (sessions/followups.py); without that the messages stay owed for good.
+    drop_ack_reports: bool = False
     # Broken: acknowledge publishes before their entry is fsynced.
     unsafe_ack_before_sync: bool = False
     # Broken: lose each shard's newest message at restart.

@@ -52,6 +52,12 @@ def prometheus_text(node: Node, authorizer: Authorizer, drain: Drain | None) -> 
               f"moorline_share_dlq_total {totals.get('delivery_limit', 0)}",
               "# TYPE moorline_share_ack_timeouts_total counter",
               f"moorline_share_ack_timeouts_total {node.share_ack_timeouts}"]
+    # Follow-ups this node proposed as a shard's leader (sessions/followups.py).
+    followups = node.housekeeping.followups
+    lines += ["# TYPE moorline_followup_acks_resent_total counter",
+              f"moorline_followup_acks_resent_total {followups.acks_resent}",
+              "# TYPE moorline_followup_ghosts_unregistered_total counter",
+              f"moorline_followup_ghosts_unregistered_total {followups.ghosts_unregistered}"]
     lines += _group_metric_lines(node)
     lines += ["# TYPE moorline_draining gauge", f"moorline_draining {int(drain is not None and drain.draining)}",
               "# TYPE moorline_cluster_ready gauge",

@@ -850,6 +850,8 @@ class LiveSession:
                 by_regs[key] = [offset]
             else:
                 offsets.append(offset)
+        if self.node.faults.drop_ack_reports:  # test instrument: reports lost (sessions/followups.py)
+            return
         by_shard: dict[int, dict[str, list[int]]] = {}
         for (shard, reg_keys), offsets in by_regs.items():
             for rk in reg_keys:
