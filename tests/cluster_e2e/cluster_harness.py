@@ -97,6 +97,8 @@ class ClusterNode:
         self.paused = False
         self.starts = 0
         self._log_offset = 0  # where the current start's output begins
+        # JSON of a moorline.testing.Faults: the node is started through moorline.testing.faulty_node.
+        self.faults: str | None = None
         self.exit_codes: list[int] = []
 
     def __repr__(self) -> str:
@@ -123,7 +125,8 @@ class ClusterNode:
         assert self.proc is None, f"{self.name} already running"
         self.starts += 1
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "moorline.cli", "run", "--node-id", self.name,
+        entry = ["moorline.cli"] if self.faults is None else ["moorline.testing.faulty_node", "--faults", self.faults]
+        cmd = [sys.executable, "-m", *entry, "run", "--node-id", self.name,
                "--cluster", f"{self.cluster_host}:{self.cluster_port}", "--initial-cluster", initial_cluster,
                "--data-dir", str(self.data_dir),
                "--mqtt", f"127.0.0.1:{self.mqtt_port}", "--http", f"127.0.0.1:{self.http_port}"]
@@ -228,7 +231,7 @@ class Cluster:
     """``n`` nodes (n1..nn) on 127.0.0.11.. with data dirs and logs under ``base``."""
 
     def __init__(self, base: Path, n: int = 3, config_text: str | None = None,
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, faults: str | None = None) -> None:
         assert n in (1, 3, 5)
         self.base = base
         base.mkdir(parents=True, exist_ok=True)
@@ -238,6 +241,7 @@ class Cluster:
         for i in range(1, n + 1):
             host = f"127.0.0.{10 + i}"
             self.nodes[f"n{i}"] = ClusterNode(f"n{i}", i, base, host, _free_port(host))
+            self.nodes[f"n{i}"].faults = faults
         self.initial_cluster = ",".join(f"{nd.name}={nd.cluster_host}:{nd.cluster_port}" for nd in self.nodes.values())
         self.firewall = Firewall({nd.name: nd.cluster_addr for nd in self.nodes.values()})
         self.allowed_errors: list[re.Pattern[str]] = []
