@@ -18,144 +18,29 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
-
-import msgspec
+from collections.abc import Iterable
+from typing import Any
 
 from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage, decode_message
-from moorline.broker.session_state import (
-    RELEASING,
-    Session,
-    SubscriptionState,
-    packet_id_of,
-)
-from moorline.broker.topic_state import ACL_NO_READER, Registration, TopicState, same_incarnation
-from moorline.node.errors import ShardUnavailable
+from moorline.broker.session_state import SubscriptionState, packet_id_of
+from moorline.broker.topic_state import ACL_NO_READER, Registration, TopicState
+from moorline.node.sessions.delivery_acks import AckingSession
+from moorline.node.sessions.delivery_resume import PACKET_ID_SPACE
+from moorline.node.sessions.outbound import OutboundPublish, ReadFilter
 from moorline.node.sessions.recent import SHARD_SHIFT
-from moorline.raft import ProposalDropped
 from moorline.storage.msgstore import MessageStore, RecordRead
 
-if TYPE_CHECKING:
-    from moorline.node.node import Node
+__all__ = ["LiveSession", "OutboundPublish", "ReadFilter"]  # the last two: outbound.py's, used with it
 
 log = logging.getLogger("moorline.delivery")
 
 _UNSEEN: Any = object()
-# Packet ids are seqno mod 65535 + 1 (session_state.packet_id_of): a seqno this far past a delivery
-# still unacknowledged would reuse its packet id.
-PACKET_ID_SPACE = 65535
-READ_FILTER_CACHE_ENTRIES = 4096  # registrations whose read-check answer a session remembers
-
-
-class OutboundPublish(msgspec.Struct, gc=False):
-    """One PUBLISH to write (a Struct: built once per delivered message, it costs a third of a
-    slotted dataclass)."""
-
-    msg: StoredMessage
-    qos: int
-    retain: bool
-    dup: bool
-    packet_id: int | None
-    sub_ids: tuple[int, ...]
-
-
-class ReadFilter:
-    """The read ACL at delivery: a wildcard subscription may reach topics its principal may not
-    read; those messages are never sent to it. A plain subscription's are dropped, counted as
-    ``acl_no_reader``; a $share member's claims on them go back to the group, declined by the
-    member (ShareDecline), and reach another member, or are dropped as ``acl_no_reader`` once every
-    member declined them. ``needs_check(filter)`` is asked once per registration (False: every
-    topic it can match is readable, the hot path)."""
-
-    def __init__(self, needs_check: Callable[[str], bool], can_read: Callable[[str], bool]) -> None:
-        self._needs_check = needs_check
-        self.can_read = can_read
-        self._by_reg: dict[str, bool] = {}
-
-    def allowed(self, reg_keys: Iterable[str], topic: str) -> bool:
-        by_reg = self._by_reg
-        for rk in reg_keys:
-            need = by_reg.get(rk)
-            if need is None:
-                if len(by_reg) >= READ_FILTER_CACHE_ENTRIES:
-                    by_reg.clear()
-                # A registration key ends with its topic filter, after the last NUL (which no
-                # topic filter can contain).
-                need = by_reg[rk] = self._needs_check(rk.rpartition("\x00")[2])
-            if need:
-                return self.can_read(topic)
-        return True
-
-
 REPLICA_CATCH_UP_POLL_S = 0.01  # a resuming session waiting for a lagging replica looks again this often
-READ_BARRIER_WAIT_S = 2.0  # a session's read barrier on a shard not answered in this long is asked again
-READ_BARRIER_RETRY_S = 0.5  # ...and after this long when the shard has no known leader
-ACK_RETRY_S = 0.2  # acknowledgements the session shard refused (pending-proposal bound) are proposed again
 
 
-class LiveSession:
+class LiveSession(AckingSession):
     """The node-side driver of one connected session. Owns no replicated state of its own."""
-
-    def __init__(
-        self,
-        node: Node,
-        client_id: str,
-        epoch: int,
-        incarnation: int,
-        receive_max: int,
-        send_publishes: Callable[[list[OutboundPublish]], None],
-        send_pubrel: Callable[[int], None],
-        read_filter: ReadFilter | None = None,  # None: no read ACL applies to this session
-    ) -> None:
-        self.node = node
-        self.read_filter = read_filter
-        self.client_id = client_id
-        self.shard = node.session_shard(client_id)
-        self.epoch = epoch
-        self.incarnation = incarnation
-        self.receive_max = receive_max
-        self.send_publishes = send_publishes  # a batch, in order
-        self.send_pubrel = send_pubrel
-        self.closed = False
-        self.writable = True  # false while the socket's write buffer is above its high-water mark
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        sess = self.session()
-        # Expiry 0 never becomes non-zero later (MQTT 5 3.14.2.2.2: a protocol error on DISCONNECT).
-        self.ephemeral = sess is not None and sess.expiry_s == 0
-        # Ephemeral sessions only: seqno -> delivery not yet finished (the item itself: no wrapper
-        # object per message), and the seqnos of those whose PUBREC came (PUBREL sent).
-        self.local_inflight: dict[int, c.DeliveryItem] = {}
-        self.local_releasing: set[int] = set()
-        self.next_seq = sess.next_seq if sess else 0
-        self.cursor: dict[int, int] = dict(sess.last_delivered) if sess else {}
-        self.pid_to_seq: dict[int, int] = {}
-        # A lower bound of the oldest seqno in pid_to_seq (which only rises): 0 until first computed.
-        self._oldest_unacked_seq_floor = 0
-        self.inflight_out = 0  # QoS>0 PUBLISHes not yet acknowledged by the client
-        self.share_delivered: set[tuple[int, int]] = set()  # (shard, offset) of share claims in flight
-        self.pending: dict[int, deque[tuple[int, str]]] = {}  # shard -> (offset, registration), arrival order
-        # Shards whose notices went past session.max_pending_notices while the client did not take
-        # them: dropped (the shard's state still owes every one of them) and read again from that
-        # state, at most that many at a time, once the pump has taken what it had.
-        self.overflowed: set[int] = set()
-        self.max_pending = node.cfg.session.max_pending_notices
-        # shard -> retained messages of a registration just applied there (embedded deliveries):
-        # served before that shard's pending offsets, all of which the shard applied after them.
-        self.retained_first: dict[int, deque[c.DeliveryItem]] = {}
-        # Shards whose replica here is not yet known to hold everything the group had committed
-        # when the session started here (a read barrier each): what they owe is not delivered
-        # before, since a replica that was down or cut off may not have applied the acks,
-        # returns and takeovers that came before this session's start.
-        self.unconfirmed: set[int] = set()
-        self._confirm_task: asyncio.Task[None] | None = None
-        self._acks: list[tuple[int, int]] = []
-        self._ack_flush: asyncio.Handle | None = None
-
-    def session(self) -> Session | None:
-        return self.node.hosts[self.shard].state.sessions.sessions.get(self.client_id)
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -166,76 +51,6 @@ class LiveSession:
             return
         self._begin()
         self._task = loop.create_task(self._pump(), name=f"deliver:{self.client_id}")
-
-    def _begin(self) -> None:
-        self._resend()
-        sess = self.session()
-        if sess is not None:
-            self._load_pending(sess)
-            if self.node.link is not None:  # one node: its replicas are the groups themselves
-                shards = [shard for shard, _ in self.node.session_regs(self.client_id, sess)]
-                if shards:
-                    self.unconfirmed = set(shards)
-                    self._confirm_task = asyncio.get_running_loop().create_task(
-                        self._confirm_replicas(shards), name=f"read-barrier:{self.client_id}")
-        self.wake()
-
-    async def _confirm_replicas(self, shards: list[int]) -> None:
-        """A read barrier on every shard the session reads; each shard's owed messages flow once
-        its barrier passed. Asked again until answered."""
-        todo = set(shards)
-        while todo and not self.closed:
-            asked: dict[int, asyncio.Future[None]] = {}
-            for shard in sorted(todo):
-                try:
-                    asked[shard] = self.node.read_barrier(shard)
-                except ProposalDropped:
-                    pass  # no leader known yet (or too many reads): asked again below
-            if not asked:
-                await asyncio.sleep(READ_BARRIER_RETRY_S)
-                continue
-            try:
-                await asyncio.wait(list(asked.values()), timeout=READ_BARRIER_WAIT_S)
-            except asyncio.CancelledError:  # the session closed: nobody looks at these any more
-                for fut in asked.values():
-                    fut.cancel()
-                raise
-            for shard, fut in asked.items():
-                if fut.done() and not fut.cancelled() and fut.exception() is None:
-                    todo.discard(shard)
-                    self._shard_confirmed(shard)
-                elif not fut.done():
-                    fut.cancel()
-            if todo and len(asked) < len(todo):
-                await asyncio.sleep(READ_BARRIER_RETRY_S)
-
-    def _shard_confirmed(self, shard: int) -> None:
-        """The pending entries stay as they are: the pump checks each against the replica's state
-        when it delivers it (claimed for us, still owed, past the cursor), and that state is now
-        current; what the catch-up applied was notified as it applied. (Reloading them here would
-        bring back a claim whose PUBCOMP just came, its ack report not applied yet.)"""
-        if self.closed or shard not in self.unconfirmed:
-            return
-        self.unconfirmed.discard(shard)
-        self.wake()
-
-    def _replicas_behind(self) -> dict[int, int]:
-        """Topic shards whose replica here has not yet applied a message the session has in flight
-        (shard -> that offset). The session shard committed the delivery after the message, but
-        this node's replica of the message's shard may lag: resending without it would skip it
-        and let later deliveries overtake it."""
-        sess = self.session()
-        behind: dict[int, int] = {}
-        if sess is None:
-            return behind
-        hosts = self.node.hosts
-        for d in sess.inflight.values():
-            shard, offset = d.item.shard, d.item.offset
-            if offset < 0 or not 0 <= shard < len(hosts) or hosts[shard].failed is not None:
-                continue
-            if hosts[shard].state.topics.next_offset <= offset:
-                behind[shard] = max(behind.get(shard, -1), offset)
-        return behind
 
     async def _start_when_caught_up(self, behind: dict[int, int]) -> None:
         """Resend (and then deliver) once every replica here holds what is in flight; bounded by
@@ -257,9 +72,6 @@ class LiveSession:
         self._begin()
         await self._pump()
 
-    def wake(self) -> None:
-        self._wake.set()
-
     def stop(self) -> None:
         """No more deliveries; acknowledgements received so far are proposed now."""
         self.closed = True
@@ -279,48 +91,6 @@ class LiveSession:
             except (asyncio.CancelledError, Exception):
                 pass
 
-    def _resend(self) -> None:
-        sess = self.session()
-        if sess is None:
-            return
-        outs: list[OutboundPublish] = []
-        unavailable: set[int] = set()
-        renumber = self.node.faults.renumber_packet_ids_on_takeover
-        for i, (seq, d) in enumerate(sess.inflight.items()):
-            # The broken build: fresh packet ids, half the id space past the session's next one.
-            pid = packet_id_of(self.next_seq + PACKET_ID_SPACE // 2 + i if renumber else seq)
-            self.pid_to_seq[pid] = seq
-            self.inflight_out += 1
-            if d.item.offset < 0:
-                self.share_delivered.discard((d.item.shard, d.item.offset))
-            else:
-                self.share_delivered.add((d.item.shard, d.item.offset))
-            if d.state == RELEASING:
-                if outs:  # the resends keep their original order, PUBRELs included
-                    self.send_publishes(outs)
-                    outs = []
-                self.send_pubrel(pid)
-                continue
-            msg = self._message(d.item)
-            if msg is None:
-                if d.item.shard >= 0 and self.node.hosts[d.item.shard].failed is not None:
-                    unavailable.add(d.item.shard)  # reported once per shard, below
-                else:
-                    log.error("session %s: message %d/%d of an unacknowledged delivery is gone",
-                              self.client_id, d.item.shard, d.item.offset)
-                continue
-            outs.append(OutboundPublish(msg, d.item.qos, d.item.retain, True, pid, d.item.sub_ids))
-        if outs:
-            self.send_publishes(outs)
-        for shard in sorted(unavailable):
-            log.warning("session %s: unacknowledged deliveries from shard %d not resent: the shard is "
-                        "unavailable (%s)", self.client_id, shard, self.node.hosts[shard].failed)
-
-    def _message(self, item: c.DeliveryItem) -> StoredMessage | None:
-        if item.embedded is not None:
-            return item.embedded
-        return self.node.hosts[item.shard].message(item.offset)
-
     # --- the pump ------------------------------------------------------------------------------
     async def _pump(self) -> None:
         while not self.closed:
@@ -335,16 +105,6 @@ class LiveSession:
                 log.exception("session %s: delivery failed", self.client_id)
                 await asyncio.sleep(0.1)
                 self._wake.set()
-
-    def _cannot_continue(self, why: str) -> None:
-        """The delivery log here no longer continues the committed one: stop, and end the client's
-        connection so it reconnects and the session resumes from what was committed (MQTT 5:
-        DISCONNECT 0x80 with the reason)."""
-        self.closed = True
-        conn = self.node.connections.get(self.client_id)
-        if conn is not None and getattr(conn, "live", None) is self:
-            log.info("session %s: %s; closing its connection", self.client_id, why)
-            conn.disconnect(0x80, f"delivery must resume from the committed state: {why}")
 
     def _room(self) -> int:
         return self.receive_max - self.inflight_out
@@ -375,51 +135,6 @@ class LiveSession:
         if len(dq) > self.max_pending:
             dq.clear()
             self.overflowed.add(shard)
-
-    def _load_pending(self, sess: Session) -> None:
-        """On (re)connect: everything owed past the delivered cursor, and our undelivered claims."""
-        node = self.node
-        self.pending = {}
-        self.overflowed = set()
-        self.share_delivered.update((shard, offset) for shard, _rk, offset in sess.share_done)
-        for shard, regs in node.session_regs(self.client_id, sess):
-            entries = self._pending_entries(shard, regs)
-            if len(entries) > self.max_pending:
-                del entries[self.max_pending:]
-                self.overflowed.add(shard)  # the rest is read again once these are taken
-            if entries:
-                self.pending[shard] = deque(entries)
-
-    def _reload_overflowed(self, sess: Session) -> None:
-        """Shards whose notices were dropped: what they owe past the cursor, from their state, as
-        far as the bound allows (the rest on a later pass)."""
-        for shard, regs in self.node.session_regs(self.client_id, sess):
-            if shard not in self.overflowed or self.pending.get(shard):
-                continue
-            entries = self._pending_entries(shard, regs)
-            if len(entries) <= self.max_pending:
-                self.overflowed.discard(shard)
-            else:
-                del entries[self.max_pending:]
-            self.pending[shard] = deque(entries)
-
-    def _pending_entries(self, shard: int, regs: list[tuple[str, Any]]) -> list[tuple[int, str]]:
-        """(offset, registration) owed to (or claimed for) this session in ``shard`` past the
-        delivered cursor, as this replica's state has it, in offset order."""
-        topics = self.node.hosts[shard].state.topics
-        cursor = self.cursor.get(shard, -1)
-        entries: list[tuple[int, str]] = []
-        for reg_key, _sub in regs:
-            reg = topics.regs.get(reg_key)
-            if reg is None:
-                continue
-            if reg.share_group is not None:
-                entries.extend((o, reg_key) for o, holder in reg.claims.items()
-                               if self._holds(holder) and (shard, o) not in self.share_delivered)
-            elif reg.session_inc == self.incarnation:
-                entries.extend((o, reg_key) for o in reg.owed if o > cursor)
-        entries.sort()
-        return entries
 
     async def _read_ahead(self) -> dict[int, StoredMessage]:
         """The messages the next batch may take that neither the recent cache nor the store's
@@ -619,11 +334,6 @@ class LiveSession:
             return reg, reg.qos, (), False, (reg_key,)
         return reg, sub.qos, (sub.sub_id,) if sub.sub_id else (), sub.retain_as_published, (reg_key,)
 
-    def _holds(self, holder: tuple[str, int]) -> bool:
-        """Whether a $share claim (member, incarnation) is this session's: a claim made for an
-        earlier session of this client id is that session's, returned when it ends."""
-        return holder[0] == self.client_id and same_incarnation(holder[1], self.incarnation)
-
     def _resolve(
         self, topics: TopicState, subs: dict[str, SubscriptionState], shard: int, offset: int,
         dq: deque[tuple[int, str]], n: int, cursor: int,
@@ -755,111 +465,6 @@ class LiveSession:
         for shard, by_reg in qos0_acks.items():
             for rk, offs in by_reg.items():
                 self.node.propose_lazy(shard, c.AckReport(rk, tuple(offs)))
-
-    # --- acknowledgements from the client ----------------------------------------------------------
-    def on_puback(self, pid: int) -> bool:
-        return self.on_pubacks([pid])
-
-    def on_pubacks(self, pids: list[int]) -> bool:
-        """PUBACKs (or PUBCOMPs) read together: ``on_puback`` for each, with one wake-up. True
-        when any of them finished a delivery of ours."""
-        pid_to_seq = self.pid_to_seq
-        acks = self._acks
-        done = 0
-        for pid in pids:
-            seq = pid_to_seq.pop(pid, None)
-            if seq is not None:
-                acks.append((seq, 1))
-                done += 1
-        if not done:
-            return False
-        self.inflight_out -= done
-        if self._ack_flush is None:
-            delay = self.node.cfg.session.ack_commit_interval_ms / 1000
-            loop = asyncio.get_running_loop()
-            # 0: after the rest of this loop pass (every ack read in it), with no timer to wake the loop.
-            self._ack_flush = (loop.call_soon(self._flush_acks) if delay <= 0
-                               else loop.call_later(delay, self._flush_acks))
-        self.wake()
-        return True
-
-    async def on_pubrec(self, pid: int) -> bool:
-        seq = self.pid_to_seq.get(pid)
-        if seq is None:
-            return False
-        if self.ephemeral:
-            if seq in self.local_inflight:
-                self.local_releasing.add(seq)
-            return True
-        fut = self.node.propose(self.shard, c.SessionAcks(self.client_id, self.epoch, ((seq, 2),)))
-        assert fut is not None
-        await fut  # PUBREC committed before PUBREL is sent
-        return True
-
-    def on_pubcomp(self, pid: int) -> bool:
-        return self.on_puback(pid)
-
-    def _flush_acks(self) -> None:
-        self._ack_flush = None
-        if not self._acks:
-            return
-        acks, self._acks = tuple(self._acks), []
-        if self.ephemeral:
-            done: list[c.DeliveryItem] = []
-            local, releasing = self.local_inflight, self.local_releasing
-            for seq, _kind in acks:  # kind 1 only: PUBREC (kind 2) never queues here
-                it = local.pop(seq, None)
-                if it is not None:
-                    done.append(it)
-                    if releasing:
-                        releasing.discard(seq)
-            self._report_done(done)
-            return
-        # QoS 1 acks may be committed late (one lost with its owner is redelivered): no sync of their own.
-        try:
-            fut = self.node.propose_lazy(self.shard, c.SessionAcks(self.client_id, self.epoch, acks), want=True)
-        except ShardUnavailable:
-            # The session shard takes no more proposals from this node now (raft.max_pending_proposals
-            # during a partition, or failed): keep the acks (at most the in-flight window) and try
-            # again; a session that ends meanwhile has those messages resent, as MQTT allows.
-            if not self.closed:
-                self._acks[:0] = acks
-                self._ack_flush = asyncio.get_running_loop().call_later(ACK_RETRY_S, self._flush_acks)
-            return
-        assert fut is not None
-        fut.add_done_callback(self._acks_committed)
-
-    def _acks_committed(self, fut: asyncio.Future[Any]) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        self._report_done(fut.result())
-
-    def _report_done(self, done: list[c.DeliveryItem]) -> None:
-        """Finished deliveries: their topic shards may release the messages."""
-        share_delivered = self.share_delivered
-        by_regs: dict[tuple[int, tuple[str, ...]], list[int]] = {}  # (shard, registrations) -> offsets
-        for it in done:
-            offset = it.offset
-            if offset < 0:
-                continue
-            if share_delivered:
-                share_delivered.discard((it.shard, offset))
-            key = (it.shard, it.reg_keys)
-            offsets = by_regs.get(key)
-            if offsets is None:
-                by_regs[key] = [offset]
-            else:
-                offsets.append(offset)
-        if self.node.faults.drop_ack_reports:  # test instrument: reports lost (sessions/followups.py)
-            return
-        by_shard: dict[int, dict[str, list[int]]] = {}
-        for (shard, reg_keys), offsets in by_regs.items():
-            for rk in reg_keys:
-                by_shard.setdefault(shard, {}).setdefault(rk, []).extend(offsets)
-        for shard, by_reg in by_shard.items():
-            for rk, offs in by_reg.items():
-                self.node.propose_lazy(shard, c.AckReport(rk, tuple(offs)))
-
 
 def _read_all(jobs: list[list[RecordRead]]) -> list[list[bytes | None]]:
     """``MessageStore.read_records`` for each store's reads (one executor call for all of them)."""
