@@ -127,6 +127,14 @@ def test_registrations_no_subscription_stands_behind_are_unregistered(tmp_path: 
             # Of an incarnation the session shard's replica has not opened yet.
             bshard = node.hosts[node.session_shard("b")].state.sessions
             unborn = await _register(node, "b", bshard.incarnations + 1, "g/unborn", 0)
+            # Of an incarnation a clean start on another node replaced while the previous owner's
+            # lease runs (60 s): the new owner ends it after its wait, not the follow-ups.
+            lshard = node.session_shard("t")
+            first = await _run(node, lshard, c.SessionOpen(node.now_ms(), "t", False, 3600, None, owner_node=7,
+                                                           lease_ms=60_000))
+            taken = await _register(node, "t", first.incarnation, "g/taken", await _subscribe(node, "t", first.epoch, "g/taken"))
+            await _run(node, lshard, c.SessionOpen(node.now_ms(), "t", True, 3600, None, owner_node=8, lease_ms=60_000))
+            assert node.hosts[lshard].state.sessions.sessions["t"].prev_lease is not None
             # A $share group's, and a draining one (unsubscribed, finishing what is owed).
             share = await _register(node, "", -1, "g/share", -1, group="grp")
             draining = await _register(node, "a", inc, "g/draining", await _subscribe(node, "a", epoch, "g/draining"))
@@ -135,7 +143,7 @@ def test_registrations_no_subscription_stands_behind_are_unregistered(tmp_path: 
             await _run(node, node.topic_shard("g/draining"), c.Unregister(draining, inc, "unsubscribe"))
 
             def regs() -> dict[str, bool]:
-                keys = (wanted, unsubscribed, ahead, ended, unborn, share, draining)
+                keys = (wanted, unsubscribed, ahead, ended, unborn, taken, share, draining)
                 return {k.replace("\0", " "): k in node.hosts[node.topic_shard(k.rpartition("\0")[2])].state.topics.regs
                         for k in keys}
 

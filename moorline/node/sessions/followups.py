@@ -30,8 +30,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from moorline import coverage
 from moorline.broker import commands as c
-from moorline.broker.session_state import Session
+from moorline.broker.session_state import LEASE_LAPSE_GRACE_MS, Session
 from moorline.broker.topic_state import Registration, same_incarnation
 from moorline.node.errors import ShardUnavailable
 from moorline.node.replication.shard_host import ShardHost
@@ -151,6 +152,7 @@ class FollowUps:
                 log.warning("shard %d: ack report follow-up deferred: %s", shard, exc)
                 break
             self.acks_resent += len(again)
+            coverage.hit("followup_ack_resent")
             log.info("shard %d: reported %d acknowledged offset(s) of %r again (their ack report was lost)",
                      shard, len(again), rk.replace("\0", " "))
         self._acks_seen[shard] = now_seen
@@ -166,7 +168,14 @@ class FollowUps:
         shost, sess = got
         if shost.state.sessions.incarnations < reg.session_inc:
             return None  # the replica has not applied the open of the registration's incarnation
-        if sess is None or sess.incarnation > reg.session_inc:
+        if sess is None:
+            return "session_expired"
+        if sess.incarnation > reg.session_inc:
+            # A clean start replaced it: the node that opened the new incarnation ends the old one
+            # (its registrations) once the previous owner released it or its lease ran out.
+            prev = sess.prev_lease
+            if prev is not None and self.node.now_ms() <= prev[2] + LEASE_LAPSE_GRACE_MS:
+                return None
             return "session_expired"
         if sess.incarnation < reg.session_inc:
             return None
@@ -199,6 +208,7 @@ class FollowUps:
                 log.warning("shard %d: ghost registration follow-up deferred: %s", shard, exc)
                 break
             acted += 1
+            coverage.hit("followup_ghost_unregistered")
             log.info("shard %d: unregistered %r (incarnation %d): no subscription stands behind it (%s)",
                      shard, rk.replace("\0", " "), reg.session_inc, reason)
         self.ghosts_unregistered += acted

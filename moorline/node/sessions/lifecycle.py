@@ -55,8 +55,11 @@ class SessionLifecycle:
         fire); every subscription is registered again (idempotent) in case a crash cut that short.
 
         Single node only: in a cluster a session marked connected may be served by another node
-        right now, and this node's replicas may lag; there the owner lease (to come) ends the
-        sessions of a node that died, and registrations are repaired by their owners."""
+        right now, and this node's replicas may lag; there the owner lease ends the sessions of a
+        node that died (housekeeping), and lost ack reports and ghost registrations are followed up
+        by each topic shard's leader from replicated state (sessions/followups.py, which also does
+        so on a single node, every housekeeping round; this pass does it at once, at start, where
+        no replica can lag and nothing is in flight)."""
         if self.node.link is not None:
             return
         now = self.node.now_ms()
