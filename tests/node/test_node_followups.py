@@ -156,3 +156,57 @@ def test_registrations_no_subscription_stands_behind_are_unregistered(tmp_path: 
             await node.stop()
 
     asyncio.run(main())
+
+
+def test_the_topic_shards_leader_follows_up_from_its_replicas_in_a_cluster(tmp_path: Path) -> None:
+    """Three nodes in one process: commands proposed through a follower, the session's shard led
+    by another node than the topic's. Only the topic shard's leader acts; every replica follows."""
+    from tests.node.inproc_cluster import InProcCluster
+
+    def tune(cfg: NodeConfig) -> None:
+        cfg.shard.housekeeping_interval_s = 0.1
+
+    async def main() -> None:
+        c3 = InProcCluster(tmp_path, shards=4, tune=tune)
+        await c3.start()
+        try:
+            await c3.wait_leaders()
+            nodes = c3.nodes
+
+            def leader(shard: int) -> str:
+                return next(n for n, nd in nodes.items() if nd.hosts[shard].raft.is_leader)
+
+            any_node = nodes["n1"]
+            topic = next(f"cl/{i}" for i in range(1000)
+                         if any_node.topic_shard(f"cl/{i}") != any_node.session_shard("cs"))
+            tshard, sshard = any_node.topic_shard(topic), any_node.session_shard("cs")
+            via = next(n for n in nodes if n != leader(tshard))  # proposals forwarded by a follower
+            node = nodes[via]
+            opened = await _open(node, "cs")
+            version = await _subscribe(node, "cs", opened.epoch, topic)
+            rk = await _register(node, "cs", opened.incarnation, topic, version)
+            ghost = await _register(node, "cs", opened.incarnation, topic + "/ghost", version)
+            gshard = node.topic_shard(topic + "/ghost")
+            await _publish(node, topic, 2)
+            await c3.wait("every replica applied", c3.applied_equal)
+            leads = (leader(tshard), leader(gshard))
+            offsets = list(node.hosts[tshard].state.topics.regs[rk].owed)
+            items = tuple(c.DeliveryItem(tshard, o, 1, False, (), (rk,)) for o in offsets)
+            assert await _run(node, sshard, c.Deliver("cs", opened.epoch, 0, items))
+            await _run(node, sshard, c.SessionAcks("cs", opened.epoch, ((0, 1), (1, 1))))
+
+            def followed_up() -> bool:
+                return all(not nd.hosts[tshard].state.topics.regs[rk].owed
+                           and ghost not in nd.hosts[gshard].state.topics.regs for nd in nodes.values())
+
+            await c3.wait("acks reported and the ghost unregistered on every replica", followed_up, WAIT_S)
+            acks = {n: _metric(nd, "acks_resent") for n, nd in nodes.items()}
+            ghosts = {n: _metric(nd, "ghosts_unregistered") for n, nd in nodes.items()}
+            assert sum(acks.values()) == 2 and sum(ghosts.values()) == 1, (acks, ghosts)
+            # Only the shards' leaders acted (leadership may have moved since: then its leaders then).
+            assert {n for n, k in acks.items() if k} <= {leads[0], leader(tshard)}, (leads, acks)
+            assert {n for n, k in ghosts.items() if k} <= {leads[1], leader(gshard)}, (leads, ghosts)
+        finally:
+            await c3.close()
+
+    asyncio.run(main())
