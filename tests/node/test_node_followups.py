@@ -99,6 +99,20 @@ def test_acknowledgements_whose_report_was_lost_are_reported_again(tmp_path: Pat
             await asyncio.sleep(0.3)
             assert list(reg.owed) == offsets[2:]
             assert _metric(node, "acks_resent") == 2
+            # A $share member's: its finished deliveries (share_done) are reported again.
+            stopic = "acks/s"
+            srk = await _register(node, "", -1, stopic, -1, group="grp")
+            sshard_t = node.topic_shard(stopic)
+            await _run(node, sshard_t, c.ShareMember(srk, "sub", True, opened.incarnation))
+            await _publish(node, stopic, 2)
+            sreg = node.hosts[sshard_t].state.topics.regs[srk]
+            soffsets = list(sreg.owed)
+            sitems = tuple(c.DeliveryItem(sshard_t, o, 1, False, (), (srk,)) for o in soffsets)
+            assert await _run(node, sshard, c.Deliver("sub", opened.epoch, 3, sitems))
+            await _run(node, sshard, c.SessionAcks("sub", opened.epoch, ((3, 1),)))
+            released = await _until(lambda: list(sreg.owed) == soffsets[1:])
+            assert released, f"a $share member's acknowledged offset still owed: {list(sreg.owed)} (acked {soffsets[0]})"
+            assert _metric(node, "acks_resent") == 3
         finally:
             await node.stop()
 
