@@ -9,8 +9,11 @@ in a cluster): the acknowledged messages stayed owed and the ghosts kept collect
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage
@@ -119,7 +122,10 @@ def test_acknowledgements_whose_report_was_lost_are_reported_again(tmp_path: Pat
     asyncio.run(main())
 
 
-def test_registrations_no_subscription_stands_behind_are_unregistered(tmp_path: Path) -> None:
+def test_registrations_no_subscription_stands_behind_are_unregistered(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="moorline.node")
+
     async def main() -> None:
         node = Node(_config(tmp_path))
         node.open()
@@ -166,6 +172,8 @@ def test_registrations_no_subscription_stands_behind_are_unregistered(tmp_path: 
             await asyncio.sleep(0.3)  # several rounds more: the others stay
             assert regs() == {k: k not in gone for k in regs()}
             assert _metric(node, "ghosts_unregistered") == 2
+            assert "'a g/unsubscribed' (subscribe_failed" in caplog.text
+            assert "'b g/ended' (session_expired" in caplog.text
         finally:
             await node.stop()
 

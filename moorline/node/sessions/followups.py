@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from moorline.node.node import Node
 
 log = logging.getLogger("moorline.node")
+LOG_NAMES = 5  # registrations a follow-up's log line names (one line per shard and round)
 
 
 class FollowUps:
@@ -138,6 +139,8 @@ class FollowUps:
         found = self._ack_candidates(host, limit)
         seen = self._acks_seen.get(shard, {})
         now_seen: dict[tuple[str, int], None] = {}
+        acted: list[str] = []
+        before = self.acks_resent
         for rk, offsets in found.items():
             again: list[int] = []
             for o in offsets:
@@ -153,9 +156,11 @@ class FollowUps:
                 break
             self.acks_resent += len(again)
             coverage.hit("followup_ack_resent")
-            log.info("shard %d: reported %d acknowledged offset(s) of %r again (their ack report was lost)",
-                     shard, len(again), rk.replace("\0", " "))
+            acted.append(rk)
         self._acks_seen[shard] = now_seen
+        if acted:
+            log.info("shard %d: reported %d acknowledged offset(s) of %d registration(s) again, their ack "
+                     "reports lost (%s)", shard, self.acks_resent - before, len(acted), _names(acted))
 
     # --- ghost registrations ---------------------------------------------------------------------
     def _ghost_reason(self, rk: str, reg: Registration) -> str | None:
@@ -189,7 +194,7 @@ class FollowUps:
         shard = host.shard
         seen = self._ghosts_seen.get(shard, {})
         now_seen: dict[tuple[str, int, int], None] = {}
-        acted = 0
+        acted: list[str] = []
         for rk, reg in list(host.state.topics.regs.items()):
             if len(now_seen) >= limit:
                 break
@@ -207,9 +212,16 @@ class FollowUps:
             except (ShardUnavailable, ProposalDropped) as exc:
                 log.warning("shard %d: ghost registration follow-up deferred: %s", shard, exc)
                 break
-            acted += 1
             coverage.hit("followup_ghost_unregistered")
-            log.info("shard %d: unregistered %r (incarnation %d): no subscription stands behind it (%s)",
-                     shard, rk.replace("\0", " "), reg.session_inc, reason)
-        self.ghosts_unregistered += acted
+            acted.append(f"{_names([rk])} ({reason}, incarnation {reg.session_inc})")
+        self.ghosts_unregistered += len(acted)
         self._ghosts_seen[shard] = now_seen
+        if acted:
+            log.info("shard %d: unregistered %d registration(s) no subscription stands behind: %s%s", shard,
+                     len(acted), ", ".join(acted[:LOG_NAMES]), ", ..." if len(acted) > LOG_NAMES else "")
+
+
+def _names(keys: list[str]) -> str:
+    """Registration keys for a log line (client id and filter), the first few."""
+    shown = ", ".join(repr(k.replace("\0", " ")) for k in keys[:LOG_NAMES])
+    return shown + (", ..." if len(keys) > LOG_NAMES else "")
