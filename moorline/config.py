@@ -295,6 +295,10 @@ class ClusterConfig:
     node_id: str | None = None  # this node's name in initial_cluster, e.g. "n1"
     listen: str | None = None  # HOST:PORT for peers; outgoing connections leave from this host
     initial_cluster: str | None = None  # "n1=HOST:PORT,n2=HOST:PORT,n3=HOST:PORT" (1, 3 or 5 nodes)
+    # A node that was not in initial_cluster: HOST:PORT[,HOST:PORT...] of live members' cluster
+    # listeners, asked at its first start (once admitted: `moorline cluster join`); later starts read
+    # the cluster from the data directory's cluster.json.
+    join: str | None = None
     # Shared secret: only for clusters whose every address is loopback (without cluster.tls the node
     # refuses any other address); without one the listener must be on loopback.
     secret_file: str | None = None

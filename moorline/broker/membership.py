@@ -6,7 +6,10 @@ The table starts from the cluster's bootstrap record (``ClusterBootstrap``); aft
 commands of this group change it:
 
 - ``MemberAnnounce``: a node's addresses and zone (a new node id is admitted as ``active``; a
-  known node with another storage id is refused: its old storage must be forgotten first);
+  known node with another storage id is refused: its old storage must be forgotten first). A node
+  is admitted before it starts (``moorline cluster join``) with an empty storage id, which the
+  node's join binds to its own; a forgotten member's name can be admitted again as a new member
+  (a new node id: a wiped node replaced), the old record kept as ``NAME@OLD_ID``;
 - ``MemberSetState``: ``active``/``draining``/``leaving``/``left``/``forgotten`` (a forgotten
   member never comes back under that storage id);
 - ``MoveStart``/``MoveEnd``: at most one configuration change per shard in progress, which is
@@ -36,7 +39,7 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
     "left": ("forgotten",),
     "forgotten": (),
 }
-MOVE_HISTORY = 32  # ended moves kept (status shows them)
+MOVE_HISTORY = 128  # ended moves kept (status shows them; the planner reads each shard's last)
 
 
 class Member(msgspec.Struct, array_like=True):
@@ -125,7 +128,19 @@ class MembershipState:
         if not info.name or info.node_id <= 0:
             return "a member needs a name and a positive node id"
         m = self.members.get(info.name)
+        if m is not None and m.state == "forgotten" and info.node_id != m.node_id:
+            # A new member under a forgotten one's name (a wiped node replaced): the old record
+            # stays, renamed, so its node id is never reused and its replicas are still removed.
+            if self.by_node_id(info.node_id) is not None:
+                return f"node id {info.node_id} is taken"
+            old = f"{m.name}@{m.node_id}"
+            del self.members[info.name]
+            m.name = old
+            self.members[old] = m
+            m = None
         if m is None:
+            if "@" in info.name:
+                return "a member's name has no '@'"
             other = self.by_node_id(info.node_id)
             if other is not None:
                 return f"node id {info.node_id} is {other.name}'s"
@@ -134,13 +149,19 @@ class MembershipState:
             return None
         if m.node_id != info.node_id:
             return f"{info.name} is node id {m.node_id}, not {info.node_id}"
-        if m.storage_id != info.storage_id:
-            return (f"{info.name} is a member with storage id {m.storage_id}; this one's is {info.storage_id} "
-                    f"(a wiped node: forget the old one first)")
         if m.state == "forgotten":
             return f"{info.name} was forgotten"
+        if m.storage_id != info.storage_id:
+            if m.storage_id or not info.storage_id:
+                return (f"{info.name} is a member with storage id {m.storage_id}; this one's is {info.storage_id} "
+                        f"(a wiped node: forget the old one first)")
+            m.storage_id = info.storage_id  # admitted before it started: its join binds its storage
         m.cluster, m.client, m.zone = info.cluster, info.client, info.zone
         return None
+
+    def next_node_id(self) -> int:
+        """The node id a new member gets: above every id the table ever gave (forgotten ones too)."""
+        return max((m.node_id for m in self.members.values()), default=0) + 1
 
     def apply_set_state(self, cmd: c.MemberSetState) -> str | None:
         m = self.members.get(cmd.name)

@@ -14,9 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 from moorline import coverage
 from moorline.broker.shard import ShardState
+from moorline.config import ConfigError
 from moorline.hashing import guid128
 from moorline.invariant import invariant
-from moorline.node.replication.cluster_link import ClusterLink, parse_cluster
+from moorline.node.replication.cluster_link import (
+    ClusterLink,
+    ClusterSpec,
+    join_cluster,
+    parse_cluster,
+    parse_hostport,
+)
 from moorline.node.replication.group_commit import stage_hard_state, stage_ready
 from moorline.node.replication.membership import refuse_if_left
 from moorline.node.replication.placement import ShardPlacement, layout_fingerprint, place_shards
@@ -168,6 +175,10 @@ class Startup:
     async def open_async(self) -> None:
         """``open`` for either mode: with cluster settings, start the link to the peers, learn (or
         recall) every initial member's storage id, then open the groups with all of them as voters."""
+        joined = self._joined_record()
+        if joined is not None or self.node.cfg.cluster.join is not None:
+            await self._open_joined(joined)
+            return
         spec = parse_cluster(self.node.cfg.cluster)
         if spec is None:
             self.node.open()
@@ -187,6 +198,74 @@ class Startup:
         self.save_members(members)
         ids = {name: (spec.node_id(name), sid) for name, sid in members.items()}
         self.node.open_groups(ids, place_shards(cluster_key, spec.names, self.node.shard_count, replicas))
+
+    def _joined_record(self) -> dict[str, Any] | None:
+        """cluster.json's record of a node that joined (not in --initial-cluster), if this is one."""
+        path = self.node.data_dir / "cluster.json"
+        if not path.exists():
+            return None
+        joined = json.loads(path.read_text()).get("joined")
+        return joined if isinstance(joined, dict) else None
+
+    async def _open_joined(self, joined: dict[str, Any] | None) -> None:
+        """A node that joined a running cluster: at its first start (``--join``) a live member binds
+        its storage to the entry an operator admitted and tells it the cluster; the answer is kept in
+        cluster.json, from which every later start opens (``--join`` again or not). Its groups open
+        with the cluster's initial configuration, this node in none of them: the reconciler adds it
+        as a learner of each (it catches up by snapshot transfer, then the log), then promotes it."""
+        cfg = self.node.cfg.cluster
+        if cfg.initial_cluster is not None:
+            raise ConfigError("--join and --initial-cluster are exclusive" if joined is None else
+                              f"this data directory ({self.node.data_dir}) is a node that joined its cluster: start "
+                              f"it without --initial-cluster")
+        if cfg.node_id is None or cfg.listen is None:
+            raise ConfigError("--join needs --node-id (the name it was admitted under) and --cluster HOST:PORT")
+        me = cfg.node_id
+        listen = parse_hostport(cfg.listen, "--cluster")
+        if joined is None:
+            if (self.node.data_dir / "cluster.json").exists():
+                raise ConfigError(f"this data directory ({self.node.data_dir}) belongs to a member of a cluster "
+                                  f"started with --initial-cluster: start it so, or join on a new, empty directory")
+            assert cfg.join is not None
+            seeds = [parse_hostport(x.strip(), "--join") for x in cfg.join.split(",") if x.strip()]
+            if not seeds:
+                raise ConfigError("--join needs HOST:PORT[,HOST:PORT...] of live members' cluster listeners")
+            refuse_if_left(self.node.data_dir)
+            self.node.data_dir.mkdir(parents=True, exist_ok=True)
+            storage_id = load_or_create_storage_id(self.node.data_dir, self.node.seams.random_bytes,
+                                                   adopt_existing=False)
+            welcome = await join_cluster(cfg, me, listen, storage_id, seeds, self.node.seams.rng(), self.node.seams)
+            if welcome.get("cluster_id") != cfg.cluster_id:
+                raise ConfigError(f"--join: the cluster is {welcome.get('cluster_id')!r}, cluster.cluster_id here "
+                                  f"{cfg.cluster_id!r}")
+            joined = {k: welcome[k] for k in ("node_id", "names", "initial", "shard_count", "replicas", "members")}
+        names = tuple(str(n) for n in joined["names"])
+        if self.node.shard_count != joined["shard_count"]:
+            log.warning("the cluster has %d shards; using that (shard.count is fixed at creation)", joined["shard_count"])
+            self.node.shard_count = int(joined["shard_count"])
+        cluster_key = f"{cfg.cluster_id}/{','.join(names)}"
+        node_id = int(joined["node_id"])
+        self.node.prepare(node_id, cluster_key)
+        replicas = int(joined["replicas"])
+        if self.node.cluster_meta.get("joined") != joined or self.node.cluster_meta.get("replicas") != replicas:
+            self.node.cluster_meta["joined"] = joined
+            self.node.cluster_meta["replicas"] = replicas
+            write_file_atomically(self.node.data_dir / "cluster.json", json.dumps(self.node.cluster_meta).encode())
+        ids: dict[str, int] = {me: node_id}
+        addresses: dict[str, tuple[str, int]] = {me: listen}
+        known: dict[str, str] = {}
+        for name, (nid, cluster, sid) in joined["members"].items():
+            if name != me and cluster:
+                ids[name] = int(nid)
+                addresses[name] = parse_hostport(cluster, f"member {name}'s cluster address")
+                known[name] = sid
+        spec = ClusterSpec(me, names, addresses, listen, ids)
+        layout = layout_fingerprint(self.node.shard_count, replicas, len(names))
+        link = ClusterLink(spec, cfg, self.node.storage_id, known, self.node.seams.rng(), layout, seams=self.node.seams)
+        self.attach_cluster(link)
+        await link.start(self.node.supervisor)
+        initial = {str(name): (int(nid), str(sid)) for name, nid, sid in joined["initial"]}
+        self.node.open_groups(initial, place_shards(cluster_key, names, self.node.shard_count, replicas))
 
     def attach_cluster(self, link: ClusterLink) -> None:
         """Raft traffic of this node's groups goes through ``link`` from now on."""

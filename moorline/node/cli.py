@@ -87,6 +87,8 @@ def run(
     node_id: Annotated[str | None, typer.Option(help="cluster: this node's name in --initial-cluster")] = None,
     cluster: Annotated[str | None, typer.Option(help="cluster: HOST:PORT for peers (outgoing traffic leaves from HOST)")] = None,
     initial_cluster: Annotated[str | None, typer.Option(help="cluster: n1=HOST:PORT,n2=HOST:PORT,n3=HOST:PORT")] = None,
+    join: Annotated[str | None, typer.Option(help="cluster: join a running cluster (admitted first with `moorline "
+                                             "cluster join`): HOST:PORT[,HOST:PORT] of members' --cluster")] = None,
     cluster_secret_file: Annotated[Path | None, typer.Option(help="cluster: shared secret file (required off loopback)")] = None,
     zone: Annotated[str | None, typer.Option(help="cluster: this node's zone (cluster.zone): a shard's voters "
                                              "go to distinct zones while there are enough")] = None,
@@ -104,6 +106,7 @@ def run(
         overrides["log.level"] = log_level.lower()
     for key, value in (("cluster.node_id", node_id), ("cluster.listen", cluster),
                        ("cluster.initial_cluster", initial_cluster),
+                       ("cluster.join", join),
                        ("cluster.secret_file", str(cluster_secret_file) if cluster_secret_file else None),
                        ("cluster.zone", zone)):
         if value is not None:

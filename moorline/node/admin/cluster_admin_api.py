@@ -1,5 +1,9 @@
 """Admin routes that change a cluster's membership (docs/operations.md, "Change a cluster"):
 
+- ``POST /v1/cluster/members/{name}/join?cluster=HOST:PORT[&zone=Z]``: admits a node before it
+  starts (an entry with a new node id; every member's cluster link then takes its connections);
+  the node then starts with ``--join`` and binds its storage. The answer has the command to start it.
+  Refused (409) for a name that is a member (forget a wiped one first) or an address in use.
 - ``POST /v1/cluster/members/{name}/forget`` (``?force=true``): the member becomes ``forgotten``;
   the reconciler then removes its memberships from every shard first (shrink before grow) and
   grows the shards elsewhere. Refused (409, saying which shards and why) when removing it would
@@ -25,6 +29,7 @@ from aiohttp import web
 
 from moorline.node.admin.http_api import CALLER, _err
 
+JOIN = "/v1/cluster/members/{name}/join"
 FORGET = "/v1/cluster/members/{name}/forget"
 LEAVE = "/v1/cluster/members/{name}/leave"
 REPLICA = "/v1/cluster/shards/{shard}/replicas/{name}"
@@ -41,6 +46,16 @@ def register_cluster_admin(routes: web.RouteTableDef, node: Any) -> None:
         if _driver(node) is None:
             return _err(409, "this node has no member table (a single node)")
         return None
+
+    @routes.post(JOIN)
+    async def join(req: web.Request) -> web.Response:
+        if (r := refused()) is not None:
+            return r
+        cluster = req.query.get("cluster", "")
+        if not cluster:
+            return _err(400, "cluster=HOST:PORT (the node's --cluster address) is required")
+        res = await _driver(node).admit(req.match_info["name"], cluster, req.query.get("zone", ""))
+        return web.json_response(res.body, status=res.status)
 
     @routes.post(FORGET)
     async def forget(req: web.Request) -> web.Response:

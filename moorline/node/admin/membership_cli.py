@@ -1,4 +1,4 @@
-"""``moorline cluster forget|leave`` and ``moorline cluster shard add-replica|remove-replica``: membership
+"""``moorline cluster join|forget|leave`` and ``moorline cluster shard add-replica|remove-replica``: membership
 changes through any live node's HTTP listener (the admin routes of admin/cluster_admin_api.py), and
 the member table printed by ``moorline cluster status``."""
 
@@ -69,6 +69,25 @@ def _report(what: str, status: int, body: dict[str, Any]) -> None:
             lines.append(f"  {body['force']}")
         raise _fail("\n".join(lines))
     Console().print_json(data=body)
+
+
+def join(
+    node: Annotated[str, typer.Argument(help="the new node's name (its --node-id)")],
+    cluster: Annotated[str, typer.Option("--cluster", help="the new node's cluster address HOST:PORT (its --cluster)")],
+    zone: Annotated[str, typer.Option(help="its zone (cluster.zone)")] = "",
+    http: HttpOpt = "127.0.0.1:8888", user: UserOpt = None, password: PasswordOpt = None, token: TokenOpt = None,
+    timeout: TimeoutOpt = 10.0,
+) -> None:
+    """Admit a new node before it starts: the member table gets its entry and node id, and every
+    member's cluster link takes its connections (authenticated as any peer: the cluster secret, or
+    its certificate with cluster TLS). Then start it with the command the answer prints
+    (moorline run --node-id NODE --cluster HOST:PORT --join MEMBERS): it becomes a learner of every
+    shard, catches up, and the reconciler gives it its share of voters. A wiped node comes back so
+    too, once its old self is forgotten (moorline cluster forget)."""
+    query = urllib.parse.urlencode({"cluster": cluster, **({"zone": zone} if zone else {})})
+    path = f"/v1/cluster/members/{urllib.parse.quote(node, safe='')}/join?{query}"
+    _, status, body = _call(http, "POST", path, auth_header(user, password, token), timeout)
+    _report("join", status, body)
 
 
 def forget(
@@ -142,6 +161,7 @@ def remove_replica(
 
 
 def register(app: typer.Typer) -> None:
+    app.command("join")(join)
     app.command("forget")(forget)
     app.command("leave")(leave)
     app.add_typer(shard_app, name="shard")

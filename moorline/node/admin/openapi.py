@@ -395,6 +395,20 @@ ROUTES += CONSOLE_ROUTES
 
 MEMBER_NAME = Param("name", "path", string(), "a member's node name", required=True)
 MEMBERSHIP_ROUTES: tuple[Route, ...] = (
+    Route("post", "/v1/cluster/members/{name}/join", "Admit a new node before it starts with --join",
+          ADMIN, {
+              200: ("already admitted, not started yet", obj({"member": string(), "node_id": integer(), "state": string(),
+                                                              "start": string()}, ("member", "node_id"), more=True)),
+              201: ("admitted: the member table has its entry and node id; start it with the command in start",
+                    obj({"member": string(), "node_id": integer(), "state": string(), "start": string(),
+                         "note": string()}, ("member", "node_id", "start"), more=True)),
+              400: ("no cluster address, or a bad name or address", ERROR),
+              409: ("refused: the name is a member (forget a wiped one first), the address is another member's, "
+                    "an address off loopback without cluster TLS; or no member table here", ERROR),
+              503: ("the metadata group did not commit the change", ERROR),
+          }, params=(MEMBER_NAME, Param("cluster", "query", string(), "the node's --cluster HOST:PORT", required=True),
+                     Param("zone", "query", string(), "its zone (cluster.zone)")),
+          tags=("admin",)),
     Route("post", "/v1/cluster/members/{name}/forget", "Forget a node gone for good (its replicas are replaced)",
           ADMIN, {
               200: ("the member is forgotten; the reconciler removes its memberships, then grows the shards",

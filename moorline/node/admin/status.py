@@ -29,7 +29,8 @@ class NodeStatus:
         lead = raft.lead
         replicas = {self.node.node_name(m[0]): {"match": (raft.progress[m].match if raft.is_leader and m in raft.progress
                                                      else None)} for m in conf.members()}
-        replicas[self.node.node_name(self.node.member[0])]["applied"] = host.state.applied_index
+        # (this node may be in no configuration of the group: removed from it, or not added yet)
+        replicas.setdefault(self.node.node_name(self.node.member[0]), {"match": None})["applied"] = host.state.applied_index
         return {
             "leader": self.node.node_name(lead[0]) if lead is not None else None,
             "preferred_leader": self.node.node_name(self.node.preferred_leader[shard][0]),

@@ -31,6 +31,7 @@ from typing import Any
 
 from moorline.broker import commands as c
 from moorline.broker.membership import GONE, MembershipState, Move
+from moorline.cluster.auth import ClusterConfigError, require_tls_or_loopback
 from moorline.config import ConfigError
 from moorline.node.replication.cluster_link import parse_hostport
 from moorline.node.replication.reconcile import (
@@ -146,6 +147,9 @@ class MembershipDriver:
         return {m: last - pr.match for m, pr in raft.progress.items()}
 
     def _group_views(self, table: MembershipState) -> list[GroupView]:
+        last: dict[int, Move] = {}  # each shard's latest ended move
+        for mv in table.history:
+            last[mv.shard] = mv
         out = []
         for host in self.node.groups:
             raft = host.raft
@@ -157,7 +161,13 @@ class MembershipDriver:
             out.append(GroupView(host.shard, conf.voters, conf.learners, target,
                                  lead[0] if lead is not None else None,
                                  busy=host.shard in table.moves or pending or host.failed is not None,
-                                 lag=self._lag(host)))
+                                 lag=self._lag(host),
+                                 rebalanced=host.shard in last and last[host.shard].origin == "rebalance"
+                                 and last[host.shard].kind == "promote" and last[host.shard].outcome == "done",
+                                 readd=(last[host.shard].node_id, last[host.shard].storage_id)
+                                 if host.shard in last and last[host.shard].origin == "rebalance"
+                                 and last[host.shard].kind == "remove" and last[host.shard].outcome == "done"
+                                 else None))
         return out
 
     def _leaderships(self) -> dict[str, int]:
@@ -205,9 +215,12 @@ class MembershipDriver:
         elif self._signature is not None and len(table.moves) < self._signature[2]:
             self.kick()  # a move ended: the next change of that shard need not wait a whole interval
         self._signature = signature
+        if self.node.link.on_join_request is None:
+            self.node.link.on_join_request = self.on_join_request
         self._check_left(table)
         self._fence(table)
         self._learn_peers(table)
+        self._prefer_leaders()
         await self._announce(table, now)
         self._drive_moves(table, now)
         meta = self.node.meta_host
@@ -258,7 +271,13 @@ class MembershipDriver:
         Gone members are not (``_fence`` removed them)."""
         link = self.node.link
         for m in table.members.values():
-            if m.state in GONE or not m.cluster or m.name in link.spec.ids or m.name in self._fenced:
+            if m.state in GONE or not m.cluster or m.name == link.spec.me:
+                continue
+            known = link.spec.ids.get(m.name)
+            if known is not None and known != m.node_id:
+                link.forget_member(m.name)  # a forgotten node's name admitted again: a new member
+                self._fenced.discard(m.name)
+            elif known is not None or m.name in self._fenced:
                 continue
             attempt = (m.name, m.node_id, m.cluster)
             if attempt in self._learn_refused:
@@ -273,6 +292,123 @@ class MembershipDriver:
                 self.kick()
             else:
                 self._learn_refused[attempt] = None
+
+    def _prefer_leaders(self) -> None:
+        """Once a node that joined votes somewhere, each shard's preferred leader (which the leader
+        rebalancer moves leadership to, replication/leadership.py) is chosen again from its current
+        voters, shard by shard: its preferred node while that one votes and leads fewer than
+        ceil(shards / voting nodes) so far, else the voter preferred for fewest so far (then by
+        name). The same on every node that sees the same configurations; before any join the
+        bootstrap placement's choice stays untouched."""
+        meta = self.node.meta_host
+        record = meta.state.cluster if meta is not None else None
+        if record is None:
+            return
+        initial = {(nid, sid) for _, nid, sid in record.members}
+        confs = [h.raft.active_conf_state.voters for h in self.node.hosts]
+        nodes = {v for voters in confs for v in voters}
+        if not confs or any(not v for v in confs) or all(v in initial for v in nodes):
+            return
+        cap = -(-len(confs) // len(nodes))
+        count: dict[Any, int] = {}
+        for shard, voters in enumerate(confs):
+            pref = self.node.preferred_leader[shard]
+            if pref not in voters or count.get(pref, 0) >= cap:
+                pref = min(voters, key=lambda v: (count.get(v, 0), self.node.node_name(v[0])))
+            count[pref] = count.get(pref, 0) + 1
+            self.node.preferred_leader[shard] = pref
+
+    # --- join: a member admitted by an operator starts with --join ---------------------------
+    def on_join_request(self, peer: str, body: dict[str, Any]) -> None:
+        """The link heard a join request (``cluster_link.join_cluster``) from an admitted member."""
+        self.node.run_in_background(asyncio.get_running_loop().create_task(self._answer_join(peer, body)))
+
+    async def _answer_join(self, peer: str, body: dict[str, Any]) -> None:
+        """Bind the joining node's storage to its entry (a replicated command), then tell it the
+        cluster (its node id, the initial members, every member's id and address, the layout).
+        Unanswered when the metadata group cannot commit now: the node asks again."""
+        table, link = self.table, self.node.link
+        meta = self.node.meta_host
+        record = meta.state.cluster if meta is not None else None
+        if table is None or link is None or record is None:
+            return
+        sid = body.get("storage_id")
+        m = table.members.get(peer)
+        why = None
+        if not isinstance(sid, str) or not sid:
+            why = "the join request names no storage id"
+        elif m is None:
+            why = f"{peer} is not a member: admit it first (moorline cluster join {peer} --cluster HOST:PORT)"
+        elif m.state != "active":
+            why = f"{peer} is {m.state}"
+        elif m.storage_id and m.storage_id != sid:
+            why = (f"{peer} is a member with storage id {m.storage_id}, and this data directory's is {sid}: a wiped "
+                   f"or new node under a member's name is forgotten first (moorline cluster forget {peer}), then "
+                   f"admitted again (moorline cluster join)")
+        if why is None and m is not None and not m.storage_id:
+            try:
+                why = await self._propose_meta(c.MemberAnnounce(
+                    c.MemberInfo(peer, m.node_id, str(sid), m.cluster, m.client, m.zone), self.node.now_ms()))
+            except (TimeoutError, ShardUnavailable):
+                return
+            if why is None:
+                log.info("%s joined the cluster (node id %d, storage %s)", peer, m.node_id, sid)
+                self.kick()
+        if why is not None:
+            log.warning("refused %s's join: %s", peer, why)
+            link.send_welcome(peer, {"error": why})
+            return
+        assert m is not None
+        link.send_welcome(peer, {
+            "node_id": m.node_id, "cluster_id": record.cluster_id,
+            "names": [name for name, _, _ in record.members],
+            "initial": [[name, nid, s] for name, nid, s in record.members],
+            "shard_count": record.shard_count, "replicas": record.replicas,
+            "members": {x.name: [x.node_id, x.cluster, x.storage_id] for x in table.members.values()
+                        if x.state not in GONE and x.cluster},
+        })
+
+    async def admit(self, name: str, cluster: str, zone: str) -> OpResult:
+        """``moorline cluster join``: a node that is to join gets its entry (and node id) before it
+        starts; every member's link then takes its connections. It binds its storage on its first
+        start with ``--join``."""
+        table = self._require_table()
+        if isinstance(table, OpResult):
+            return table
+        if not name or any(ch in name for ch in "@=,: /") or len(name) > 64:
+            return OpResult(400, {"error": f"a node name is 1 to 64 characters without '@=,: /', not {name!r}"})
+        try:
+            host, _ = parse_hostport(cluster, "the cluster address")
+        except ConfigError as exc:
+            return OpResult(400, {"error": str(exc)})
+        if not self.node.cfg.cluster.tls.cert_file and self.node.seams.cluster_network is None:
+            try:
+                require_tls_or_loopback([host])
+            except ClusterConfigError as exc:
+                return OpResult(409, {"error": str(exc)})
+        seeds = ",".join(x.cluster for x in table.members.values()
+                         if x.state == "active" and x.cluster and x.name in self._live_names())
+        start = f"moorline run --node-id {name} --cluster {cluster} --join {seeds}"
+        m = table.members.get(name)
+        if m is not None and m.state != "forgotten":
+            if not m.storage_id and m.cluster == cluster:
+                return OpResult(200, {"member": name, "node_id": m.node_id, "state": "admitted, not started yet",
+                                      "start": start})
+            return OpResult(409, {"error": f"{name} is already a member ({m.state}); a node under a member's name "
+                                           f"joins again once that member is forgotten"})
+        if any(x.cluster == cluster and x.state not in GONE for x in table.members.values()):
+            return OpResult(409, {"error": f"{cluster} is another member's cluster address"})
+        node_id = table.next_node_id()
+        refused = await self._operator_change(c.MemberAnnounce(c.MemberInfo(name, node_id, "", cluster, "", zone),
+                                                               self.node.now_ms()))
+        if isinstance(refused, OpResult):
+            return refused
+        self.kick()
+        return OpResult(201, {"member": name, "node_id": node_id, "state": "admitted, not started yet",
+                              "start": start,
+                              "note": "start the node with this command (and the cluster's secret or its certificate, "
+                                      "and the same shard settings); it becomes a learner of every shard, then "
+                                      "the reconciler gives it its share of voters"})
 
     async def _propose_meta(self, cmd: c.Command) -> Any:
         fut = self.node.propose(self.node.meta_group, cmd)
@@ -364,7 +500,7 @@ class MembershipDriver:
                     continue  # not caught up yet: promoted once it is (or given up after move_timeout_s)
             if move.kind == "remove" and member in applied.voters:
                 live = {m for m in applied.voters if raft.is_active(m) or m == tuple(self.node.member)}
-                if not live_majority_after_removal(applied.voters, member, live) and move.origin == "reconcile":
+                if not live_majority_after_removal(applied.voters, member, live) and move.origin != "manual":
                     continue  # would leave no live majority: wait (forget refuses this up front)
             cc = ConfChange(KINDS[move.kind], member)
             try:
@@ -413,7 +549,7 @@ class MembershipDriver:
         for mv in moves:
             try:
                 result = await self._propose_meta(c.MoveStart(mv.shard, mv.kind, mv.node, mv.member[0], mv.member[1],
-                                                              "reconcile", self.node.now_ms()))
+                                                              mv.origin, self.node.now_ms()))
             except (TimeoutError, ShardUnavailable) as exc:
                 log.info("reconcile: shard %d: %s %s not recorded: %s", mv.shard, mv.kind, mv.node, exc)
                 continue

@@ -32,6 +32,17 @@ all first becomes a learner (``add_learner``), and is promoted in a later round 
 
 A node that is down but not forgotten keeps its memberships: its voter still counts towards the
 target, so no replacement is placed while it restarts (scenario Three of #7209).
+
+A node that **joined** (``moorline cluster join`` then ``--join``; it is no voter of the metadata
+group, whose voters are the initial members) is in no group at first: every group (the metadata
+group too) gets it as a learner (``add_learner``), one group per change, so that it follows every
+shard like the others. Then **rebalancing** gives it its share of voters: while a joined node has
+fewer than ``voters // nodes`` voters and another node has more, a shard where
+the most loaded node votes and the joined node is a caught-up learner gets it as a voter (a
+``promote`` whose origin is ``rebalance``), which leaves that shard one above target; the next round
+removes the voter of the most loaded node there that does not lead it (a shard above target only
+because of a rebalance: one an operator grew by hand is left as it is), and the round after adds it
+back as a learner (the Raft core has no demotion: a voter is removed, then added as a learner).
 """
 
 from __future__ import annotations
@@ -69,6 +80,8 @@ class GroupView:
     leader: int | None = None  # node id of its leader, when known
     busy: bool = False  # a change is in progress (the member table's move, or one pending in the log)
     lag: dict[MemberId, int] | None = None  # entries each member is behind the leader; None: unknown
+    rebalanced: bool = False  # its last change was a rebalance's promotion: a surplus voter is removed
+    readd: MemberId | None = None  # the voter its last change (a rebalance's) removed: it follows again
 
 
 @dataclass(frozen=True)
@@ -78,6 +91,7 @@ class PlannedMove:
     node: str
     member: MemberId
     reason: str
+    origin: str = "reconcile"  # or "rebalance" (the member table's move records it)
 
 
 @dataclass
@@ -172,15 +186,35 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
             budget -= 1
             break
 
-    # 2. Grow: a shard below its target gets one voter more; a shard at target with a voter on a
-    #    leaving node loses that voter (grow before shrink while the node is alive).
     voters_of: dict[str, int] = {n.name: 0 for n in nodes}
     for g in groups:
         for v in g.voters:
             node = by_member.get(v)
             if node is not None:
                 voters_of[node.name] += 1
-    eligible = [n for n in nodes if n.state == "active" and n.live]
+
+    # 1b. A shard above target after a rebalance's promotion: the most loaded voter that does not
+    #     lead it goes.
+    for g in ordered:
+        if budget <= 0:
+            return out
+        if g.busy or g.shard in touched or not g.rebalanced or g.target is None or len(g.voters) <= g.target:
+            continue
+        surplus = [by_member[v] for v in g.voters if v in by_member and v[0] != g.leader
+                   and live_majority_after_removal(g.voters, v, live)]
+        if not surplus:
+            continue
+        drop = min(surplus, key=lambda n: (-voters_of.get(n.name, 0), n.name))
+        out.append(PlannedMove(g.shard, "remove", drop.name, drop.member_id,
+                               f"shard {g.shard} is above target after a rebalance; {drop.name} votes in "
+                               f"{voters_of.get(drop.name, 0)} shards", "rebalance"))
+        voters_of[drop.name] = voters_of.get(drop.name, 0) - 1
+        touched.add(g.shard)
+        budget -= 1
+
+    # 2. Grow: a shard below its target gets one voter more; a shard at target with a voter on a
+    #    leaving node loses that voter (grow before shrink while the node is alive).
+    eligible = [n for n in nodes if n.state == "active" and n.live and n.storage_id]
     for g in ordered:
         if budget <= 0:
             break
@@ -208,6 +242,60 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
                                    f"its node {node.name} is leaving (the shard has {len(counted)} other voters)"))
             touched.add(g.shard)
             budget -= 1
+
+    # 2b. Follow: a node that joined (a live active node that is no voter of the metadata group, whose
+    #     voters are the initial members that remain) becomes a learner of every group it is not in.
+    meta_voters = {v for g in groups if g.target is None for v in g.voters}
+    joined = [n for n in eligible if meta_voters and n.member_id not in meta_voters]
+    for g in ordered:
+        if budget <= 0:
+            break
+        if g.busy or g.shard in touched:
+            continue
+        members = (*g.voters, *g.learners)
+        for n in [*joined, *(n for n in eligible if n.member_id == g.readd and n not in joined)]:
+            if n.member_id in members or any(m[0] == n.node_id for m in members):
+                continue  # a member already (or its old storage still is: that one is removed first)
+            out.append(PlannedMove(g.shard, "add_learner", n.name, n.member_id,
+                                   f"{n.name} follows no replica of group {g.shard}"))
+            touched.add(g.shard)
+            budget -= 1
+            break
+
+    # 2c. Rebalance: a node with fewer than its share of voters takes one from the most loaded.
+    active = [n for n in nodes if n.state == "active" and n.storage_id]
+    if active and budget > 0:
+        share = sum(voters_of.get(n.name, 0) for n in active) // len(active)
+        for u in sorted(joined, key=lambda n: (voters_of.get(n.name, 0), n.name)):
+            while budget > 0 and voters_of.get(u.name, 0) < share:
+                best: tuple[tuple[int, bytes], GroupView, NodeView] | None = None
+                for g in ordered:
+                    if (g.busy or g.shard in touched or g.target is None or len(g.voters) != g.target
+                            or u.member_id not in g.learners):
+                        continue
+                    if any(_removable(by_member.get(v), settings.auto_remove_after_s) is not None
+                           or by_member[v].state != "active" for v in g.voters):
+                        continue
+                    lag = None if g.lag is None else g.lag.get(u.member_id)
+                    if g.lag is not None and not settings.promote_unchecked and (
+                            lag is None or lag > settings.promote_lag_entries):
+                        continue
+                    heavy = max((by_member[v] for v in g.voters), key=lambda n: (voters_of.get(n.name, 0), n.name))
+                    if voters_of.get(heavy.name, 0) <= share:
+                        continue
+                    key = (-voters_of.get(heavy.name, 0), guid128("rebalance", settings.cluster_key, g.shard, u.name))
+                    if best is None or key < best[0]:
+                        best = (key, g, heavy)
+                if best is None:
+                    break
+                _, g, heavy = best
+                out.append(PlannedMove(g.shard, "promote", u.name, u.member_id,
+                                       f"{u.name} votes in {voters_of.get(u.name, 0)} shards, {heavy.name} in "
+                                       f"{voters_of.get(heavy.name, 0)} (a share is {share})", "rebalance"))
+                voters_of[u.name] = voters_of.get(u.name, 0) + 1
+                voters_of[heavy.name] -= 1
+                touched.add(g.shard)
+                budget -= 1
 
     # 3. Clean up: learners on gone or leaving nodes.
     for g in ordered:
