@@ -37,7 +37,7 @@ class Housekeeping:
     def snapshot_saved(self, host: ShardHost, index: int, term: int) -> None:
         """A snapshot is durable (file and store records): the WAL may drop the group's entries up to it."""
         self.node.wal.mark_snapshot(host.shard, index, term)
-        if getattr(self.node, "commit", None) is not None:
+        if self.node.serving:
             self.node.commit.kick(host.shard)
 
     def snapshot_installed(self, host: ShardHost) -> None:

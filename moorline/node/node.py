@@ -128,16 +128,25 @@ class Node:
         self.preferred_leader: list[MemberId] = []
         self.snapshot_settings = SnapshotSettings.for_node(cfg, self.data_dir, self.housekeeping.snapshot_saved,
                                                            self.housekeeping.snapshot_installed, inline=seams.inline_io)
-        # Set by ``prepare`` (Startup): the data directory's lock, identity, WAL and snapshots;
-        # ``commit`` by ``start``.
-        self.dir_lock: DataDirLock
+        # The data directory's lock (acquired by ``prepare``) and the WAL (opened by ``prepare``): whole
+        # from here, so a start-up that fails before them releases and closes them as no-ops. (Today
+        # boot.py's ``prepare`` still builds its own of each, the same way, replacing these.)
+        self.dir_lock = DataDirLock(self.data_dir)
+        self.wal = WriteAheadLog(
+            self.data_dir / "wal", segment_bytes=cfg.storage.wal_segment_bytes,
+            max_pending_bytes=cfg.storage.max_pending_bytes, ledger=self.ledger,
+            preallocate=cfg.storage.wal_preallocate,
+        )
+        # Set by ``prepare`` (Startup): identity and snapshots; ``commit`` by ``start``, which sets
+        # ``serving`` then (before it, Raft messages and forwarded proposals are not taken: the
+        # senders retransmit).
         self.storage_id: str
         self.cluster_meta: dict[str, Any]  # cluster.json
         self.member: MemberId
         self.boot: int
-        self.wal: WriteAheadLog
         self.snapshots: SnapshotStore
         self.commit: GroupCommit
+        self.serving = False
 
     @property
     def share_ack_timeouts(self) -> int:
@@ -212,6 +221,7 @@ class Node:
                                   unsafe_ack_before_sync=self.faults.unsafe_ack_before_sync,
                                   slow_sync_s=self.faults.slow_sync_s, inline_only=self.seams.inline_io,
                                   sync_runner=self.seams.sync_runner)
+        self.serving = True
         # Critical: without group commit, ticks or lease renewals the node would serve unsafely
         # (nothing durable, no elections, two owners of a session): it stops instead.
         self.supervisor.spawn("group-commit", self.commit.run, critical=True)

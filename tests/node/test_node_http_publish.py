@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,6 +38,9 @@ class StandInNode:
         self.pending: list[asyncio.Future[Any]] = []
         self.published = {"mqtt": 0, "http": 0, "spark": 0}  # counters the route keeps, by source
         self.publish_denied = {"mqtt": 0, "http": 0, "spark": 0}
+        # What the console's sampler reads (started with the app): counters, the data directory.
+        self.stats: dict[str, int] = {}
+        self.data_dir = Path(__file__).parent / "no-such-data-dir"
 
     def now_ms(self) -> int:
         return 1_000

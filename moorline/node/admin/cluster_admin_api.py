@@ -36,7 +36,7 @@ REPLICA = "/v1/cluster/shards/{shard}/replicas/{name}"
 
 
 def _driver(node: Any) -> Any:
-    return getattr(node, "membership", None)
+    return node.membership
 
 
 def register_cluster_admin(routes: web.RouteTableDef, node: Any) -> None:

@@ -115,7 +115,7 @@ def console_snapshot(node: Node, sampler: Sampler, full: bool) -> dict[str, Any]
     nodes = [{"id": n["id"], "self": n.get("self", False), "reachable": n.get("reachable", False),
               "address": n.get("cluster") or n.get("http"), "groups_led": n.get("groups_led", 0),
               **({"zone": n["zone"]} if n.get("zone") else {})} for n in status["nodes"]]
-    membership = node.membership.status() if getattr(node, "membership", None) is not None else None
+    membership = node.membership.status()  # None: a single node
     by_shard = {row["shard"]: row for row in membership["shards"]} if membership is not None else {}
     shards = []
     for h in node.hosts:

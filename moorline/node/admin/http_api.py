@@ -281,8 +281,7 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool, drain: Dra
         if (refused := admin_only()) is not None:
             return refused
         body = node.cluster_status()
-        membership = getattr(node, "membership", None)  # the member table and shard targets (cluster mode)
-        body["membership"] = membership.status() if membership is not None else None
+        body["membership"] = node.membership.status()  # the member table and shard targets (None: one node)
         return web.json_response(body)
 
     @routes.get("/v1/shards/{shard}/messages")

@@ -41,8 +41,7 @@ def peer_addresses(node: Any, now: float) -> tuple[dict[str, str], dict[str, str
     if link is None:
         return {}, {}
     gone: set[str] = set()
-    drv = getattr(node, "membership", None)
-    table = drv.table if drv is not None else None
+    table = node.membership.table
     if table is not None:
         gone = {m.name for m in table.members.values() if m.state in GONE_STATES}
     names = set(link.spec.names) | set(link.announced)

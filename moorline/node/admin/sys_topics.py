@@ -145,8 +145,7 @@ class SysTopics:
         """Every value, as the payloads Mosquitto uses (decimal text)."""
         node = self.node
         now = self.node.clock.monotonic()
-        published = getattr(node, "published", None)  # by source (mqtt, http, spark)
-        received = sum(published.values()) if isinstance(published, dict) else int(node.stats.get("published", 0))
+        received = sum(node.published.values())  # by source (mqtt, http, spark)
         sent = int(node.stats["delivered"])
         sessions = subscriptions = retained = dropped_total = 0
         shards: dict[str, bytes] = {}

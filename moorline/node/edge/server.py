@@ -443,12 +443,8 @@ async def _open_unless_stopped(node: Node, stop: asyncio.Event) -> bool:
         await opening
     if node.link is not None:
         await node.link.close()
-    wal = getattr(node, "wal", None)
-    if wal is not None:
-        wal.close()
-    dir_lock = getattr(node, "dir_lock", None)
-    if dir_lock is not None:
-        dir_lock.release()
+    node.wal.close()  # no-ops when prepare had not opened or acquired them
+    node.dir_lock.release()
     return False
 
 

@@ -41,7 +41,7 @@ class GroupRouter:
         if not 0 <= shard < len(self.node.groups):
             return  # groups not open yet (bootstrap), or a group this node does not have
         host = self.node.groups[shard]
-        if host.failed is not None or getattr(self.node, "commit", None) is None:
+        if host.failed is not None or not self.node.serving:
             return  # not serving yet: the sender retransmits
         try:
             host.raft.step(m)
@@ -55,7 +55,7 @@ class GroupRouter:
             self.node.commit.kick(shard)
 
     def on_forwarded(self, shard: int, entries: list[bytes]) -> None:
-        if 0 <= shard < len(self.node.groups) and getattr(self.node, "commit", None) is not None:
+        if 0 <= shard < len(self.node.groups) and self.node.serving:
             self.node.groups[shard].propose_forwarded(entries)
             self.node.commit.kick(shard)
 
