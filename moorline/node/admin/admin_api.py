@@ -36,6 +36,7 @@ from aiohttp import web
 
 from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage
+from moorline.broker.queries import claims_of, owed_count, registration, registrations
 from moorline.broker.session_state import Session
 from moorline.broker.topic_state import DELIVERY_LIMIT
 from moorline.mqtt.topics import TopicBounds, topic_filter_error
@@ -78,7 +79,7 @@ def share_groups(node: Node, q: str = "") -> list[dict[str, Any]]:
         for d in topics.drops:
             if d.reason == DELIVERY_LIMIT:
                 dead_lettered[d.reg_key] = dead_lettered.get(d.reg_key, 0) + 1
-        for reg in topics.regs.values():
+        for _rk, reg in registrations(topics):
             if reg.share_group is None or q not in reg.share_group:
                 continue
             row = agg.setdefault((reg.share_group, reg.filter), {
@@ -88,8 +89,8 @@ def share_groups(node: Node, q: str = "") -> list[dict[str, Any]]:
             for m in reg.members:
                 if m not in row["members"]:
                     row["members"].append(m)
-            row["backlog"] += max(0, len(reg.owed) - len(reg.claims))
-            row["in_flight"] += len(reg.claims)
+            row["backlog"] += max(0, owed_count(reg) - len(claims_of(reg)))
+            row["in_flight"] += len(claims_of(reg))
             row["shards"] += 1
             row["dead_lettered"] += dead_lettered.get(reg.reg_key, 0)
             # Work queues (docs/queues.md): a single-active group's active member per shard (one
@@ -286,9 +287,9 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
                 continue
             for shard in node.shards_for_filter(inner):
                 topics = node.hosts[shard].state.topics
-                reg = topics.regs.get(reg_key)
+                reg = registration(topics, reg_key)
                 if reg is not None:
-                    count += len(reg.owed)
+                    count += owed_count(reg)
                     size += topics.owed_bytes.get(reg_key, 0)
         return count, size
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from moorline.broker import commands as c
+from moorline.broker.queries import claim_of, registration
 from moorline.broker.session_state import SENT
 
 if TYPE_CHECKING:
@@ -71,11 +72,11 @@ def overdue(node: Any, live: LiveSession, now_ms: int, connected_ms: int) -> Ove
         for rk in it.reg_keys:
             if not rk.startswith(c.SHARE_PREFIX):
                 continue
-            reg = topics.regs.get(rk)
+            reg = registration(topics, rk)
             q = reg.queue if reg is not None else None
             if reg is None or q is None or q.ack_timeout_ms <= 0:
                 continue
-            holder = reg.claims.get(it.offset)
+            holder = claim_of(reg, it.offset)
             at = q.claim_ts.get(it.offset)
             if holder is None or holder[0] != live.client_id or at is None:
                 continue
@@ -137,7 +138,7 @@ def _queues(node: Any) -> Iterable[Any]:
     for h in node.hosts:
         topics = h.state.topics
         for rk in topics.share_keys:
-            reg = topics.regs.get(rk)
+            reg = registration(topics, rk)
             if reg is not None and reg.queue is not None:
                 yield reg.queue
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage, decode_message
+from moorline.broker.queries import claim_of, is_owed, registration
 from moorline.broker.session_state import SubscriptionState, packet_id_of
 from moorline.broker.topic_state import ACL_NO_READER, Registration, TopicState
 from moorline.node.sessions.delivery_acks import AckingSession
@@ -252,7 +253,7 @@ class LiveSession(AckingSession):
                     if known is not None:
                         owner, qos, sub_ids, rap, reg_keys = known
                         share = False
-                        if offset <= cursor or offset not in owner.owed:
+                        if offset <= cursor or not is_owed(owner, offset):
                             qos = -1
                     else:
                         qos, sub_ids, reg_keys, rap, share = self._resolve(topics, subs, shard, offset, dq, 1, cursor)
@@ -326,7 +327,7 @@ class LiveSession(AckingSession):
     ) -> tuple[Registration, int, tuple[int, ...], bool, tuple[str, ...]] | None:
         """(registration, qos, subscription ids, retain as published, (reg_key,)) for a plain
         registration of this session's incarnation; None for anything else ($share, stale, gone)."""
-        reg = topics.regs.get(reg_key)
+        reg = registration(topics, reg_key)
         if reg is None or reg.share_group is not None or reg.session_inc != self.incarnation:
             return None
         sub = subs.get(reg_key)
@@ -347,16 +348,16 @@ class LiveSession(AckingSession):
         share = False
         for i in range(n):
             reg_key = dq[i][1]
-            reg = topics.regs.get(reg_key)
+            reg = registration(topics, reg_key)
             sub = subs.get(reg_key)
             if reg is None:
                 continue
             if reg.share_group is not None:
-                holder = reg.claims.get(offset)
+                holder = claim_of(reg, offset)
                 if holder is None or not self._holds(holder) or (shard, offset) in self.share_delivered:
                     continue
                 share = True
-            elif reg.session_inc != self.incarnation or offset not in reg.owed or offset <= cursor:
+            elif reg.session_inc != self.incarnation or not is_owed(reg, offset) or offset <= cursor:
                 continue
             sq = sub.qos if sub is not None else reg.qos
             if sq > qos:
@@ -371,7 +372,7 @@ class LiveSession(AckingSession):
     def add_retained(self, shard: int, reg_key: str, retained: tuple[StoredMessage, ...]) -> bool:
         """A Register of this session applied in ``shard`` with these retained messages; False when
         it is not this session's (an older incarnation's, or the session is closing)."""
-        reg = self.node.hosts[shard].state.topics.regs.get(reg_key)
+        reg = registration(self.node.hosts[shard].state.topics, reg_key)
         sess = self.session()
         if self.closed or reg is None or reg.session_inc != self.incarnation or sess is None:
             return False

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage
+from moorline.broker.queries import claims_of, owed_after, registration
 from moorline.broker.session_state import RELEASING, Session, packet_id_of
 from moorline.broker.topic_state import same_incarnation
 from moorline.node.sessions.outbound import OutboundPublish, ReadFilter
@@ -251,14 +252,14 @@ class ResumingSession:
         cursor = self.cursor.get(shard, -1)
         entries: list[tuple[int, str]] = []
         for reg_key, _sub in regs:
-            reg = topics.regs.get(reg_key)
+            reg = registration(topics, reg_key)
             if reg is None:
                 continue
             if reg.share_group is not None:
-                entries.extend((o, reg_key) for o, holder in reg.claims.items()
+                entries.extend((o, reg_key) for o, holder in claims_of(reg).items()
                                if self._holds(holder) and (shard, o) not in self.share_delivered)
             elif reg.session_inc == self.incarnation:
-                entries.extend((o, reg_key) for o in reg.owed if o > cursor)
+                entries.extend((o, reg_key) for o in owed_after(reg, cursor))
         entries.sort()
         return entries
 

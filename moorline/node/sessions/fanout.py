@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from moorline import coverage
 from moorline.broker import commands as c
 from moorline.broker.effects import Effects
+from moorline.broker.queries import owed_count, owed_offsets, registration
 from moorline.node.replication.shard_host import ShardHost
 from moorline.node.sessions.delivery import LiveSession
 
@@ -67,7 +68,7 @@ class Fanout:
         reads: past either, its oldest undelivered messages (by entry time, then shard and offset)
         are dropped by committed, counted DropOwed commands. Messages already sent and not yet
         acknowledged are never dropped: the client may be acknowledging them right now."""
-        reg = host.state.topics.regs.get(reg_key)
+        reg = registration(host.state.topics, reg_key)
         if reg is None or len(self.node.hosts) < self.node.shard_count or not host.raft.is_leader:
             return  # recovering (caps hold again from the next apply), or the leader's to enforce
         cap_n, cap_b = self.node.cfg.session.max_queued_messages, self.node.cfg.session.max_queued_bytes
@@ -75,9 +76,9 @@ class Fanout:
         total_n = total_b = 0
         for shard in shards:
             t = self.node.hosts[shard].state.topics
-            r = t.regs.get(reg_key)
+            r = registration(t, reg_key)
             if r is not None:
-                total_n += len(r.owed)
+                total_n += owed_count(r)
                 total_b += t.owed_bytes.get(reg_key, 0)
         if total_n <= cap_n and total_b <= cap_b:
             return
@@ -85,8 +86,8 @@ class Fanout:
         candidates = []
         for shard in shards:
             h = self.node.hosts[shard]
-            r = h.state.topics.regs.get(reg_key)
-            if r is not None and r.owed and h.failed is None:
+            r = registration(h.state.topics, reg_key)
+            if r is not None and owed_count(r) and h.failed is None:
                 candidates.append(self._undelivered_by_age(h, r, cursors.get(shard, -1)))
         victims: dict[int, list[int]] = {}
         for _ts, shard, offset, size in heapq.merge(*candidates):
@@ -104,7 +105,7 @@ class Fanout:
         """(entry time, shard, offset, size) of what ``reg`` is owed above ``cursor``, oldest first
         (a shard's offsets are in entry-time order)."""
         meta = host.state.topics.meta
-        for offset in reg.owed:
+        for offset in owed_offsets(reg):
             if offset > cursor:
                 m = meta.get(offset)
                 if m is not None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from moorline import coverage
 from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage
+from moorline.broker.queries import claims_of, owed_count, owed_offsets, registration, registration_keys
 from moorline.broker.share_policy import dead_letter_message
 from moorline.broker.topic_state import same_incarnation
 from moorline.hashing import shard_of
@@ -52,7 +53,7 @@ class ShareDispatch:
         host = self.node.hosts[shard]
         if not host.raft.is_leader:
             return  # a group's dispatcher runs on the shard's leader
-        reg = host.state.topics.regs.get(reg_key)
+        reg = registration(host.state.topics, reg_key)
         if reg is None:
             return
         q = reg.queue  # the group's work-queue policy and state (docs/queues.md), if any
@@ -61,8 +62,8 @@ class ShareDispatch:
             self._dead_letter(host, reg_key)
         if not reg.members:
             return
-        claims = reg.claims
-        unclaimed = [o for o in reg.owed if o not in claims and o not in dead]
+        claims = claims_of(reg)
+        unclaimed = [o for o in owed_offsets(reg) if o not in claims and o not in dead]
         if self._volatile is not None and unclaimed:  # the broken build (tests only)
             unclaimed = self._volatile.to_claim(self.node, host, reg_key, reg, unclaimed)
         if not unclaimed:
@@ -84,7 +85,7 @@ class ShareDispatch:
             active = q.active
             if active not in online:
                 if (online[0] != active and (reg_key, active) not in self._activating
-                        and not any(m == active for m, _ in reg.claims.values())):
+                        and not any(m == active for m, _ in claims_of(reg).values())):
                     self._activating.add((reg_key, active))
                     coverage.hit("share_single_active_handover")
                     try:
@@ -102,7 +103,7 @@ class ShareDispatch:
                 return
             online = [active]
         outstanding: dict[str, int] = {}
-        for member, inc in reg.claims.values():
+        for member, inc in claims_of(reg).values():
             if members.get(member) == inc:
                 outstanding[member] = outstanding.get(member, 0) + 1
         window = self.node.cfg.mqtt.receive_maximum
@@ -160,7 +161,7 @@ class ShareDispatch:
         published to the dead-letter topic under a GUID derived from (group, shard, offset), then
         ShareDeadLettered releases it from the group. A leader change in between publishes it
         again, a duplicate the GUID history refuses: it appears once."""
-        reg = host.state.topics.regs.get(reg_key)
+        reg = registration(host.state.topics, reg_key)
         if reg is None or reg.share_group is None or reg.queue is None or not host.raft.is_leader:
             return
         shard = host.shard
@@ -207,13 +208,13 @@ class ShareDispatch:
         timeouts are judged where the member is connected: sessions/ack_timeout.py.)"""
         topics = host.state.topics
         for reg_key in list(topics.share_keys):
-            reg = topics.regs.get(reg_key)
+            reg = registration(topics, reg_key)
             if reg is None or reg.share_group is None:
                 continue
             q = reg.queue
             if q is not None and q.dead:
                 self._dead_letter(host, reg_key)
-            if (len(reg.owed) > len(reg.claims) + (len(q.dead) if q is not None else 0)
+            if (owed_count(reg) > len(claims_of(reg)) + (len(q.dead) if q is not None else 0)
                     and any(self.node.registry.member_connected(m, inc) for m, inc in reg.members.items())):
                 # A safety net: a member's connection applied in its session shard's replica here
                 # after the group's last change (nothing else would dispatch to it until the next).
@@ -236,6 +237,6 @@ class ShareDispatch:
         self._rounds += 1
         if not self._rr or self._rounds % 60:
             return  # every 60th round: a scan of every registration is not for every second
-        live_keys = {k for h in self.node.hosts for k in h.state.topics.regs if self.node.is_share_key(k)}
+        live_keys = {k for h in self.node.hosts for k in registration_keys(h.state.topics) if self.node.is_share_key(k)}
         for key in [k for k in self._rr if k not in live_keys]:
             del self._rr[key]

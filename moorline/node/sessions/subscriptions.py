@@ -8,6 +8,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from moorline.broker import commands as c
+from moorline.broker.queries import owed_after, registration
 from moorline.broker.session_state import Session, SubscriptionState
 from moorline.broker.share_policy import GroupPolicy, group_policy
 from moorline.mqtt.topics import parse_shared
@@ -134,11 +135,11 @@ class Subscriptions:
             if group is not None:
                 futs.append(self.node.propose_cross(shard, c.ShareMember(reg_key, live.client_id, False, live.incarnation)))
                 continue
-            reg = self.node.hosts[shard].state.topics.regs.get(reg_key)
+            reg = registration(self.node.hosts[shard].state.topics, reg_key)
             cursor = live.cursor.get(shard, -1)
             if reg is not None:
                 # Not yet delivered: no longer wanted. In flight: finished first (acked as usual).
-                unwanted = tuple(o for o in reg.owed if o > cursor)
+                unwanted = tuple(owed_after(reg, cursor))
                 if unwanted:
                     futs.append(self.node.propose_cross(shard, c.AckReport(reg_key, unwanted)))
             futs.append(self.node.propose_cross(shard, c.Unregister(reg_key, live.incarnation, "unsubscribe", version)))
