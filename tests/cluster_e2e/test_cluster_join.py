@@ -15,11 +15,14 @@
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +83,14 @@ def admit(cluster: Cluster, nd: ClusterNode, via: str) -> str:
     return out.stdout.split("--join", 1)[1].split('"', 1)[0].strip()
 
 
+def health(cluster: Cluster, name: str) -> tuple[int, dict[str, Any]]:
+    try:
+        with urllib.request.urlopen(f"{cluster[name].http_url}/v1/health?ready=cluster", timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
 def spread(cluster: Cluster, via: str) -> tuple[dict[str, int], dict[str, int], dict[int, list[str]]]:
     """(voters per node, leaderships per node, voters per shard) as ``via`` sees them."""
     ms = membership(cluster, via)
@@ -118,10 +129,10 @@ def wait_joined(cluster: Cluster, name: str, nodes: int, started: float) -> dict
     wait_for(f"{name} a voter of {share} shards, every shard at {REPLICAS} voters", balanced, 60, interval=0.2)
     times["voters_s"] = time.monotonic() - started
 
-    def leads() -> bool:
-        return spread(cluster, "n1")[1].get(name, 0) >= 1
+    def leads() -> bool:  # its share is shards / nodes (4 of 16); the rebalancer moves a few per round
+        return spread(cluster, "n1")[1].get(name, 0) >= SHARD_COUNT // nodes - 1
 
-    wait_for(f"{name} leads a shard", leads, 30, interval=0.2)
+    wait_for(f"{name} leads {SHARD_COUNT // nodes - 1} shards", leads, 30, interval=0.2)
     times["leader_s"] = time.monotonic() - started
     return times
 
@@ -177,8 +188,12 @@ def test_join_then_replace_a_wiped_node_under_load(cluster_factory: ClusterFacto
           f"leading at {times['leader_s']:.1f} s; voters {voters}, leaders {leaders}")
     wait_acks(pub, len(pub.acked) + 100, 30)
 
+    # Readiness counts the joined node: whole with it, not while it is down.
+    wait_for("n1 ready=cluster with n4", lambda: health(cluster, "n1")[0] == 200, 30, interval=0.2)
     # A joined node restarts from its cluster.json (no --join, no --initial-cluster).
     assert n4.signal_and_wait(15, 30) == 0
+    wait_for("n1 not ready while n4 is down", lambda: any(
+        "n4" in r for r in health(cluster, "n1")[1].get("not_ready", [])), 15, interval=0.2)
     spawn_joining(n4, None, CONFIG)
     n4.wait_ready()
     wait_for("n4 live again", lambda: next(m for m in membership(cluster, "n1")["members"]

@@ -59,7 +59,7 @@ class NodeStatus:
                                "http": self.node.cfg.listeners.http}], "metadata": metadata}
         stats = self.node.link.stats().get("peers", {})
         nodes = []
-        for name in self.node.link.spec.names:
+        for name in self.node.link.spec.known:  # the initial members, then those that joined
             peer = stats.get(name, {})
             is_me = name == self.node.link.spec.me
             streams_up = peer.get("connected_streams") or []

@@ -251,8 +251,9 @@ def cluster_readiness(node: Node, drain: Drain | None, now: float) -> list[str]:
     if link is None:
         return reasons
     fresh: dict[str, dict[str, Any]] = {}
-    for name in link.spec.names:
-        if name == link.spec.me:
+    peers = link.transport.peer_names()  # members that joined too; forgotten and left ones are no peers
+    for name in link.spec.known:
+        if name == link.spec.me or name not in peers:
             continue
         got = link.announced.get(name)
         if got is None or now - got[0] > ANNOUNCEMENT_FRESH_S:
@@ -277,7 +278,7 @@ def cluster_readiness(node: Node, drain: Drain | None, now: float) -> list[str]:
             leader = node.node_name(raft.lead[0])
             body = fresh.get(leader)
             if body is None:
-                if leader in link.spec.names and leader != link.spec.me:
+                if leader in link.spec.ids and leader != link.spec.me:
                     reasons.append(f"{label}: its leader {leader} not heard from")
                 continue
             if host.shard not in _ints(body.get("leads")):
