@@ -166,17 +166,20 @@ def sim(
     bitflips: Annotated[bool, typer.Option(help="--cluster: crashes may also flip a bit of synced data")] = False,
     jobs: Annotated[int, typer.Option(help="--cluster: seeds run in this many worker processes at once")] = 1,
     draw_config: Annotated[
-        bool, typer.Option(help="--cluster: each seed draws its node configuration (tiny snapshot intervals, "
-                                "segments, retention, caps, leases; docs/simulation.md)")
-    ] = False,
+        bool, typer.Option("--draw-config/--no-draw-config",
+                           help="--cluster: each seed draws its node configuration (tiny snapshot intervals, "
+                                "segments, retention, caps, leases; docs/simulation.md); off: production defaults")
+    ] = True,
     timed_sync: Annotated[
-        bool, typer.Option(help="--cluster: each WAL sync takes drawn virtual time beside the node's loop; "
-                                "a crash may fall inside it")
-    ] = False,
+        bool, typer.Option("--timed-sync/--no-timed-sync",
+                           help="--cluster: each WAL sync takes drawn virtual time beside the node's loop; "
+                                "a crash may fall inside it; off: syncs are inline")
+    ] = True,
     aimed_crashes: Annotated[
-        bool, typer.Option(help="--cluster: some crashes fire right after a node's next vote grant, append "
+        bool, typer.Option("--aimed-crashes/--no-aimed-crashes",
+                           help="--cluster: some crashes fire right after a node's next vote grant, append "
                                 "response, PUBACK or PUBREC")
-    ] = False,
+    ] = True,
 ) -> None:
     """Deterministic simulation: seeded faults, online Raft checks, total-queue and
     linearizability checkers. Exits 1 on the first seed with a violation. With --cluster: whole

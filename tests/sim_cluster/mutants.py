@@ -329,9 +329,9 @@ class RunOptions:
     seeds: int = 200
     start: int = 0
     nodes: int = 3
-    draw_config: bool = False
-    timed_sync: bool = False
-    aimed_crashes: bool = False
+    draw_config: bool = True  # the default mix of moorline sim --cluster (runner.RunConfig)
+    timed_sync: bool = True
+    aimed_crashes: bool = True
     rev: str | None = None
     keep: bool = False
 
@@ -507,9 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start", type=int, default=0, help="first seed (default 0)")
     ap.add_argument("--jobs", type=int, default=1, help="mutants run at once, one process each (default 1)")
     ap.add_argument("--sanity", type=int, default=3, help="seeds the unmutated copy must pass first (default 3)")
-    ap.add_argument("--draw-config", action="store_true", help="each seed draws its node configuration")
-    ap.add_argument("--timed-sync", action="store_true", help="syncs take virtual time (world.TimedSync)")
-    ap.add_argument("--aimed-crashes", action="store_true", help="crashes aimed at protocol moments")
+    # The default mix has all three on (as moorline sim --cluster); --no-... turns one off.
+    ap.add_argument("--draw-config", action=argparse.BooleanOptionalAction, default=True,
+                    help="each seed draws its node configuration (default: on)")
+    ap.add_argument("--timed-sync", action=argparse.BooleanOptionalAction, default=True,
+                    help="syncs take virtual time (world.TimedSync; default: on)")
+    ap.add_argument("--aimed-crashes", action=argparse.BooleanOptionalAction, default=True,
+                    help="crashes aimed at protocol moments (default: on)")
     ap.add_argument("--rev", default=None, help="mutate this git revision's tree instead of the working tree")
     ap.add_argument("--json", type=Path, default=None, help="write the outcomes to this file")
     ap.add_argument("--check", action="store_true", help="only check that every snippet occurs once")
@@ -534,8 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     todo = [m for m in MUTANTS if not a.only or m.name in a.only]
     opts = RunOptions(seeds=a.seeds, start=a.start, draw_config=a.draw_config, timed_sync=a.timed_sync,
                       aimed_crashes=a.aimed_crashes, rev=a.rev, keep=a.keep)
-    flags = " ".join(f for f, on in (("--draw-config", a.draw_config), ("--timed-sync", a.timed_sync),
-                                     ("--aimed-crashes", a.aimed_crashes)) if on) or "default mix"
+    flags = " ".join(f for f, on in (("--no-draw-config", a.draw_config), ("--no-timed-sync", a.timed_sync),
+                                     ("--no-aimed-crashes", a.aimed_crashes)) if not on) or "default mix"
     print(f"{len(todo)} mutants, seeds {a.start}..{a.start + a.seeds - 1} each ({flags}), {a.jobs} at a time",
           flush=True)
     sanity: Outcome | None = None

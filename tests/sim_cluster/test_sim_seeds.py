@@ -1,6 +1,7 @@
 """Seeds of the cluster simulator as CI runs them: whole 3- and 5-node clusters of real node code,
-the model clients and the default fault mix, with every checker; and a seed replays exactly (the
-same trace hash twice).
+the model clients and the default mix (each seed's drawn node configuration, timed syncs, aimed
+crashes), with every checker; a smaller pool of the plain mix (production configuration, inline
+syncs: ``plain_mix()``); and a seed replays exactly (the same trace hash twice).
 
 The 3-node seeds run in a pool of worker processes (one per core, at most two): each seed is a
 whole world in one process, so they are independent, and CI's budget of about five minutes covers
@@ -16,7 +17,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 from moorline.coverage import RARE_NODE_PATHS
-from moorline.sim.cluster.runner import RunConfig, SeedResult, run_seed
+from moorline.sim.cluster.runner import SeedResult, plain_mix, run_seed
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -39,35 +40,41 @@ def three_node_results() -> Iterator[dict[int, SeedResult]]:
 @pytest.mark.parametrize("seed", CI_SEEDS_3)
 def test_three_node_seeds_have_no_violation(seed: int, three_node_results: dict[int, SeedResult]) -> None:
     r = three_node_results[seed]
-    assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:10]]}\nreplay: {r.replay_command()}"
+    assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:10]]}\nconfig {r.tuning}\nreplay: {r.replay_command()}"
     assert r.counts.get("records", 0) > 100  # the clients did work
     assert sum(v for k, v in r.counts.items() if k != "records") > 0  # faults were injected
+    assert r.draw_config and r.timed_sync and r.aimed_crashes  # the default mix
 
 
-CI_DRAWN_SEEDS = range(100, 124)  # the same seeds with the node configuration each draws (tuning.py)
+# The plain mix on other seeds: production-sized configuration (no drawn knob), syncs inline,
+# crashes only between scheduler steps, as every seed ran before issue 28; the common path with
+# the configuration operators run. (Before drawn configuration was the default, this pool ran 24
+# drawn seeds; the default pool above draws now.)
+CI_PLAIN_SEEDS = range(150, 174)
 
 
-def _run3_drawn(seed: int) -> SeedResult:
-    return run_seed(seed, nodes=3, cfg=RunConfig(draw_config=True))
+def _run3_plain(seed: int) -> SeedResult:
+    return run_seed(seed, nodes=3, cfg=plain_mix())
 
 
 @pytest.fixture(scope="module")
-def drawn_results() -> Iterator[dict[int, SeedResult]]:
+def plain_results() -> Iterator[dict[int, SeedResult]]:
     workers = max(1, min(2, os.cpu_count() or 1))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield dict(zip(CI_DRAWN_SEEDS, pool.map(_run3_drawn, CI_DRAWN_SEEDS), strict=True))
+        yield dict(zip(CI_PLAIN_SEEDS, pool.map(_run3_plain, CI_PLAIN_SEEDS), strict=True))
 
 
-@pytest.mark.parametrize("seed", CI_DRAWN_SEEDS)
-def test_seeds_with_a_drawn_configuration_have_no_violation(seed: int, drawn_results: dict[int, SeedResult]) -> None:
-    r = drawn_results[seed]
-    assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:10]]}\nconfig {r.tuning}\nreplay: {r.replay_command()}"
+@pytest.mark.parametrize("seed", CI_PLAIN_SEEDS)
+def test_seeds_of_the_plain_mix_have_no_violation(seed: int, plain_results: dict[int, SeedResult]) -> None:
+    r = plain_results[seed]
+    assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:10]]}\nreplay: {r.replay_command()}"
+    assert r.tuning == {} and "--no-draw-config --no-timed-sync --no-aimed-crashes" in r.replay_command()
 
 
-def test_the_drawn_seeds_reach_every_rare_node_path(drawn_results: dict[int, SeedResult]) -> None:
+def test_the_default_seeds_reach_every_rare_node_path(three_node_results: dict[int, SeedResult]) -> None:
     """Coverage is measured, not assumed (moorline/coverage.py): with production-sized defaults no
     seed snapshots, installs or reclaims anything; the drawn configurations must reach every one."""
-    reached = {name for r in drawn_results.values() for name, n in r.paths.items() if n}
+    reached = {name for r in three_node_results.values() for name, n in r.paths.items() if n}
     missing = sorted(set(RARE_NODE_PATHS) - reached)
     assert missing == [], f"rare node paths no drawn seed reached: {missing}"
 

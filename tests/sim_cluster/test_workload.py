@@ -46,6 +46,8 @@ def test_workload_seeds_are_clean_and_every_client_kind_did_its_thing() -> None:
     assert by_kind["share"]["rejoined_as_new_session"] > 0 and by_kind["share"]["left_for_good"] == len(SEEDS)
     assert by_kind["share"]["deliveries"] > 0
     assert by_kind["will"]["wills_due"] > 0 and by_kind["will"]["wills_discarded"] > 0
+    # delayed wills whose session a reconnect resumed within the delay: judged never published
+    assert by_kind["will"]["wills_delayed"] > 0 and by_kind["will"]["wills_cancelled"] > 0
     assert totals["duplicate_legit"] > 0  # QoS 1 resends after a reconnect happened and were allowed
 
 

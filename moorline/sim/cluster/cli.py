@@ -46,8 +46,8 @@ def _run_one(args: tuple[int, int, frozenset[str], Path | None, bool, bool, bool
 
 def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Path | None,
                 switches: list[str], progress_every: float, bitflips: bool = False, jobs: int = 1,
-                draw_config: bool = False, verbose: bool = False, timed_sync: bool = False,
-                aimed_crashes: bool = False) -> None:
+                draw_config: bool = True, verbose: bool = False, timed_sync: bool = True,
+                aimed_crashes: bool = True) -> None:
     if nodes not in CLUSTER_SIZES:
         raise typer.BadParameter(f"--nodes must be 3 or 5 with --cluster, not {nodes}")
     unknown = [s for s in switches if s not in known_switches()]

@@ -54,16 +54,23 @@ class RunConfig:
     # Optional (--bitflips): half the crashes also flip a bit of synced data. The node must report
     # it (refuse to start, or stop the group whose data it is) and never silently truncate it.
     bitflips: bool = False
-    # Each seed draws its node configuration (tuning.py: tiny snapshot intervals, WAL segments,
-    # retention, queue caps, leases, ...) with --draw-config. Off by default until the violations
-    # the draws found (docs/simulation.md) are fixed: CI's seed pool must stay clean.
-    draw_config: bool = False
-    # --timed-sync: each WAL sync takes drawn virtual time beside the node's loop, and a crash may
-    # fall inside it (world.TimedSync). --aimed-crashes: some crashes are armed to fire right after
-    # a node's next vote grant, append response, PUBACK or PUBREC (world.arm_crash).
-    timed_sync: bool = False
-    aimed_crashes: bool = False
+    # The default mix (issue 28): each seed draws its node configuration (tuning.py: tiny snapshot
+    # intervals, WAL segments, retention, queue caps, leases, ...); each WAL sync takes drawn
+    # virtual time beside the node's loop, and a crash may fall inside it (world.TimedSync); some
+    # crashes are armed to fire right after a node's next vote grant, append response, PUBACK or
+    # PUBREC (world.arm_crash). --no-draw-config, --no-timed-sync, --no-aimed-crashes turn each off;
+    # plain_mix() is the mix before they were the default (seeds found with it replay with it).
+    draw_config: bool = True
+    timed_sync: bool = True
+    aimed_crashes: bool = True
     aim_window_s: float = 5.0  # an armed crash whose moment does not come within this is disarmed
+
+
+def plain_mix(**kw: Any) -> RunConfig:
+    """The mix before issue 28 made its parts the default: production-sized node configuration,
+    syncs inline in the callback that staged them, crashes only between scheduler steps
+    (``--no-draw-config --no-timed-sync --no-aimed-crashes``). Seeds found with it replay with it."""
+    return RunConfig(draw_config=False, timed_sync=False, aimed_crashes=False, **kw)
 
 
 @dataclass
@@ -91,8 +98,8 @@ class SeedResult:
 
     def replay_command(self) -> str:
         sw = "".join(f" --switch {s}" for s in self.switches) + (" --bitflips" if self.bitflips else "")
-        sw += " --draw-config" if self.draw_config else ""
-        sw += (" --timed-sync" if self.timed_sync else "") + (" --aimed-crashes" if self.aimed_crashes else "")
+        sw += "" if self.draw_config else " --no-draw-config"
+        sw += ("" if self.timed_sync else " --no-timed-sync") + ("" if self.aimed_crashes else " --no-aimed-crashes")
         return f"moorline sim --cluster --nodes {self.nodes} --seed {self.seed}{sw} --trace seed-{self.seed}.trace"
 
 
@@ -112,6 +119,14 @@ class FaultPlan:
         self.history: Any = None  # the workload's History: pauses are recorded in it for the checkers
         self.armed_until: dict[str, float] = {}  # crashes aimed at a protocol moment, not yet fired
         self.members: Any = None  # membership_faults.MembershipPlan: node faults wait while it holds
+        # Aimed crashes also aim at snapshot installs: a node that just installed a leader's
+        # snapshot crashes, half the time, right after its next append response (the install's
+        # answer: synced). A deposed leader's entries the install should have cut from the WAL are
+        # then still there at the restart (world_checks.RecoveredLogCheck). Its own stream.
+        self.install_rng = random.Random(f"{world.seed}/install")
+        self.arming = cfg.aimed_crashes  # off once everything heals
+        if cfg.aimed_crashes:
+            world.on_install = self._installed
 
     @property
     def now(self) -> float:
@@ -220,6 +235,17 @@ class FaultPlan:
                 del self.armed_until[name]
                 w.disarm(next(sn for sn in w.nodes if sn.name == name))
 
+    def _installed(self, sn: SimNode) -> None:
+        if not self.arming or sn.armed is not None or sn.name in self.faulty():
+            return
+        minority = (len(self.world.nodes) - 1) // 2
+        if len(self.faulty()) >= minority or (self.members is not None and self.members.hold()):
+            return
+        if self.install_rng.random() < 0.5:
+            self.world.arm_crash(sn, "append_response")
+            self.armed_until[sn.name] = self.now + self.cfg.aim_window_s
+            self._count("aimed_at_install")
+
     def _record_pause(self, node: str, reason: str) -> None:
         """A paused node cannot close its clients' connections: the owner checks need to know."""
         if reason == "pause":
@@ -284,6 +310,7 @@ class FaultPlan:
 
     def heal_all(self) -> None:
         w = self.world
+        self.arming = False
         self._aimed()
         for name in list(self.armed_until):
             del self.armed_until[name]
@@ -310,6 +337,7 @@ class SafetyMonitor:
         self.findings: list[Finding] = []
 
     def sample(self) -> None:
+        self.world.sample_commits()
         for sn in self.world.nodes:
             node = sn.node
             if node is None or sn.crashed:
@@ -438,6 +466,9 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
             # A queue-cap drop names the broker's GUID; for a message published without one the
             # history cannot tell which message it was, so seeds with a tiny cap publish with GUIDs.
             wcfg = WorkloadConfig(guidless_publishers=tuning.max_queued_messages >= GUIDLESS_MIN_QUEUE_CAP)
+            if not cfg.draw_config:
+                # Delayed wills came with the default mix (issue 28): the plain mix's seeds replay as before.
+                wcfg.delayed_will_probability = 0.0
             workload = Workload(world, random.Random(f"{seed}/workload"), records, wcfg)
             plan.history = workload.history
             workload.start()

@@ -7,9 +7,8 @@ ran in no seed, and a slip in them passed any number of seeds. Each seed therefo
 configuration from ranges that include tiny values; about half of the knobs keep the default in any
 one seed, so the common path stays covered too. The draw depends on the seed alone (its own random
 stream), so a seed's replay runs the same configuration; ``--verbose`` prints it and the trace
-header records it. The draw is on with ``--draw-config`` (``RunConfig.draw_config``): it is not yet
-the default, because its first batches found violations that are not all fixed (docs/simulation.md
-lists them), and CI's seed pool must stay clean.
+header records it. The draw is the default (``RunConfig.draw_config``); ``--no-draw-config`` keeps
+the production defaults (``runner.plain_mix()``).
 """
 
 from __future__ import annotations

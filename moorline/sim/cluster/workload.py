@@ -77,6 +77,18 @@ PROBE_AGAIN_S = (0.3, 1.0)  # a racer's SUBACK is probed at once and again after
 RACE_FILTERS_KEPT = 5  # a racer holds at most this many race/ filters; past it the oldest is unsubscribed
 NO_GUID = "no_guid"  # detail of a publish sent without a guid user property
 WILL_DISCARDED = "will discarded: clean DISCONNECT processed"
+# A delayed will (MQTT 5 will delay interval): the client ends its connection without DISCONNECT
+# and resumes the session (clean start 0) well within the delay, so the will must never be
+# published (MQTT 5 3.1.3.2.2: the session resumed before the delay ran out). The end is not
+# "will due" (checkers.WILL_DUE): the will is owed only if nothing resumes the session in time.
+WILL_DELAYED = "closed without DISCONNECT, will delayed"
+WILL_CANCELLED = "will cancelled: session resumed within its will delay"
+WILL_DELAY_S = 4  # the delayed wills' will delay interval (s)
+WILL_SESSION_EXPIRY_S = 30  # their session's expiry: the session outlives the delay
+# The resumed session's CONNACK must come this long before the delay runs out for the will to
+# be judged cancelled: the broker's timer starts when it notices the end (after the client's
+# close), and node clocks differ by up to WorldConfig.max_skew_ms.
+WILL_RESUME_MARGIN_S = 1.5
 NOT_DRAINED = "not drained: the drain timed out"  # a subscriber that could not catch up after the faults healed
 ABANDONED = "abandoned: unanswered when the drain timed out"  # a publish never answered after the faults healed
 SESSION_TAKEN_OVER = 0x8E
@@ -132,6 +144,10 @@ class WorkloadConfig:
     # Rounds go on into the heal phase (the workload's stop ends them): a will due there, with no
     # fault near, must be published (checkers: will_not_published).
     will_rounds: int = 12
+    # A round of an MQTT 5 will client with this probability is a delayed one: will delay
+    # WILL_DELAY_S, an end without DISCONNECT, then the session resumed within the delay. The
+    # runner sets 0 without drawn configuration (runner.plain_mix: its seeds replay as before).
+    delayed_will_probability: float = 0.35
     withhold_probability: float = 0.04  # a subscriber withholds an ack, then reconnects
     reconnect_rate_per_s: float = 0.08  # random reconnects of a connected client, per second
     connect_timeout_s: float = 15.0  # above the owner lease: a takeover may wait for it
@@ -1059,6 +1075,9 @@ class WillClient(ModelClient):
         self.round = 0
         self.will: Outgoing | None = None
         self.server_disconnected = False
+        self.will_delay = 0  # the will delay interval of the next CONNECT's will (s)
+        self.delayed: tuple[float, Outgoing] | None = None  # (ended at, will) of a delayed will to cancel
+        self.expect_gone = False  # the next CONNECT (clean start 0) must find no session
 
     def will_for_connect(self) -> Will | None:
         self.round += 1
@@ -1066,29 +1085,67 @@ class WillClient(ModelClient):
         self.will = Outgoing(self.round, f"w/{self.name}", payload, message_guid(payload), 1, 0, True)
         # The broker holds the will from the CONNECT on: recorded as a publish nobody acknowledges.
         self.rec("invoke", "publish", guid=self.will.guid, topic=self.will.topic, qos=1, detail="will")
-        return Will(self.will.topic, payload, 1)
+        props = Properties(will_delay_interval=self.will_delay) if self.will_delay else NO_PROPERTIES
+        return Will(self.will.topic, payload, 1, properties=props)
 
     async def run(self) -> None:
         await self.sleep(self.rng.uniform(0.2, 2.0))
         while self.round < self.rounds and not self.wl.stopping:
-            present = await self.connect(True, 0)
+            resume, self.delayed = self.delayed, None
+            gone, self.expect_gone = self.expect_gone, False
+            p_delayed = self.wl.cfg.delayed_will_probability
+            delayed = (resume is None and not gone and self.version == 5 and p_delayed > 0
+                       and self.rng.random() < p_delayed)
+            self.will_delay = WILL_DELAY_S if delayed else 0
+            present = await self.connect(resume is None and not gone, WILL_SESSION_EXPIRY_S if delayed else 0)
+            if gone and present:
+                self.wl.state_findings.append(("session_resurrected", (
+                    f"{self.client_id}: CONNECT with clean start 0 found a session (session present 1) at "
+                    f"{self.now():.3f} s, right after the broker processed the DISCONNECT that ended it "
+                    f"(session expiry 0, the broker closed the connection)")))
+            resumed = (resume is not None and bool(present)
+                       and self.now() < resume[0] + WILL_DELAY_S - WILL_RESUME_MARGIN_S)
+            if resume is not None and resumed:
+                old = resume[1]
+                self.rec("fail", "publish", guid=old.guid, topic=old.topic, qos=1, reason=WILL_CANCELLED,
+                         detail="will")
+                self.stat("wills_cancelled")
             if present is None:
                 await self.sleep(self.rng.uniform(0.5, 1.5))
                 continue
-            await self.sleep(self.rng.uniform(0.5, 3.0))
+            stay = self.rng.uniform(0.5, 3.0)
+            if resume is not None and resumed:
+                # Outlive the cancelled will's delay, then end cleanly: a resume that failed to
+                # cancel the pending will would publish it (this connection's own will, which
+                # replaced it) while the connection lives, and the clean end records that will
+                # as discarded (never to be published).
+                stay = max(stay, resume[0] + WILL_DELAY_S + WILL_RESUME_MARGIN_S - self.now())
+            await self.sleep(stay)
             if not self.connected:
                 continue
             will = self.will
             assert will is not None
-            if self.rng.random() < 0.5:
+            if delayed:
+                self.close(clean=False, reason=WILL_DELAYED)
+                self.delayed = (self.now(), will)
+                self.stat("wills_delayed")
+                await self.sleep(self.rng.uniform(0.2, 0.8))
+                continue
+            if not resumed and self.rng.random() < 0.5:
                 self.close(clean=False, reason="ended without DISCONNECT: will due")
                 self.stat("wills_due")
             else:
-                await self._clean_end(will)
+                discarded = await self._clean_end(will)
+                if resumed and discarded:
+                    # The resumed session had expiry 0: the processed DISCONNECT ended it, and a
+                    # CONNECT with clean start 0 right away must find none (session_resurrected).
+                    self.expect_gone = True
+                    self.stat("ended_sessions_probed")
+                    continue
             await self.sleep(self.rng.uniform(1.0, 2.0))
         self.done = True
 
-    async def _clean_end(self, will: Outgoing) -> None:
+    async def _clean_end(self, will: Outgoing) -> bool:
         """DISCONNECT, then wait for the broker to end the connection. Only when the node that got
         it stayed up throughout (same boot, never crashed) is the will known to be discarded."""
         conn = self.conn
@@ -1114,6 +1171,8 @@ class WillClient(ModelClient):
             self.rec("fail", "publish", guid=will.guid, topic=will.topic, qos=1, reason=WILL_DISCARDED,
                      detail="will")
             self.stat("wills_discarded")
+            return True
+        return False
 
     def on_server_disconnect(self, reason_code: int) -> None:
         self.server_disconnected = True

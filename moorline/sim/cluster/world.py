@@ -49,6 +49,7 @@ from moorline.sim.cluster.vnet import HostNetwork, LinkDelay, SimNetwork
 from moorline.sim.cluster.world_checks import (
     PromiseLedger,
     ReadBarrierCheck,
+    RecoveredLogCheck,
     canonical_state_findings,
     watch_barriers,
 )
@@ -414,6 +415,8 @@ class World:
         # Drawn last: the draws above (and so every trace without timed syncs) stay as they were.
         self._sync_rngs = {n.name: random.Random(self.rng.getrandbits(64)) for n in self.nodes}
         self.promises = PromiseLedger()  # world_checks.py
+        self.recovered_logs = RecoveredLogCheck()
+        self.on_install: Callable[[SimNode], None] | None = None  # the fault plan's aim (runner.FaultPlan)
         self.barriers = ReadBarrierCheck()
         self.canonical_findings: list[tuple[str, str]] = []  # snapshots installed, or restored at a restart
         self.states_checked_at_crash = 0  # replicas' states restored and compared as their node crashed
@@ -583,6 +586,8 @@ class World:
             self.canonical_findings += canonical_state_findings([(sn.name, host.shard, host.state)])
             if on_installed is not None:
                 on_installed(host)
+            if self.on_install is not None:
+                self.on_install(sn)
 
         settings.on_installed = installed
 
@@ -595,17 +600,32 @@ class World:
                 snap_index = log_.first_index() - 1
                 self.promises.on_recovered(sn.name, host.shard, raft.term, raft.vote, snap_index,
                                            log_.last_index(), log_.term_or_zero)
+                self.recovered_logs.on_recovered(sn.name, host.shard, snap_index, log_.term_or_zero(snap_index),
+                                                 log_.committed, log_.last_index(), log_.term_or_zero)
                 if sn.boots > 1 and snap_index > 0:
                     self.canonical_findings += canonical_state_findings([(sn.name, host.shard, host.state)])
                 watch_barriers(self.barriers, sn.name, host)
 
         node.open_groups = watched  # type: ignore[method-assign]
 
+    def sample_commits(self) -> None:
+        """Record what every live replica committed since the last sample (RecoveredLogCheck)."""
+        for sn in self.nodes:
+            if sn.node is None or sn.crashed:
+                continue
+            for host in sn.node.groups:
+                if host.failed is not None:
+                    continue
+                log_ = host.raft.log
+                self.recovered_logs.sample(sn.name, host.shard, log_.committed, log_.first_index(), log_.term_or_zero)
+
     def check_counts(self) -> dict[str, int]:
         """How much the world-state checks saw (a check that saw nothing proves nothing)."""
         live = sum(sn.syncer.completed for sn in self.nodes if sn.syncer is not None and not sn.crashed)
         counts = {"raft_messages_seen": self.promises.messages_seen,
                   "recoveries_checked": self.promises.recoveries_checked,
+                  "recovered_logs_checked": self.recovered_logs.logs_checked,
+                  "committed_entries_recorded": self.recovered_logs.entries_recorded,
                   "read_barriers_judged": self.barriers.resolved,
                   "snapshot_installs_checked": self.installs_checked,
                   "states_checked_at_crash": self.states_checked_at_crash}
@@ -619,7 +639,7 @@ class World:
         restored from its own snapshot bytes."""
         replicas = [(sn.name, h.shard, h.state) for sn in self.nodes if sn.node is not None and sn.ready
                     for h in sn.node.groups if h.failed is None]
-        return (self.promises.findings + self.barriers.findings + self.canonical_findings
+        return (self.promises.findings + self.recovered_logs.findings + self.barriers.findings + self.canonical_findings
                 + canonical_state_findings(replicas))
 
     def crash(self, sn: SimNode, lose_unsynced: bool = True) -> list[str]:

@@ -13,6 +13,8 @@ check that reused that condition could not fail when the condition is wrong.
 - ``ReadBarrierCheck`` (read barriers): when a read barrier's future resolves, the replica has
   applied at least the read index the group's read (``ReadState``) returned for it; a barrier that
   resolves with no read index answered is a violation too.
+- ``RecoveredLogCheck`` (recovered logs): a restarted replica's log, up to its commit index, holds
+  the terms the group committed, and its terms never decrease after its snapshot.
 - ``canonical_state_findings`` (snapshots): a replica's state encoded, restored with
   ``ShardState.restore`` and encoded again gives the same bytes, the restored state's derived
   indexes (``derived_state``: owed counts and bytes, retention candidates, ...) are those the
@@ -104,6 +106,65 @@ class PromiseLedger:
         if ack.entry_term is not None and have != ack.entry_term:
             self.findings.append(("promise_broken", f"{where}: acknowledged entry {ack.index} of term "
                                   f"{ack.entry_term} in term {term}; restarted holding term {have} there"))
+
+
+@dataclass
+class RecoveredLogCheck:
+    """A restarted replica's recovered Raft log against the group's committed entries.
+
+    While the run goes, each live replica's newly committed entries are recorded by index with
+    their term (``sample``); two replicas committing different terms at one index is
+    ``committed_entries_differ``. When a node restarts (``on_recovered``), every entry of its
+    recovered log up to its recovered commit index has the committed term where one is known, and
+    the recovered log's terms never decrease from its snapshot's term to its last entry (every Raft
+    log is a prefix of some leader's log plus nothing else: a deposed leader's entries left after a
+    newer snapshot break that). Either is ``recovered_log_differs``."""
+
+    committed: dict[tuple[int, int], int] = field(default_factory=dict)  # (group, index) -> term
+    cursor: dict[tuple[str, int], int] = field(default_factory=dict)  # (node, group) -> last recorded
+    findings: list[Finding] = field(default_factory=list)
+    entries_recorded: int = 0
+    logs_checked: int = 0
+
+    def sample(self, node: str, group: int, commit: int, first_index: int, term_of: Callable[[int], int]) -> None:
+        """``node``'s replica of ``group`` has committed up to ``commit``; its log holds entries from
+        ``first_index``; ``term_of(i)``: the term of entry ``i`` (0 when compacted away)."""
+        key = (node, group)
+        start = max(self.cursor.get(key, 0) + 1, first_index)
+        for i in range(start, commit + 1):
+            term = term_of(i)
+            if term == 0:
+                continue
+            prev = self.committed.setdefault((group, i), term)
+            if prev == term:
+                self.entries_recorded += 1
+            elif len(self.findings) < 20:
+                self.findings.append(("committed_entries_differ", f"group {group} entry {i}: committed with "
+                                      f"term {prev} by one replica, term {term} by {node}"))
+        if commit > self.cursor.get(key, 0):
+            self.cursor[key] = commit
+
+    def on_recovered(self, node: str, group: int, snapshot_index: int, snapshot_term: int, commit: int,
+                     last_index: int, term_of: Callable[[int], int]) -> None:
+        self.logs_checked += 1
+        where = f"{node} group {group}"
+        self.cursor[(node, group)] = min(commit, last_index)
+        prev_term, prev_index = snapshot_term, snapshot_index
+        for i in range(snapshot_index + 1, last_index + 1):
+            term = term_of(i)
+            if term < prev_term:
+                self.findings.append(("recovered_log_differs", f"{where}: recovered entry {i} of term {term} "
+                                      f"after entry {prev_index} of term {prev_term} (snapshot at "
+                                      f"{snapshot_index}, log to {last_index}): terms of a log never decrease"))
+                return
+            if i <= commit:
+                known = self.committed.get((group, i))
+                if known is not None and known != term:
+                    self.findings.append(("recovered_log_differs", f"{where}: recovered entry {i} of term "
+                                          f"{term} at or below its commit index {commit}; the group "
+                                          f"committed term {known} there"))
+                    return
+            prev_term, prev_index = term, i
 
 
 @dataclass
