@@ -37,10 +37,6 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
     ("edge/server.py", "c._closing"): "edge's own connection state, read by its server: to become public in edge/",
     ("edge/server.py", "conn._closing"): "as above",
     ("edge/server.py", "conn._write"): "as above",
-    ("housekeeping.py", "live._load_pending"):
-        "reloading a session's pending deliveries after a snapshot install: sessions/delivery.py (another "
-        "engineer's this session) to give it a public name (the 'one catch-up mechanism' of issue 29)",
-    ("sessions/share.py", "live._room"): "the receive-window room of a LiveSession: sessions/delivery.py to make it public",
 }
 
 # The shard state's fields node code reaches only through moorline/broker/queries.py.

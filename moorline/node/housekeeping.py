@@ -48,7 +48,7 @@ class Housekeeping:
         for live in list(self.node.live.values()):
             sess = live.session()
             if sess is not None and not live.closed:
-                live._load_pending(sess)
+                live.load_pending(sess)
                 live.wake()
 
     async def run(self) -> None:

@@ -107,7 +107,7 @@ class LiveSession(AckingSession):
                 await asyncio.sleep(0.1)
                 self._wake.set()
 
-    def _room(self) -> int:
+    def room(self) -> int:
         return self.receive_max - self.inflight_out
 
     def _packet_id_room(self) -> int:
@@ -203,7 +203,7 @@ class LiveSession(AckingSession):
         subs = self.node.reg_subs(self.client_id, sess)
         if self.overflowed:
             self._reload_overflowed(sess)
-        room = self._room()
+        room = self.room()
         batch_max = min(self.node.cfg.session.delivery_batch_max, self._packet_id_room())
         if batch_max <= 0:
             return False  # woken again by acknowledgements

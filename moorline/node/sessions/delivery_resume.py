@@ -97,7 +97,7 @@ class ResumingSession:
         self._resend()
         sess = self.session()
         if sess is not None:
-            self._load_pending(sess)
+            self.load_pending(sess)
             if self.node.link is not None:  # one node: its replicas are the groups themselves
                 shards = [shard for shard, _ in self.node.session_regs(self.client_id, sess)]
                 if shards:
@@ -218,7 +218,7 @@ class ResumingSession:
             log.info("session %s: %s; closing its connection", self.client_id, why)
             conn.disconnect(0x80, f"delivery must resume from the committed state: {why}")
 
-    def _load_pending(self, sess: Session) -> None:
+    def load_pending(self, sess: Session) -> None:
         """On (re)connect: everything owed past the delivered cursor, and our undelivered claims."""
         node = self.node
         self.pending = {}

@@ -111,7 +111,7 @@ class ShareDispatch:
         for m in online:
             live = self.node.live.get(m)
             if live is not None and same_incarnation(live.incarnation, members[m]):
-                room[m] = max(0, live._room())
+                room[m] = max(0, live.room())
             else:
                 room[m] = max(0, window - outstanding.get(m, 0))
         # A single-active group has one member to give to: its commit order is every topic's order.
