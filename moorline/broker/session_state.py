@@ -94,6 +94,10 @@ class OpenResult:
     # the new owner serves only after it (promise: never two owners at once). 0: nothing to wait for.
     wait_until_ms: int = 0
     ts_ms: int = 0  # the open's entry time (what wait_until_ms is measured from)
+    # The will of the connection (or ended session) this open replaced that is due now, as
+    # (incarnation, epoch, will) of that connection: the opener publishes it (exactly once: it is
+    # gone from the shard's state). None: no will, or it is cancelled (MQTT 5 §3.1.2.5, §3.1.3.2.2).
+    replaced_will: tuple[int, int, WillSpec] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +171,11 @@ class SessionState:
         lease_until = cmd.ts_ms + cmd.lease_ms if cmd.lease_ms else 0
         # A session with expiry 0 ends with its network connection: a new CONNECT that finds it
         # (its old connection's close not applied yet, or a takeover) starts a fresh one.
-        if old is not None and (cmd.clean_start or old.expiry_s == 0 or self._expired(old, cmd.ts_ms)):
+        ending = old is not None and (cmd.clean_start or old.expiry_s == 0 or self._expired(old, cmd.ts_ms))
+        replaced_will = None
+        if old is not None and (due := self._replaced_will(old, ending, cmd.ts_ms)) is not None:
+            replaced_will = (old.incarnation, old.epoch, due)
+        if ending:
             ended = old
             old = None
         if cmd.max_persistent > 0 and expiry > 0:
@@ -186,7 +194,8 @@ class SessionState:
                            owner_node=cmd.owner_node, lease_until_ms=lease_until, prev_lease=prev)
             self.sessions[cmd.client_id] = sess
             self._count(sess)
-            return OpenResult(False, sess.epoch, sess.incarnation, ended, wait_until_ms=wait, ts_ms=cmd.ts_ms)
+            return OpenResult(False, sess.epoch, sess.incarnation, ended, wait_until_ms=wait, ts_ms=cmd.ts_ms,
+                              replaced_will=replaced_will)
         self._uncount(old)
         old.epoch = self.epochs
         old.connected = True
@@ -196,7 +205,31 @@ class SessionState:
         old.principal = cmd.principal
         old.owner_node, old.lease_until_ms, old.prev_lease = cmd.owner_node, lease_until, prev
         self._count(old)
-        return OpenResult(True, old.epoch, old.incarnation, None, wait_until_ms=wait, ts_ms=cmd.ts_ms)
+        return OpenResult(True, old.epoch, old.incarnation, None, wait_until_ms=wait, ts_ms=cmd.ts_ms,
+                          replaced_will=replaced_will)
+
+    @staticmethod
+    def _replaced_will(old: Session, ending: bool, now_ms: int) -> WillSpec | None:
+        """The will of ``old``'s last network connection that is due as a new CONNECT of its client
+        applies (the open then takes it: neither a later close nor housekeeping sees it again).
+
+        A connection still marked connected is closed by this open (MQTT-3.1.4-3: its owner
+        ends it on applying the open; a dead owner's lapsed lease ended it already, as of the
+        lease's end), not by a DISCONNECT: its will is due once the will delay elapses or the
+        session ends, whichever is first (§3.1.2.5, §3.1.3.2.2). A new connection that continues
+        the session within the delay cancels it (MQTT-3.1.3-9); a clean start, or a session with
+        expiry 0, ends the session: due at once. A 3.1.1 will has no delay: always due."""
+        will = old.will
+        if will is None:
+            return None
+        if old.connected:
+            closed_at = old.lease_until_ms if lease_lapsed(old, now_ms) else now_ms
+            due = closed_at + min(will.delay_s, old.expiry_s) * 1000
+        elif old.will_due_ms is not None:
+            due = old.will_due_ms  # closed without DISCONNECT, its will delay running
+        else:
+            return None
+        return will if ending or due <= now_ms else None
 
     def apply_release(self, cmd: LeaseRelease, fx: Effects) -> bool:
         s = self.sessions.get(cmd.client_id)

@@ -238,10 +238,21 @@ class SessionLifecycle:
             # Also when the wait failed (taken over again meanwhile): the incarnation this open
             # replaced is gone from the session shard whatever happens to this connection, and
             # nothing else would end it (a $share member whose claims never come back).
+            self._publish_replaced_will(client_id, res)
             if res.ended is not None:
                 coverage.hit("session_replaced")
                 await self.end_session(res.ended, reason)
         return res.session_present, res.epoch, res.incarnation
+
+    def _publish_replaced_will(self, client_id: str, res: Any) -> None:
+        """The will of the connection an open replaced, when due (session_state._replaced_will):
+        the session shard handed it to this open alone. Published once the previous owner is done
+        with that connection (after the takeover wait), without holding up the CONNACK."""
+        if res.replaced_will is None:
+            return
+        inc, epoch, will = res.replaced_will
+        task = asyncio.get_running_loop().create_task(self._publish_will_of(client_id, inc, epoch, will))
+        self.node.run_in_background(task)
 
     def _open_applied_unserved(self, client_id: str, fut: asyncio.Future[Any], reason: str) -> None:
         """A SessionOpen whose caller gave up (outcome unknown) applied after all."""
@@ -251,6 +262,7 @@ class SessionLifecycle:
         if res is None or res.refused or self.node.stopping.is_set():
             return
         self.node.abandon_session(client_id, res.epoch)
+        self._publish_replaced_will(client_id, res)
         if res.ended is not None:
             task = asyncio.get_running_loop().create_task(self.end_session(res.ended, reason))
             self.node.run_in_background(task)
@@ -360,10 +372,14 @@ class SessionLifecycle:
             await self.end_session(sess, "session_expired")
 
     async def _publish_will(self, sess: Session, will: c.WillSpec) -> None:
+        await self._publish_will_of(sess.client_id, sess.incarnation, sess.epoch, will)
+
+    async def _publish_will_of(self, client_id: str, incarnation: int, epoch: int, will: c.WillSpec) -> None:
+        """The will of ``client_id``'s connection of that incarnation and epoch (its GUID)."""
         coverage.hit("will_published")
         props = msgspec.msgpack.decode(will.props, type=MessageProps) if will.props else None
         msg = StoredMessage(
-            will.topic, will.payload, will.qos, will.retain, guid128(sess.client_id, sess.incarnation, sess.epoch, "will"),
-            self.node.now_ms(), will.expiry_s, props, sess.client_id,
+            will.topic, will.payload, will.qos, will.retain, guid128(client_id, incarnation, epoch, "will"),
+            self.node.now_ms(), will.expiry_s, props, client_id,
         )
         await self.node.publish(msg, principal="")
