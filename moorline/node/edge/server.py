@@ -386,10 +386,7 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
             conn._write(encode(Disconnect(RC.SERVER_SHUTTING_DOWN), MQTT_5))
         conn.abort("server shutting down")
     await asyncio.sleep(0.05)
-    pending: list[Any] = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    # Let session closes (committed SessionClose) finish, bounded.
-    if pending:
-        await asyncio.wait(pending, timeout=min(cfg.shutdown_drain_s, 2.0))
+    await _wait_for_session_closes(node, server, min(cfg.shutdown_drain_s, 2.0))
     if ws_runner is not None:
         await ws_runner.cleanup()
     await http_runner.cleanup()
@@ -399,6 +396,24 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
         print(f"moorline: fatal: {node.fatal}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+async def _wait_for_session_closes(node: Node, server: MqttServer, timeout_s: float) -> None:
+    """Waits, at most ``timeout_s``, for what closing the connections started: each connection's
+    session close (a committed SessionClose, then its will or the session's end) and the cleanups
+    they left running (node.background), so a restart finds those sessions disconnected as of now.
+    Not for the node's long-lived loops, which end only with ``node.stop()``."""
+    clock = node.clock
+    deadline = clock.monotonic() + timeout_s
+    # A connection proposes its close when its transport reports the loss, a loop turn after the
+    # abort (a TLS or WebSocket one after its closing handshake).
+    while any(conn.live is not None for conn in server.connections) and clock.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    while clock.monotonic() < deadline:
+        pending: list[asyncio.Task[Any]] = [*node.lifecycle.unfinished_closes(), *node.background]
+        if not pending:
+            return
+        await asyncio.wait(pending, timeout=max(0.0, deadline - clock.monotonic()))
 
 
 def _drain_asked(drain: Drain, reason: str) -> None:

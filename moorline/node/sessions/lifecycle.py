@@ -34,6 +34,9 @@ class SessionLifecycle:
     def __init__(self, node: Node) -> None:
         self.node = node
         self._lease_deadline = node.registry.lease_deadline  # the registry's: (client id, epoch) -> deadline
+        # Session closes not finished yet (committed SessionClose, then the will or the session's
+        # end): a stop waits for them (bounded), not for every task (edge/server.py).
+        self._closing: dict[asyncio.Task[None], None] = {}
 
     def on_results(self, host: ShardHost, cmds: list[c.Command], results: list[Any]) -> None:
         """A session opened elsewhere (another node, a newer epoch) ends this node's connection of
@@ -352,7 +355,17 @@ class SessionLifecycle:
         assert fut is not None
         if on_outcome is not None:
             fut.add_done_callback(on_outcome)
-        return asyncio.get_running_loop().create_task(self._finish_close(live, fut, send_will))
+        task = asyncio.get_running_loop().create_task(self._finish_close(live, fut, send_will))
+        self._closing[task] = None
+        task.add_done_callback(self._close_done)
+        return task
+
+    def _close_done(self, task: asyncio.Task[None]) -> None:
+        self._closing.pop(task, None)
+
+    def unfinished_closes(self) -> list[asyncio.Task[None]]:
+        """The session closes still under way, oldest first (a stop waits for them)."""
+        return list(self._closing)
 
     async def _finish_close(self, live: LiveSession, fut: asyncio.Future[Any], send_will: bool) -> None:
         await live.close()
