@@ -6,6 +6,7 @@
   gets it as a learner (snapshot transfer, then the log); the reconciler gives it its share of voters
   (``replicas * shards / nodes``, promoting only caught-up learners, removing the surplus voter) and
   the leader rebalancer some leaderships. All under a QoS 1 stream: 0 acknowledged lost, 0 refused.
+- Then n5 the same way (five nodes: 9 or 10 voters each).
 - A joined node restarts from its data directory's cluster.json (no --join).
 - Replace a wiped node under the same stream: n3 killed, forgotten, its data directory wiped, admitted
   again under its name and started with --join: a new member (new node id, new storage id), voter of
@@ -188,6 +189,18 @@ def test_join_then_replace_a_wiped_node_under_load(cluster_factory: ClusterFacto
           f"leading at {times['leader_s']:.1f} s; voters {voters}, leaders {leaders}")
     wait_acks(pub, len(pub.acked) + 100, 30)
 
+    # --- join n5 (admitted through another node) ----------------------------------------------------
+    n5 = ClusterNode("n5", 5, cluster.base, "127.0.0.15", _free_port("127.0.0.15"))
+    cluster.nodes["n5"] = n5
+    t5 = time.monotonic()
+    spawn_joining(n5, admit(cluster, n5, "n3"), CONFIG)
+    n5.wait_ready()
+    times5 = wait_joined(cluster, "n5", 5, t5)
+    voters, leaders, _ = spread(cluster, "n1")
+    print(f"n5 joined: {voters.get('n5')} voters at {times5['voters_s']:.1f} s, leading at {times5['leader_s']:.1f} s; "
+          f"voters {voters}, leaders {leaders}")
+    assert min(voters.values()) >= REPLICAS * SHARD_COUNT // 5 and max(voters.values()) <= -(-REPLICAS * SHARD_COUNT // 5) + 1
+
     # Readiness counts the joined node: whole with it, not while it is down.
     wait_for("n1 ready=cluster with n4", lambda: health(cluster, "n1")[0] == 200, 30, interval=0.2)
     # A joined node restarts from its cluster.json (no --join, no --initial-cluster).
@@ -212,13 +225,13 @@ def test_join_then_replace_a_wiped_node_under_load(cluster_factory: ClusterFacto
     spawn_joining(cluster["n3"], seeds, CONFIG)
     cluster["n3"].wait_ready()
     members = {m["name"]: m for m in membership(cluster, "n1")["members"]}
-    assert members["n3"]["state"] == "active" and members["n3"]["node_id"] == 5, members
+    assert members["n3"]["state"] == "active" and members["n3"]["node_id"] == 6, members
     assert members["n3@3"]["state"] == "forgotten", members
-    times3 = wait_joined(cluster, "n3", 4, t1)
+    times3 = wait_joined(cluster, "n3", 5, t1)
     voters, leaders, by_shard = spread(cluster, "n1")
     print(f"n3 replaced: voters at {times3['voters_s']:.1f} s after the kill; voters {voters}, leaders {leaders}")
     assert "n3@3" not in voters
 
-    check_nothing_lost(cluster, pub, ["n1", "n2", "n3", "n4"])
+    check_nothing_lost(cluster, pub, ["n1", "n2", "n3", "n4", "n5"])
     print(f"{len(pub.acked)} acknowledged, 0 lost, 0 refused")
-    Path(cluster.base / "joined.txt").write_text(repr((times, times3)))
+    Path(cluster.base / "joined.txt").write_text(repr((times, times5, times3)))

@@ -398,7 +398,8 @@ class ClusterLink:
 
     def announce_now(self) -> None:
         """This node's announcement to every peer (also between the periodic ones: a drain's start)."""
-        fields = {"name": self.spec.me, "storage_id": self.storage_id, "members": self.members, "layout": self.layout}
+        fields = {"name": self.spec.me, "node_id": self.spec.my_id, "storage_id": self.storage_id,
+                  "members": self.members, "layout": self.layout}
         if self.announce_extra is not None:
             try:
                 fields = {**self.announce_extra(), **fields}
@@ -588,6 +589,9 @@ class ClusterLink:
         sid = body.get("storage_id")
         if not isinstance(sid, str):
             return
+        nid = body.get("node_id")
+        if isinstance(nid, int) and nid != self.spec.ids.get(peer):
+            return  # a new member under a forgotten one's name: learned from the member table (learn_member)
         theirs_layout = body.get("layout")
         if isinstance(theirs_layout, str) and theirs_layout != self.layout:
             if self._mismatch is None:

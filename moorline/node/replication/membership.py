@@ -108,6 +108,7 @@ class MembershipDriver:
         self.left = False  # this node saw itself left in the member table (and asked itself to stop)
         self._fenced: set[str] = set()  # members this node's cluster link no longer talks to
         self._learn_refused: dict[tuple[str, int, str], None] = {}  # members the link refused to add
+        self._bootstrap_preferred: list[Any] | None = None  # each shard's preferred leader at boot
 
     # --- views -------------------------------------------------------------------------------
     @property
@@ -296,10 +297,11 @@ class MembershipDriver:
     def _prefer_leaders(self) -> None:
         """Once a node that joined votes somewhere, each shard's preferred leader (which the leader
         rebalancer moves leadership to, replication/leadership.py) is chosen again from its current
-        voters, shard by shard: its preferred node while that one votes and leads fewer than
-        ceil(shards / voting nodes) so far, else the voter preferred for fewest so far (then by
-        name). The same on every node that sees the same configurations; before any join the
-        bootstrap placement's choice stays untouched."""
+        voters, shard by shard: the voter preferred for fewest shards so far (ties: the bootstrap
+        placement's choice, then by name), which spreads leaderships about evenly. It depends on the
+        configurations only, so every node that sees the same ones prefers the same leaders (a
+        leader never hands a shard to a node that would hand it on); before any join the bootstrap
+        placement's choice stays untouched."""
         meta = self.node.meta_host
         record = meta.state.cluster if meta is not None else None
         if record is None:
@@ -309,12 +311,12 @@ class MembershipDriver:
         nodes = {v for voters in confs for v in voters}
         if not confs or any(not v for v in confs) or all(v in initial for v in nodes):
             return
-        cap = -(-len(confs) // len(nodes))
+        if self._bootstrap_preferred is None:
+            self._bootstrap_preferred = list(self.node.preferred_leader)
         count: dict[Any, int] = {}
         for shard, voters in enumerate(confs):
-            pref = self.node.preferred_leader[shard]
-            if pref not in voters or count.get(pref, 0) >= cap:
-                pref = min(voters, key=lambda v: (count.get(v, 0), self.node.node_name(v[0])))
+            first = self._bootstrap_preferred[shard]
+            pref = min(voters, key=lambda v: (count.get(v, 0), v != first, self.node.node_name(v[0])))
             count[pref] = count.get(pref, 0) + 1
             self.node.preferred_leader[shard] = pref
 
