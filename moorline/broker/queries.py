@@ -1,13 +1,14 @@
-"""The read API node code uses on a shard's topic state: registrations, what each is owed, and the
-``$share`` claims (issue 29: outside ``moorline/broker`` only these functions reach ``regs``,
+"""The read API node code uses on a shard's state: registrations, what each is owed, the ``$share``
+claims, and the sessions (issue 29: outside ``moorline/broker`` only these functions reach ``regs``,
 ``owed`` and ``claims``; tests/test_layers.py checks it). Reads only: every change goes through a
 committed command. The views returned are live (they change with the next apply); copy one before
 an ``await`` if it must not."""
 
 from __future__ import annotations
 
-from collections.abc import ItemsView, KeysView, Mapping
+from collections.abc import ItemsView, KeysView, Mapping, ValuesView
 
+from moorline.broker.session_state import Session, SessionState
 from moorline.broker.topic_state import Registration, TopicState
 
 
@@ -52,3 +53,17 @@ def claims_of(reg: Registration) -> Mapping[int, tuple[str, int]]:
 def claim_of(reg: Registration, offset: int) -> tuple[str, int] | None:
     """Who holds the claim on ``offset`` of a $share group (member, incarnation), if anyone."""
     return reg.claims.get(offset)
+
+
+def session_of(sessions: SessionState, client_id: str) -> Session | None:
+    """The session of ``client_id`` in its session shard's state, if it has one."""
+    return sessions.sessions.get(client_id)
+
+
+def all_sessions(sessions: SessionState) -> ValuesView[Session]:
+    """Every session of the shard, in the order they came."""
+    return sessions.sessions.values()
+
+
+def session_count(sessions: SessionState) -> int:
+    return len(sessions.sessions)

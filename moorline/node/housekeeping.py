@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from moorline import coverage
 from moorline.broker import commands as c
+from moorline.broker.queries import all_sessions
 from moorline.broker.session_state import lease_lapsed
 from moorline.node.errors import NodeFailure, ShardUnavailable
 from moorline.node.replication.shard_host import ShardHost
@@ -66,7 +67,7 @@ class Housekeeping:
                         # Readers' pins are shard state (admin/pins.py): each shard applies its own.
                         self.node.propose_lazy(host.shard, c.Housekeeping(now, -1))
                     self.node.share.timers(host, now)
-                    sessions = host.state.sessions.sessions.values()
+                    sessions = all_sessions(host.state.sessions)
                     if any(lease_lapsed(s, now) for s in sessions):
                         coverage.hit("owner_lease_lapsed")
                     if any(not s.connected or lease_lapsed(s, now) for s in sessions):

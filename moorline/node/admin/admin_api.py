@@ -36,7 +36,14 @@ from aiohttp import web
 
 from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage
-from moorline.broker.queries import claims_of, owed_count, registration, registrations
+from moorline.broker.queries import (
+    all_sessions,
+    claims_of,
+    owed_count,
+    registration,
+    registrations,
+    session_of,
+)
 from moorline.broker.session_state import Session
 from moorline.broker.topic_state import DELIVERY_LIMIT
 from moorline.mqtt.topics import TopicBounds, topic_filter_error
@@ -276,7 +283,7 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
 
     # --- sessions -------------------------------------------------------------------------------
     def find_session(cid: str) -> Session | None:
-        return node.hosts[node.session_shard(cid)].state.sessions.sessions.get(cid)
+        return session_of(node.hosts[node.session_shard(cid)].state.sessions, cid)
 
     def owed_of(sess: Session) -> tuple[int, int]:
         """(messages, bytes) the topic shards hold for the session's own (not $share) subscriptions."""
@@ -319,7 +326,7 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
         visible = owner_filter()
         every: list[Session] = []
         for h in node.hosts:
-            every.extend(s for s in h.state.sessions.sessions.values()
+            every.extend(s for s in all_sessions(h.state.sessions)
                          if visible(s.principal) and q in s.client_id and (user is None or s.principal == user)
                          and (connected is None or s.connected == (connected == "true")))
         every.sort(key=lambda s: s.client_id)

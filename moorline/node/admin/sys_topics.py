@@ -27,6 +27,7 @@ import math
 from typing import TYPE_CHECKING
 
 from moorline import __version__
+from moorline.broker.queries import all_sessions, session_count
 from moorline.mqtt.topics import matches
 
 if TYPE_CHECKING:
@@ -151,8 +152,8 @@ class SysTopics:
         shards: dict[str, bytes] = {}
         for host in node.hosts:
             state = host.state
-            sessions += len(state.sessions.sessions)
-            subscriptions += sum(len(s.subs) for s in state.sessions.sessions.values())
+            sessions += session_count(state.sessions)
+            subscriptions += sum(len(s.subs) for s in all_sessions(state.sessions))
             topics = state.topics
             retained += len(topics.retained)
             dropped = sum(topics.drop_counts.values())

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage
-from moorline.broker.queries import claims_of, owed_after, registration
+from moorline.broker.queries import claims_of, owed_after, registration, session_of
 from moorline.broker.session_state import RELEASING, Session, packet_id_of
 from moorline.broker.topic_state import same_incarnation
 from moorline.node.sessions.outbound import OutboundPublish, ReadFilter
@@ -91,7 +91,7 @@ class ResumingSession:
         self._ack_flush: asyncio.Handle | None = None
 
     def session(self) -> Session | None:
-        return self.node.hosts[self.shard].state.sessions.sessions.get(self.client_id)
+        return session_of(self.node.hosts[self.shard].state.sessions, self.client_id)
 
     def _begin(self) -> None:
         self._resend()

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from moorline.broker.queries import session_of
 from moorline.broker.session_state import Session, SubscriptionState
 from moorline.broker.topic_state import same_incarnation
 from moorline.node.sessions.delivery import LiveSession
@@ -66,7 +67,7 @@ class SessionRegistry:
         return self.session_views(sess).by_reg
 
     def epoch_is_current(self, client_id: str, epoch: int) -> bool:
-        sess = self.node.hosts[self.node.session_shard(client_id)].state.sessions.sessions.get(client_id)
+        sess = session_of(self.node.hosts[self.node.session_shard(client_id)].state.sessions, client_id)
         return sess is not None and sess.epoch == epoch
 
     def delivered_cursors(self, client_id: str) -> dict[int, int]:
@@ -74,7 +75,7 @@ class SessionRegistry:
         live = self.node.live.get(client_id)
         if live is not None:
             return live.cursor
-        sess = self.node.hosts[self.node.session_shard(client_id)].state.sessions.sessions.get(client_id)
+        sess = session_of(self.node.hosts[self.node.session_shard(client_id)].state.sessions, client_id)
         return sess.last_delivered if sess is not None else {}
 
     def member_connected(self, client_id: str, inc: int) -> bool:
@@ -85,5 +86,5 @@ class SessionRegistry:
             return True
         if self.node.link is None:
             return False
-        sess = self.node.hosts[self.node.session_shard(client_id)].state.sessions.sessions.get(client_id)
+        sess = session_of(self.node.hosts[self.node.session_shard(client_id)].state.sessions, client_id)
         return sess is not None and sess.connected and same_incarnation(sess.incarnation, inc)
