@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import ipaddress
 import json
 import math
 import os
@@ -56,6 +55,7 @@ from moorline.mqtt.topics import (
     topic_name_error,
     validate_topic_name,
 )
+from moorline.node.admin.http_guard import arrived_on_loopback, host_of, is_ip_literal
 from moorline.node.admin.metrics_text import prometheus_text
 from moorline.node.admin.openapi import openapi_document
 from moorline.node.admin.pins import remove_pin, set_pin
@@ -117,37 +117,6 @@ async def read_json(req: web.Request, max_body: int) -> Any:
         return json.loads(raw)
     except ValueError as exc:
         raise BodyError(400, f"bad JSON body: {exc}") from exc
-
-
-def host_of(value: str) -> str:
-    """The host part of a Host header or an Origin's authority (no port, no IPv6 brackets), lower case."""
-    value = value.strip().lower()
-    if value.startswith("["):
-        return value[1:value.find("]")] if "]" in value else value[1:]
-    return value.rpartition(":")[0] if value.count(":") == 1 else value
-
-
-def is_ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def arrived_on_loopback(request: web.Request) -> bool:
-    """Whether the request came in on a loopback address of this machine (where a rebound DNS name
-    leads: the open default node)."""
-    transport = request.transport
-    local = transport.get_extra_info("sockname") if transport is not None else None
-    if not local:
-        return True
-    try:
-        ip = ipaddress.ip_address(str(local[0]).partition("%")[0])
-    except ValueError:
-        return True
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return bool(ip.is_loopback or (mapped is not None and mapped.is_loopback))
 
 
 def _consume(fut: asyncio.Future[Any]) -> None:
