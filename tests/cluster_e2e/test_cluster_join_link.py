@@ -10,9 +10,12 @@ Real loopback sockets, in-process links (no broker processes): a few seconds."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import socket
 from pathlib import Path
+
+import pytest
 
 from moorline.config import ClusterConfig
 from moorline.node.replication.cluster_link import CLOCK_TASK, ClusterLink, ClusterSpec
@@ -100,5 +103,68 @@ def test_a_member_learned_at_runtime_is_a_peer(tmp_path: Path) -> None:
             await n4.close()
             await n1.close()
         assert not sup.running(CLOCK_TASK) and not sup.running("cluster-announce")
+
+    asyncio.run(go())
+
+
+async def _probe(cfg: ClusterConfig, me: str, address: tuple[str, int]) -> object:
+    """``probe_member`` as a joining node runs it: the member's name, or the error."""
+    from moorline.cluster import handshake, read_secret_file
+    from moorline.cluster.net import AsyncioNetwork
+    from moorline.cluster.tls import load_cluster_tls
+    from moorline.node.replication.cluster_link import probe_member
+
+    t = cfg.tls
+    tls = load_cluster_tls(t.cert_file, t.key_file, t.ca_file) if t.cert_file and t.key_file and t.ca_file else None
+    secret = read_secret_file(cfg.secret_file) if cfg.secret_file else None
+    ident = handshake.Identity(node=me, cluster_id=cfg.cluster_id, secret=secret, nonce_source=os.urandom, tls=tls)
+    try:
+        return await probe_member(address, ident, HOST, AsyncioNetwork(), 5.0)
+    except handshake.HandshakeError as exc:
+        return exc
+
+
+@pytest.mark.parametrize("mode", ["secret", "tls"])
+def test_a_joining_node_learns_an_admitting_members_name(tmp_path: Path, mode: str) -> None:
+    """The joining node knows addresses, not names: its probe learns the member's name through a
+    full handshake (the member's secret proof, or its certificate), only once that member admitted
+    it; another credential is refused."""
+    from moorline.certs import write_node_certificates
+    from moorline.config import ClusterTlsConfig
+
+    if mode == "tls":
+        files = write_node_certificates(tmp_path / "certs", ["n1", "n4", "n5"])
+        ca = str(tmp_path / "certs" / "ca.crt")
+
+        def cfg_of(name: str) -> ClusterConfig:
+            crt, key = files[name]
+            return ClusterConfig(cluster_id="join-probe", tls=ClusterTlsConfig(str(crt), str(key), ca))
+    else:
+        secret = tmp_path / "secret"
+        secret.write_bytes(b"p" * 32)
+        secret.chmod(0o600)
+        wrong = tmp_path / "wrong"
+        wrong.write_bytes(b"q" * 32)
+        wrong.chmod(0o600)
+
+        def cfg_of(name: str) -> ClusterConfig:
+            return ClusterConfig(cluster_id="join-probe", secret_file=str(wrong if name == "n5" else secret))
+
+    async def go() -> None:
+        addr = {"n1": (HOST, _free_port())}
+        n1, _ = _link("n1", ("n1",), addr, cfg_of("n1"))
+        await n1.start()
+        try:
+            refused = await _probe(cfg_of("n4"), "n4", addr["n1"])
+            assert "not a peer" in str(refused), refused  # not admitted yet
+            assert n1.learn_member("n4", 4, (HOST, _free_port()))
+            assert n1.learn_member("n5", 5, (HOST, _free_port()))
+            assert await _probe(cfg_of("n4"), "n4", addr["n1"]) == "n1"
+            # n5 is admitted, but its secret is not the cluster's; with TLS, a certificate naming n5
+            # does not pass for n4
+            other = await _probe(cfg_of("n5"), "n5" if mode == "secret" else "n4", addr["n1"])
+            assert isinstance(other, Exception), other
+        finally:
+            await n1.close()
 
     asyncio.run(go())
