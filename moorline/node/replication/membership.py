@@ -157,7 +157,11 @@ class MembershipDriver:
             conf = raft.active_conf_state
             is_meta = host.shard == self.node.meta_group
             target = None if is_meta else (table.targets[host.shard] if host.shard < len(table.targets) else None)
-            pending = conf != raft.conf_state  # a change in the log, not applied here yet
+            # A change in the log, not applied here yet. Not when it removed this node from the
+            # group: the leader no longer sends it anything, so its replica never learns that the
+            # change committed; the member table says whether the move ended (table.moves).
+            me = tuple(self.node.member)
+            pending = conf != raft.conf_state and (me in conf.voters or me in conf.learners)
             lead = raft.lead
             out.append(GroupView(host.shard, conf.voters, conf.learners, target,
                                  lead[0] if lead is not None else None,
