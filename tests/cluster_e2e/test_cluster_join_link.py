@@ -86,6 +86,7 @@ def test_a_member_learned_at_runtime_is_a_peer(tmp_path: Path) -> None:
             await _until("n1 and n4 hear each other's announcements",
                          lambda: "n4" in n1.announced and "n1" in n4.announced)
             assert n1.spec.name_of(4) == "n4" and n1.spec.node_id("n4") == 4
+            assert "n4" in n1.clocks.peers and "n4" in n1.clocks.names  # probed, answered, counted
 
             n4.send(3, [Message(type=MessageType.HEARTBEAT, from_=(4, "sid-n4"), to=(1, "sid-n1"), term=2)])
             n4.send(5, [Message(type=MessageType.APP, from_=(4, "sid-n4"), to=(1, "sid-n1"), term=2)])

@@ -85,6 +85,17 @@ class ClockOffsets:
         self._was_out: str | None = None  # the last verdict's reason, for logging changes only
         self._started = monotonic()
 
+    def add_peer(self, name: str) -> None:
+        """A member that joined the cluster after this node started (cluster_link.learn_member): probed
+        and answered like the others, and counted in the majority."""
+        if name == self.me or name in self.peers:
+            return
+        if name not in self.names:
+            self.names = (*self.names, name)
+        self.peers = (*self.peers, name)
+        self._pending[name] = {}
+        self.samples[name] = deque(maxlen=SAMPLES)
+
     # --- probing ---------------------------------------------------------------------------------
     def probe_all(self) -> None:
         self._seq += 1

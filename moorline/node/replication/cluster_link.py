@@ -450,6 +450,7 @@ class ClusterLink:
         self.spec.ids[name] = node_id
         self.spec.addresses[name] = address
         self.transport.add_peer(name, address)
+        self.clocks.add_peer(name)  # its clock is compared like an initial member's (owner leases)
         log.info("cluster: %s (node id %d, %s:%d) is a member: now a peer of this node", name, node_id, *address)
         return True
 

@@ -280,7 +280,12 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
                     if g.lag is not None and not settings.promote_unchecked and (
                             lag is None or lag > settings.promote_lag_entries):
                         continue
-                    heavy = max((by_member[v] for v in g.voters), key=lambda n: (voters_of.get(n.name, 0), n.name))
+                    # the node that would give the voter up: the most loaded that does not lead the shard
+                    # (the trim after the promotion removes no leader)
+                    heavy = max((by_member[v] for v in g.voters if v[0] != g.leader),
+                                key=lambda n: (voters_of.get(n.name, 0), n.name), default=None)
+                    if heavy is None:
+                        continue
                     if voters_of.get(heavy.name, 0) <= share:
                         continue
                     key = (-voters_of.get(heavy.name, 0), guid128("rebalance", settings.cluster_key, g.shard, u.name))
