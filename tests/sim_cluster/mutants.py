@@ -201,8 +201,8 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "delivery_cursor_ignored", "resend",
-        "if offset <= cursor or offset not in owner.owed:",
-        "if offset not in owner.owed:",
+        "if offset <= cursor or not is_owed(owner, offset):",
+        "if not is_owed(owner, offset):",
         "the pump delivers again a message it already sent (not yet acknowledged) on the same connection",
     ),
     # --- packet ids ---------------------------------------------------------------------------
