@@ -24,12 +24,13 @@ from tests.sim_cluster.mutants import (
     score,
 )
 
-# Cheap mutants (their first catch at the first seeds of the default mix; the full run's table in
-# docs/simulation.md) and the seed budget each gets here.
+# Cheap mutants (their first catch at the first seeds of the default mix: drawn configuration, timed
+# syncs, aimed crashes; the full run's table in docs/simulation.md) and the seed budget each gets here.
 SAMPLE: dict[str, int] = {
     "snapshot_restore_owed_count": 2,  # snapshot_rebuild_differs (world_checks.derived_state)
     "will_not_on_close": 2,  # will_not_published (checkers._wills)
     "resend_without_dup": 2,  # resend_without_dup, duplicate (history checkers)
+    "share_double_claim": 1,  # packet_id_misuse, duplicate: the $share claims (caught since the default mix draws)
 }
 
 
