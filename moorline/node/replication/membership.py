@@ -14,8 +14,11 @@ One supervised task per node (``MembershipDriver.run``), every ``DRIVE_INTERVAL_
   (``MoveEnd``) once the shard's applied configuration shows it; a move not done within
   ``cluster.move_timeout_s`` is given up by the metadata leader and planned again.
 
-The operators' commands (forget, add-replica, remove-replica) are methods here too, called by the
-HTTP routes (admin/cluster_admin_api.py); they go through the metadata group like the reconciler.
+The operators' commands (forget, leave, add-replica, remove-replica, join admission) are methods
+of the driver too, from its base class ``MembershipOps`` (membership_ops.py), called by the HTTP
+routes (admin/cluster_admin_api.py); they go through the metadata group like the reconciler. The
+views the planner plans from, and the status it shows, come from ``MembershipViews``
+(membership_views.py).
 """
 
 from __future__ import annotations
@@ -25,25 +28,21 @@ import json
 import logging
 import os
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from moorline.broker import commands as c
 from moorline.broker.membership import GONE, MembershipState, Move
-from moorline.cluster.auth import ClusterConfigError, require_tls_or_loopback
 from moorline.config import ConfigError
 from moorline.node.replication.cluster_link import parse_hostport
+from moorline.node.replication.membership_ops import MembershipOps
 from moorline.node.replication.reconcile import (
-    GroupView,
-    NodeView,
     PlannedMove,
     PlanSettings,
-    forget_check,
     live_majority_after_removal,
     plan,
 )
-from moorline.node.replication.shard_host import ShardUnavailable, outcome_within
+from moorline.node.replication.shard_host import ShardUnavailable
 from moorline.raft.confchange import ConfChangeInvalid, apply_conf_change
 from moorline.raft.types import ConfChange, ConfChangeType, ProposalDropped
 
@@ -53,7 +52,6 @@ DRIVE_INTERVAL_S = 0.2  # how often a node looks at the member table's moves and
 JITTER = 0.2  # reconcile_interval_s varies by this fraction either way
 ANNOUNCE_RETRY_S = 5.0
 END_RETRY_S = 2.0
-PROPOSE_TIMEOUT_S = 5.0
 LEFT_MARKER = "left.json"  # in a data directory whose node left the cluster: it is never started again
 KINDS = {"add_learner": ConfChangeType.ADD_LEARNER, "promote": ConfChangeType.PROMOTE,
          "remove": ConfChangeType.REMOVE}
@@ -72,14 +70,6 @@ def refuse_if_left(data_dir: Path) -> None:
                           f"run a node again, start it on a new, empty data directory")
 
 
-@dataclass
-class OpResult:
-    """An operator command's answer: the HTTP status and its JSON body."""
-
-    status: int
-    body: dict[str, Any]
-
-
 def in_conf(move: Move, voters: tuple[Any, ...], learners: tuple[Any, ...]) -> bool:
     """Whether a configuration already shows ``move`` done."""
     m = (move.node_id, move.storage_id)
@@ -90,7 +80,10 @@ def in_conf(move: Move, voters: tuple[Any, ...], learners: tuple[Any, ...]) -> b
     return m not in voters and m not in learners
 
 
-class MembershipDriver:
+class MembershipDriver(MembershipOps):
+    """The views (``MembershipViews``) and the operators' commands (``MembershipOps``) are its base
+    classes, in their own modules; this one drives: the task, moves, planning."""
+
     def __init__(self, node: Any) -> None:
         self.node = node
         self.cfg = node.cfg.cluster
@@ -109,89 +102,6 @@ class MembershipDriver:
         self._fenced: set[str] = set()  # members this node's cluster link no longer talks to
         self._learn_refused: dict[tuple[str, int, str], None] = {}  # members the link refused to add
         self._bootstrap_preferred: list[Any] | None = None  # each shard's preferred leader at boot
-
-    # --- views -------------------------------------------------------------------------------
-    @property
-    def table(self) -> MembershipState | None:
-        host = self.node.meta_host
-        return None if host is None else host.state.membership
-
-    def _live_names(self) -> set[str]:
-        link = self.node.link
-        if link is None:
-            return {self.node.node_name(self.node.member[0])}
-        peers = link.stats().get("peers", {})
-        live = {link.spec.me}
-        for name, peer in peers.items():
-            if peer.get("connected_streams"):
-                live.add(name)
-        return live
-
-    def _node_views(self, table: MembershipState, now: float) -> list[NodeView]:
-        live = self._live_names()
-        out = []
-        for m in table.members.values():
-            up = m.name in live
-            if up:
-                self._down_since.pop(m.name, None)
-            else:
-                self._down_since.setdefault(m.name, now)
-            out.append(NodeView(m.name, m.node_id, m.storage_id, m.state, m.zone, up,
-                                0.0 if up else now - self._down_since[m.name]))
-        return out
-
-    def _lag(self, host: Any) -> dict[tuple[int, str], int] | None:
-        raft = host.raft
-        if not raft.is_leader:
-            return None
-        last = raft.log.last_index()
-        return {m: last - pr.match for m, pr in raft.progress.items()}
-
-    def _group_views(self, table: MembershipState) -> list[GroupView]:
-        last: dict[int, Move] = {}  # each shard's latest ended move
-        for mv in table.history:
-            last[mv.shard] = mv
-        out = []
-        for host in self.node.groups:
-            raft = host.raft
-            conf = raft.active_conf_state
-            is_meta = host.shard == self.node.meta_group
-            target = None if is_meta else (table.targets[host.shard] if host.shard < len(table.targets) else None)
-            # A change in the log, not applied here yet. Not when it removed this node from the
-            # group: the leader no longer sends it anything, so its replica never learns that the
-            # change committed; the member table says whether the move ended (table.moves).
-            me = tuple(self.node.member)
-            pending = conf != raft.conf_state and (me in conf.voters or me in conf.learners)
-            lead = raft.lead
-            out.append(GroupView(host.shard, conf.voters, conf.learners, target,
-                                 lead[0] if lead is not None else None,
-                                 busy=host.shard in table.moves or pending or host.failed is not None,
-                                 lag=self._lag(host),
-                                 rebalanced=host.shard in last and last[host.shard].origin == "rebalance"
-                                 and last[host.shard].kind == "promote" and last[host.shard].outcome == "done",
-                                 readd=(last[host.shard].node_id, last[host.shard].storage_id)
-                                 if host.shard in last and last[host.shard].origin == "rebalance"
-                                 and last[host.shard].kind == "remove" and last[host.shard].outcome == "done"
-                                 else None))
-        return out
-
-    def _leaderships(self) -> dict[str, int]:
-        led: dict[str, int] = {}
-        for h in self.node.groups:
-            if h.raft.lead is not None:
-                name = self.node.node_name(h.raft.lead[0])
-                led[name] = led.get(name, 0) + 1
-        return led
-
-    def below_target(self, table: MembershipState) -> list[int]:
-        """Shards with fewer voters on members that are not gone than their target (this replica's view)."""
-        keep = {m.member_id for m in table.members.values() if m.state not in GONE}
-        out = []
-        for host in self.node.hosts:
-            voters = host.raft.active_conf_state.voters
-            if host.shard < len(table.targets) and sum(v in keep for v in voters) < table.targets[host.shard]:
-                out.append(host.shard)
-        return out
 
     # --- the task ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -323,115 +233,6 @@ class MembershipDriver:
             pref = min(voters, key=lambda v: (count.get(v, 0), v != first, self.node.node_name(v[0])))
             count[pref] = count.get(pref, 0) + 1
             self.node.preferred_leader[shard] = pref
-
-    # --- join: a member admitted by an operator starts with --join ---------------------------
-    def on_join_request(self, peer: str, body: dict[str, Any]) -> None:
-        """The link heard a join request (``cluster_link.join_cluster``) from an admitted member."""
-        self.node.run_in_background(asyncio.get_running_loop().create_task(self._answer_join(peer, body)))
-
-    async def _answer_join(self, peer: str, body: dict[str, Any]) -> None:
-        """Bind the joining node's storage to its entry (a replicated command), then tell it the
-        cluster (its node id, the initial members, every member's id and address, the layout).
-        Unanswered when the metadata group cannot commit now: the node asks again."""
-        table, link = self.table, self.node.link
-        meta = self.node.meta_host
-        record = meta.state.cluster if meta is not None else None
-        if table is None or link is None or record is None:
-            return
-        sid = body.get("storage_id")
-        m = table.members.get(peer)
-        why = None
-        if not isinstance(sid, str) or not sid:
-            why = "the join request names no storage id"
-        elif m is None:
-            why = f"{peer} is not a member: admit it first (moorline cluster join {peer} --cluster HOST:PORT)"
-        elif m.state != "active":
-            why = f"{peer} is {m.state}"
-        elif m.storage_id and m.storage_id != sid:
-            why = (f"{peer} is a member with storage id {m.storage_id}, and this data directory's is {sid}: a wiped "
-                   f"or new node under a member's name is forgotten first (moorline cluster forget {peer}), then "
-                   f"admitted again (moorline cluster join)")
-        if why is None and m is not None and not m.storage_id:
-            try:
-                why = await self._propose_meta(c.MemberAnnounce(
-                    c.MemberInfo(peer, m.node_id, str(sid), m.cluster, m.client, m.zone), self.node.now_ms()))
-            except (TimeoutError, ShardUnavailable):
-                return
-            if why is None:
-                log.info("%s joined the cluster (node id %d, storage %s)", peer, m.node_id, sid)
-                self.kick()
-        if why is not None:
-            log.warning("refused %s's join: %s", peer, why)
-            link.send_welcome(peer, {"error": why})
-            return
-        assert m is not None
-        link.send_welcome(peer, {
-            "node_id": m.node_id, "cluster_id": record.cluster_id,
-            "names": [name for name, _, _ in record.members],
-            "initial": [[name, nid, s] for name, nid, s in record.members],
-            "shard_count": record.shard_count, "replicas": record.replicas,
-            "members": {x.name: [x.node_id, x.cluster, x.storage_id] for x in table.members.values()
-                        if x.state not in GONE and x.cluster},
-        })
-
-    async def admit(self, name: str, cluster: str, zone: str) -> OpResult:
-        """``moorline cluster join``: a node that is to join gets its entry (and node id) before it
-        starts; every member's link then takes its connections. It binds its storage on its first
-        start with ``--join``."""
-        table = self._require_table()
-        if isinstance(table, OpResult):
-            return table
-        if not name or any(ch in name for ch in "@=,: /") or len(name) > 64:
-            return OpResult(400, {"error": f"a node name is 1 to 64 characters without '@=,: /', not {name!r}"})
-        try:
-            host, _ = parse_hostport(cluster, "the cluster address")
-        except ConfigError as exc:
-            return OpResult(400, {"error": str(exc)})
-        if not self.node.cfg.cluster.tls.cert_file and self.node.seams.cluster_network is None:
-            try:
-                require_tls_or_loopback([host])
-            except ClusterConfigError as exc:
-                return OpResult(409, {"error": str(exc)})
-        seeds = ",".join(x.cluster for x in table.members.values()
-                         if x.state == "active" and x.cluster and x.name in self._live_names())
-        start = f"moorline run --node-id {name} --cluster {cluster} --join {seeds}"
-        m = table.members.get(name)
-        if m is not None and m.state != "forgotten":
-            if not m.storage_id and m.cluster == cluster:
-                return OpResult(200, {"member": name, "node_id": m.node_id, "state": "admitted, not started yet",
-                                      "start": start})
-            return OpResult(409, {"error": f"{name} is already a member ({m.state}); a node under a member's name "
-                                           f"joins again once that member is forgotten"})
-        if any(x.cluster == cluster and x.state not in GONE for x in table.members.values()):
-            return OpResult(409, {"error": f"{cluster} is another member's cluster address"})
-        node_id = table.next_node_id()
-        refused = await self._operator_change(c.MemberAnnounce(c.MemberInfo(name, node_id, "", cluster, "", zone),
-                                                               self.node.now_ms()))
-        if isinstance(refused, OpResult):
-            return refused
-        self.kick()
-        return OpResult(201, {"member": name, "node_id": node_id, "state": "admitted, not started yet",
-                              "start": start,
-                              "note": "start the node with this command (and the cluster's secret or its certificate, "
-                                      "and the same shard settings); it becomes a learner of every shard, then "
-                                      "the reconciler gives it its share of voters"})
-
-    async def _propose_meta(self, cmd: c.Command) -> Any:
-        fut = self.node.propose(self.node.meta_group, cmd)
-        if fut is None:
-            raise ShardUnavailable("the metadata group took no proposal")
-        return await outcome_within(fut, PROPOSE_TIMEOUT_S)
-
-    async def _operator_change(self, cmd: c.Command) -> Any:
-        """An operator's change through the metadata group: what its apply returned, or the answer
-        to give instead (503: not committed in time; 409: the member table refused it, saying why)."""
-        try:
-            result = await self._propose_meta(cmd)
-        except (TimeoutError, ShardUnavailable) as exc:
-            return OpResult(503, {"error": f"the metadata group did not commit the change: {exc}"})
-        if isinstance(result, str):
-            return OpResult(409, {"error": result})
-        return result
 
     async def _announce(self, table: MembershipState, now: float) -> None:
         link = self.node.link
@@ -581,165 +382,3 @@ class MembershipDriver:
             if why is None:
                 log.info("%s has left the cluster: it votes and follows in no shard", m.name)
 
-    # --- operators' commands ------------------------------------------------------------------
-    def _require_table(self) -> MembershipState | OpResult:
-        table = self.table
-        if table is None or self.node.link is None:
-            return OpResult(409, {"error": "this node is not a cluster member with a member table yet "
-                                           "(single node, or the metadata group has no cluster record)"})
-        return table
-
-    async def forget(self, name: str, force: bool) -> OpResult:
-        table = self._require_table()
-        if isinstance(table, OpResult):
-            return table
-        m = table.members.get(name)
-        if m is None:
-            return OpResult(404, {"error": f"no member named {name!r}"})
-        if m.state == "forgotten":
-            return OpResult(200, {"member": name, "state": "forgotten", "note": "already forgotten"})
-        live_names = self._live_names()
-        risks: list[str] = []
-        if name in live_names:
-            risks.append(f"{name} is live (this node hears from it): forget is for a node gone for good; "
-                         f"a live node is taken out with leave")
-        live = {x.member_id for x in table.members.values() if x.name in live_names and x.name != name}
-        voters = {h.shard: h.raft.active_conf_state.voters for h in self.node.groups}
-        problems = forget_check(voters, m.member_id, live)
-        if problems:
-            risks.append("removing it would leave these groups without a live majority of their voters (they "
-                         "could not commit the change, nor anything else): " + "; ".join(problems))
-        if risks and not force:
-            return OpResult(409, {"error": f"refusing to forget {name}", "reasons": risks,
-                                  "force": "--force records the node as forgotten anyway: its memberships are "
-                                           "removed where a live majority remains; the groups named stay "
-                                           "unavailable until enough of their voters return, and a live node "
-                                           "forgotten keeps serving what it can until it is stopped"})
-        refused = await self._operator_change(c.MemberSetState(name, "forgotten", self.node.now_ms()))
-        if isinstance(refused, OpResult):
-            return refused
-        self.kick()
-        return OpResult(200, {"member": name, "state": "forgotten", "forced": bool(risks),
-                              "risks": risks, "shards": sorted(s for s, v in voters.items() if m.member_id in v)})
-
-    async def leave(self, name: str) -> OpResult:
-        """A live node goes away: every shard it votes in gets a voter elsewhere first, then loses
-        its (grow before shrink); once it is in no shard it is ``left``, and it stops by itself."""
-        table = self._require_table()
-        if isinstance(table, OpResult):
-            return table
-        m = table.members.get(name)
-        if m is None:
-            return OpResult(404, {"error": f"no member named {name!r}"})
-        if m.state in ("leaving", "left"):
-            return OpResult(200, {"member": name, "state": m.state, "note": f"already {m.state}"})
-        if m.state == "forgotten":
-            return OpResult(409, {"error": f"{name} was forgotten"})
-        live_names = self._live_names()
-        if name not in live_names:
-            return OpResult(409, {"error": f"{name} is not live (this node does not hear from it): a node gone for "
-                                           f"good is forgotten (moorline cluster forget), not left"})
-        others = [x.name for x in table.members.values() if x.name != name and x.state == "active"
-                  and x.name in live_names]
-        need = max(table.targets, default=0)
-        if len(others) < need:
-            return OpResult(409, {"error": f"refusing: after {name} leaves, {len(others)} live active node(s) remain "
-                                           f"({', '.join(sorted(others)) or 'none'}) and a shard needs {need} voters; "
-                                           f"the shards it votes in could not be given a replacement"})
-        refused = await self._operator_change(c.MemberSetState(name, "leaving", self.node.now_ms()))
-        if isinstance(refused, OpResult):
-            return refused
-        self.kick()
-        voted = sorted(h.shard for h in self.node.hosts if m.member_id in h.raft.active_conf_state.voters)
-        return OpResult(202, {"member": name, "state": "leaving", "shards": voted,
-                              "note": "each of these shards gets a voter elsewhere, then loses this node's; once "
-                                      "it is in no shard it is left and stops (exit 0)"})
-
-    async def change_replica(self, shard: int, name: str, kind: str) -> OpResult:
-        """``add-replica`` (kind "add": promote a caught-up learner, else add it as a learner first) or
-        ``remove-replica`` (kind "remove")."""
-        table = self._require_table()
-        if isinstance(table, OpResult):
-            return table
-        if not 0 <= shard < self.node.shard_count:
-            return OpResult(404, {"error": f"no shard {shard} (shards are 0..{self.node.shard_count - 1})"})
-        m = table.members.get(name)
-        if m is None:
-            return OpResult(404, {"error": f"no member named {name!r}"})
-        conf = self.node.groups[shard].raft.active_conf_state
-        if kind == "add":
-            if m.member_id in conf.voters:
-                return OpResult(409, {"error": f"{name} is already a voter of shard {shard}"})
-            move_kind = "promote" if m.member_id in conf.learners else "add_learner"
-        else:
-            if m.member_id not in conf.voters and m.member_id not in conf.learners:
-                return OpResult(409, {"error": f"{name} is not a member of shard {shard}"})
-            if m.member_id in conf.voters:
-                live_names = self._live_names()
-                live = {x.member_id for x in table.members.values() if x.name in live_names}
-                if not live_majority_after_removal(conf.voters, m.member_id, live):
-                    return OpResult(409, {"error": f"removing {name} would leave shard {shard} without a live "
-                                                   f"majority of its voters"})
-            move_kind = "remove"
-        result = await self._operator_change(c.MoveStart(shard, move_kind, name, m.node_id, m.storage_id, "manual",
-                                                         self.node.now_ms()))
-        if isinstance(result, OpResult):
-            return result
-        return OpResult(202, {"shard": shard, "move": move_summary(result),
-                              "note": "the shard's leader proposes it; GET /v1/cluster shows it until it is done"
-                                      + (" (a learner first: add-replica again once it is caught up to make it a "
-                                         "voter)" if move_kind == "add_learner" else "")})
-
-    # --- status and metrics -------------------------------------------------------------------
-    def status(self) -> dict[str, Any] | None:
-        """The member table and the shards' configurations (GET /v1/cluster); None on a single node."""
-        table = self.table
-        if table is None or self.node.link is None:
-            return None
-        live = self._live_names()
-        by_id = {m.member_id: m.name for m in table.members.values()}
-
-        def named(members: tuple[Any, ...]) -> list[str]:
-            return [by_id.get(tuple(x), f"node {x[0]} (storage {x[1]})") for x in members]
-
-        shards = []
-        keep = {m.member_id for m in table.members.values() if m.state not in GONE}
-        for host in self.node.hosts:
-            conf = host.raft.active_conf_state
-            target = table.targets[host.shard] if host.shard < len(table.targets) else None
-            counted = sum(v in keep for v in conf.voters)
-            shards.append({"shard": host.shard, "voters": named(conf.voters), "learners": named(conf.learners),
-                           "target": target,
-                           "health": ("below target" if target is not None and counted < target else
-                                      "above target" if target is not None and counted > target else "at target")})
-        return {
-            "members": [{"name": m.name, "node_id": m.node_id, "storage_id": m.storage_id, "cluster": m.cluster,
-                         "client": m.client, "zone": m.zone, "state": m.state, "since_ms": m.since_ms,
-                         "live": m.name in live} for m in sorted(table.members.values(), key=lambda x: x.name)],
-            "shards": shards,
-            "moves": [move_summary(mv) for mv in sorted(table.moves.values(), key=lambda x: x.shard)],
-            "recent_moves": [move_summary(mv) for mv in table.history],
-            "reconciler": {"interval_s": self.cfg.reconcile_interval_s,
-                           "max_concurrent_moves": self.cfg.max_concurrent_moves,
-                           "runs_here": self.reconcile_runs},
-        }
-
-    def metrics(self) -> dict[str, Any]:
-        table = self.table
-        return {
-            "members": table.counts() if table is not None else {},
-            "shards_below_target": len(self.below_target(table)) if table is not None else 0,
-            "moves_in_progress": len(table.moves) if table is not None else 0,
-            "reconcile_runs": self.reconcile_runs,
-            "moves_started": self.moves_started,
-            "changes_proposed": self.changes_proposed,
-        }
-
-
-def move_summary(mv: Move) -> dict[str, Any]:
-    out: dict[str, Any] = {"id": mv.id, "shard": mv.shard, "kind": mv.kind, "node": mv.node, "origin": mv.origin,
-                           "started_ms": mv.started_ms}
-    if mv.ended_ms:
-        out["ended_ms"] = mv.ended_ms
-        out["outcome"] = mv.outcome
-    return out

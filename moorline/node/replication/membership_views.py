@@ -1,0 +1,163 @@
+"""What the membership driver (membership.py) sees: the member table, which members are live,
+and the views the pure planner (reconcile.py) plans from (``NodeView``, ``GroupView``), built from
+this node's replicas and its cluster link; and what it shows (GET /v1/cluster, metrics).
+
+``MembershipViews`` is a base class of ``MembershipDriver``: its methods read the driver's state
+(``node``, ``cfg``, the down-since times and the counters ``MembershipDriver.__init__`` sets).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moorline.broker.membership import GONE, MembershipState, Move
+from moorline.node.replication.reconcile import GroupView, NodeView
+
+
+class MembershipViews:
+    # Set by MembershipDriver.__init__ (declared here for the type checker only).
+    node: Any
+    cfg: Any
+    reconcile_runs: int
+    moves_started: int
+    changes_proposed: int
+    _down_since: dict[str, float]
+
+    # --- views -------------------------------------------------------------------------------
+    @property
+    def table(self) -> MembershipState | None:
+        host = self.node.meta_host
+        return None if host is None else host.state.membership
+
+    def _live_names(self) -> set[str]:
+        link = self.node.link
+        if link is None:
+            return {self.node.node_name(self.node.member[0])}
+        peers = link.stats().get("peers", {})
+        live = {link.spec.me}
+        for name, peer in peers.items():
+            if peer.get("connected_streams"):
+                live.add(name)
+        return live
+
+    def _node_views(self, table: MembershipState, now: float) -> list[NodeView]:
+        live = self._live_names()
+        out = []
+        for m in table.members.values():
+            up = m.name in live
+            if up:
+                self._down_since.pop(m.name, None)
+            else:
+                self._down_since.setdefault(m.name, now)
+            out.append(NodeView(m.name, m.node_id, m.storage_id, m.state, m.zone, up,
+                                0.0 if up else now - self._down_since[m.name]))
+        return out
+
+    def _lag(self, host: Any) -> dict[tuple[int, str], int] | None:
+        raft = host.raft
+        if not raft.is_leader:
+            return None
+        last = raft.log.last_index()
+        return {m: last - pr.match for m, pr in raft.progress.items()}
+
+    def _group_views(self, table: MembershipState) -> list[GroupView]:
+        last: dict[int, Move] = {}  # each shard's latest ended move
+        for mv in table.history:
+            last[mv.shard] = mv
+        out = []
+        for host in self.node.groups:
+            raft = host.raft
+            conf = raft.active_conf_state
+            is_meta = host.shard == self.node.meta_group
+            target = None if is_meta else (table.targets[host.shard] if host.shard < len(table.targets) else None)
+            # A change in the log, not applied here yet. Not when it removed this node from the
+            # group: the leader no longer sends it anything, so its replica never learns that the
+            # change committed; the member table says whether the move ended (table.moves).
+            me = tuple(self.node.member)
+            pending = conf != raft.conf_state and (me in conf.voters or me in conf.learners)
+            lead = raft.lead
+            out.append(GroupView(host.shard, conf.voters, conf.learners, target,
+                                 lead[0] if lead is not None else None,
+                                 busy=host.shard in table.moves or pending or host.failed is not None,
+                                 lag=self._lag(host),
+                                 rebalanced=host.shard in last and last[host.shard].origin == "rebalance"
+                                 and last[host.shard].kind == "promote" and last[host.shard].outcome == "done",
+                                 readd=(last[host.shard].node_id, last[host.shard].storage_id)
+                                 if host.shard in last and last[host.shard].origin == "rebalance"
+                                 and last[host.shard].kind == "remove" and last[host.shard].outcome == "done"
+                                 else None))
+        return out
+
+    def _leaderships(self) -> dict[str, int]:
+        led: dict[str, int] = {}
+        for h in self.node.groups:
+            if h.raft.lead is not None:
+                name = self.node.node_name(h.raft.lead[0])
+                led[name] = led.get(name, 0) + 1
+        return led
+
+    def below_target(self, table: MembershipState) -> list[int]:
+        """Shards with fewer voters on members that are not gone than their target (this replica's view)."""
+        keep = {m.member_id for m in table.members.values() if m.state not in GONE}
+        out = []
+        for host in self.node.hosts:
+            voters = host.raft.active_conf_state.voters
+            if host.shard < len(table.targets) and sum(v in keep for v in voters) < table.targets[host.shard]:
+                out.append(host.shard)
+        return out
+
+
+    # --- status and metrics -------------------------------------------------------------------
+    def status(self) -> dict[str, Any] | None:
+        """The member table and the shards' configurations (GET /v1/cluster); None on a single node."""
+        table = self.table
+        if table is None or self.node.link is None:
+            return None
+        live = self._live_names()
+        by_id = {m.member_id: m.name for m in table.members.values()}
+
+        def named(members: tuple[Any, ...]) -> list[str]:
+            return [by_id.get(tuple(x), f"node {x[0]} (storage {x[1]})") for x in members]
+
+        shards = []
+        keep = {m.member_id for m in table.members.values() if m.state not in GONE}
+        for host in self.node.hosts:
+            conf = host.raft.active_conf_state
+            target = table.targets[host.shard] if host.shard < len(table.targets) else None
+            counted = sum(v in keep for v in conf.voters)
+            shards.append({"shard": host.shard, "voters": named(conf.voters), "learners": named(conf.learners),
+                           "target": target,
+                           "health": ("below target" if target is not None and counted < target else
+                                      "above target" if target is not None and counted > target else "at target")})
+        return {
+            "members": [{"name": m.name, "node_id": m.node_id, "storage_id": m.storage_id, "cluster": m.cluster,
+                         "client": m.client, "zone": m.zone, "state": m.state, "since_ms": m.since_ms,
+                         "live": m.name in live} for m in sorted(table.members.values(), key=lambda x: x.name)],
+            "shards": shards,
+            "moves": [move_summary(mv) for mv in sorted(table.moves.values(), key=lambda x: x.shard)],
+            "recent_moves": [move_summary(mv) for mv in table.history],
+            "reconciler": {"interval_s": self.cfg.reconcile_interval_s,
+                           "max_concurrent_moves": self.cfg.max_concurrent_moves,
+                           "runs_here": self.reconcile_runs},
+        }
+
+    def metrics(self) -> dict[str, Any]:
+        table = self.table
+        return {
+            "members": table.counts() if table is not None else {},
+            "shards_below_target": len(self.below_target(table)) if table is not None else 0,
+            "moves_in_progress": len(table.moves) if table is not None else 0,
+            "reconcile_runs": self.reconcile_runs,
+            "moves_started": self.moves_started,
+            "changes_proposed": self.changes_proposed,
+        }
+
+
+
+def move_summary(mv: Move) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": mv.id, "shard": mv.shard, "kind": mv.kind, "node": mv.node, "origin": mv.origin,
+                           "started_ms": mv.started_ms}
+    if mv.ended_ms:
+        out["ended_ms"] = mv.ended_ms
+        out["outcome"] = mv.outcome
+    return out
