@@ -17,13 +17,9 @@ from moorline.broker.shard import ShardState
 from moorline.config import ConfigError
 from moorline.hashing import guid128
 from moorline.invariant import invariant
-from moorline.node.replication.cluster_link import (
-    ClusterLink,
-    ClusterSpec,
-    join_cluster,
-    parse_cluster,
-    parse_hostport,
-)
+from moorline.node.replication.cluster_join import join_cluster
+from moorline.node.replication.cluster_link import ClusterLink
+from moorline.node.replication.cluster_spec import ClusterSpec, parse_cluster, parse_hostport
 from moorline.node.replication.group_commit import stage_hard_state, stage_ready
 from moorline.node.replication.membership import refuse_if_left
 from moorline.node.replication.placement import ShardPlacement, layout_fingerprint, place_shards

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from moorline.config import ClusterConfig
-from moorline.node.replication.cluster_link import CLOCK_TASK, ClusterLink, ClusterSpec
+from moorline.node.replication.cluster_link import CLOCK_TASK, ClusterLink
+from moorline.node.replication.cluster_spec import ClusterSpec
 from moorline.node.supervisor import Supervisor
 from moorline.raft import Message, MessageType
 
@@ -113,7 +114,7 @@ async def _probe(cfg: ClusterConfig, me: str, address: tuple[str, int]) -> objec
     from moorline.cluster import handshake, read_secret_file
     from moorline.cluster.net import AsyncioNetwork
     from moorline.cluster.tls import load_cluster_tls
-    from moorline.node.replication.cluster_link import probe_member
+    from moorline.node.replication.cluster_join import probe_member
 
     t = cfg.tls
     tls = load_cluster_tls(t.cert_file, t.key_file, t.ca_file) if t.cert_file and t.key_file and t.ca_file else None

@@ -10,7 +10,8 @@ import msgspec
 import pytest
 
 from moorline.config import ClusterConfig
-from moorline.node.replication.cluster_link import ClusterLink, LayoutMismatch, parse_cluster
+from moorline.node.replication.cluster_link import ClusterLink, LayoutMismatch
+from moorline.node.replication.cluster_spec import parse_cluster
 from moorline.node.replication.placement import layout_fingerprint
 
 CFG = ClusterConfig(node_id="n1", listen="127.0.0.1:1", initial_cluster="n1=127.0.0.1:1,n2=127.0.0.1:2,n3=127.0.0.1:3")

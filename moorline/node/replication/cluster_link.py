@@ -18,6 +18,10 @@ metadata, and the link hands it to ``SnapshotTransfers`` (snapshot_transfer.py),
 shard state and message store in chunks on the snapshot stream (``Payload("snap")``) and, on the
 follower, steps a MsgSnapshot into the core once all of it is staged. One arriving from a peer is
 dropped: nothing but a whole, verified transfer may reach a core.
+
+The spec the link starts from (``ClusterSpec``, ``parse_cluster``, the node's cluster TLS) is in
+cluster_spec.py; a new node's ``--join`` handshake with a live member (``join_cluster``) in
+cluster_join.py.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -37,19 +40,16 @@ from moorline.cluster import (
     Payload,
     RaftMessages,
     TransportLimits,
-    auth,
-    handshake,
     read_secret_file,
 )
 from moorline.cluster.auth import ClusterConfigError, require_secret_or_loopback, require_tls_or_loopback
-from moorline.cluster.net import AsyncioNetwork
 from moorline.cluster.stats import escape
-from moorline.cluster.tls import ClusterTls, cert_node_name, load_cluster_tls
-from moorline.cluster.wire import PROTOCOL_VERSION, Challenge, FrameDecoder, Hello, Proof, Refused, preamble
 from moorline.config import ClusterConfig, ConfigError
 from moorline.node.aio import cancel_all
 from moorline.node.replication.clock_offset import PAYLOAD_KIND as CLOCK_PAYLOAD
 from moorline.node.replication.clock_offset import PROBE_INTERVAL_S, ClockOffsets
+from moorline.node.replication.cluster_join import JOIN_PAYLOAD, WELCOME_PAYLOAD
+from moorline.node.replication.cluster_spec import ClusterSpec, load_node_tls
 from moorline.node.replication.snapshot_transfer import PAYLOAD_KIND as SNAP_PAYLOAD
 from moorline.node.replication.snapshot_transfer import SnapshotTransfers, TransferLimits
 from moorline.node.seams import PRODUCTION, Seams
@@ -87,206 +87,12 @@ class ForgedSender(ValueError):
     """A frame names another sender than the peer its connection authenticated."""
 
 
-JOIN_PAYLOAD = "join"  # a joining node -> a live member: {name, storage_id}
-WELCOME_PAYLOAD = "welcome"  # the member's answer: the cluster (join_cluster), or {"error": why}
-
-
-async def probe_member(address: tuple[str, int], me: handshake.Identity, bind_host: str | None,
-                       net: Any, timeout_s: float) -> str:
-    """The name of the member listening at ``address``, authenticated as the link authenticates a
-    peer (the cluster secret's proof both ways, or the certificate with cluster TLS): a joining node
-    is given members' addresses, not their names. The member must have admitted this node already
-    (it refuses a node it does not know, saying so: HandshakeError). One short CONTROL connection."""
-    stream = await net.connect(address[0], address[1], bind_host)
-    try:
-        async with asyncio.timeout(timeout_s):
-            proven = await handshake.secure(stream, me, server_side=False)
-            reader = handshake.FrameReader(stream, FrameDecoder(handshake.MAX_HANDSHAKE_FRAME_BYTES), 4096)
-            nonce = me.nonce_source(auth.NONCE_BYTES)
-            stream.write(preamble())
-            handshake.send_frames(stream, Hello(node=me.node, cluster_id=me.cluster_id, stream=Stream.CONTROL,
-                                                version=PROTOCOL_VERSION, nonce=nonce))
-            await stream.drain()
-            challenge = await reader.next_frame()
-            if isinstance(challenge, Refused):
-                raise handshake.HandshakeError(f"refused: {challenge.reason}")
-            if not isinstance(challenge, Challenge) or len(challenge.nonce) < auth.MIN_NONCE_BYTES:
-                raise handshake.HandshakeError("no valid Challenge")
-            name = challenge.node
-            if proven is not None and proven != name:
-                raise handshake.HandshakeError(f"answered as {name!r} with the certificate of {proven!r}")
-            t = auth.transcript(me.cluster_id, Stream.CONTROL, me.node, name, nonce, challenge.nonce)
-            handshake.send_frames(stream, Proof(auth.make_proof(me.secret, t, auth.DIALER)))
-            await stream.drain()
-            proof = await reader.next_frame()
-            if isinstance(proof, Refused):
-                raise handshake.HandshakeError(f"refused: {proof.reason}")
-            if not isinstance(proof, Proof) or not auth.check_proof(me.secret, t, auth.LISTENER, proof.mac):
-                raise handshake.HandshakeError(f"{name!r} did not prove the cluster secret")
-            return str(name)
-    finally:
-        stream.close()
-
-
-async def join_cluster(cfg: ClusterConfig, me: str, listen: tuple[str, int], storage_id: str,
-                       seeds: list[tuple[str, int]], rng: random.Random, seams: Seams = PRODUCTION
-                       ) -> dict[str, Any]:
-    """A new node's first start (``--join``): ask a live member (any of ``seeds``, cluster
-    addresses) to bind this node's storage to the member table's entry an operator admitted
-    (``moorline cluster join``), and return the member's welcome: this node's node id, the initial
-    members, every member's id and address, the shard layout. ConfigError when no member welcomes
-    it within cluster.bootstrap_timeout_s (saying what each answered)."""
-    secret = read_secret_file(cfg.secret_file) if cfg.secret_file else None
-    tls = load_node_tls(cfg, me)
-    if tls is None:
-        require_secret_or_loopback(listen[0], secret)
-        if seams.cluster_network is None:
-            require_tls_or_loopback([listen[0], *(h for h, _ in seeds)])
-    got: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-
-    def on_frame(peer: str, frame: Any) -> None:
-        if type(frame) is Payload and frame.kind == WELCOME_PAYLOAD and not got.done():
-            try:
-                body = _member_dec.decode(frame.data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                return
-            got.set_result({**body, "from": peer})
-
-    limits = TransportLimits(max_pending_handshakes=cfg.max_pending_handshakes,
-                             max_pending_handshakes_per_address=cfg.max_pending_handshakes_per_address,
-                             preauth_timeout_s=cfg.preauth_timeout_s)
-    transport = ClusterTransport(me, listen, {}, secret, on_frame, rng, cluster_id=cfg.cluster_id,
-                                 net=seams.cluster_network, limits=limits, clock=seams.clock.monotonic,
-                                 nonce_source=seams.random_bytes, tls=tls)
-    identity = handshake.Identity(node=me, cluster_id=cfg.cluster_id, secret=secret,
-                                  nonce_source=seams.random_bytes, tls=tls)
-    net = seams.cluster_network or AsyncioNetwork()
-    bind_host = None if listen[0] in ("0.0.0.0", "::", "") else listen[0]
-    answers: dict[str, str] = {}
-    request = _fwd_enc.encode({"name": me, "storage_id": storage_id})
-    await transport.start()
-    try:
-        deadline = seams.clock.monotonic() + cfg.bootstrap_timeout_s
-        while True:
-            for seed in seeds:
-                where = "{}:{}".format(*seed)
-                try:
-                    name = await probe_member(seed, identity, bind_host, net, cfg.preauth_timeout_s)
-                except (handshake.HandshakeError, OSError, TimeoutError) as exc:
-                    answers[where] = str(exc) or type(exc).__name__
-                    continue
-                answers[where] = f"{name}: no welcome yet"
-                if name not in transport.peer_names():
-                    transport.add_peer(name, seed)
-                transport.send(name, Stream.CONTROL, Payload(JOIN_PAYLOAD, request))
-            try:
-                welcome = await asyncio.wait_for(asyncio.shield(got), 2.0)
-            except TimeoutError:
-                if seams.clock.monotonic() > deadline:
-                    raise ConfigError(
-                        f"--join: no member welcomed {me} within {cfg.bootstrap_timeout_s:.0f} s; they answered: "
-                        + "; ".join(f"{k}: {v}" for k, v in answers.items())
-                        + f". A node joins once a live member admitted it: moorline cluster join {me} "
-                          f"--cluster {listen[0]}:{listen[1]} --http HOST:PORT (any live node's HTTP)") from None
-                continue
-            if "error" in welcome:
-                raise ConfigError(f"--join: {welcome['from']} refused {me}: {welcome['error']}")
-            return welcome
-    finally:
-        await transport.close()
-
-
-def load_node_tls(cfg: ClusterConfig, me: str) -> ClusterTls | None:
-    """Cluster TLS from cluster.tls.* (None when not configured); the certificate must name ``me``."""
-    t = cfg.tls
-    if not (t.cert_file and t.key_file and t.ca_file):
-        return None
-    tls = load_cluster_tls(t.cert_file, t.key_file, t.ca_file, t.crl_file)
-    named = cert_node_name(t.cert_file)
-    if named != me:
-        raise ClusterConfigError(f"cluster.tls.cert_file {t.cert_file} is the certificate of node {named!r}, "
-                                 f"not of this node ({me!r}): each node needs its own certificate")
-    return tls
-
-
 class StorageMismatch(Exception):
     """A peer knows this node by another storage id: this node's data was wiped or replaced."""
 
 
 class LayoutMismatch(ConfigError):
     """A peer was started with another shard count or replica count."""
-
-
-def parse_hostport(value: str, what: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError(f"{what} must be HOST:PORT, not {value!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """The cluster as this node's link knows it. ``names`` are the initial members (the cluster's
-    key and bootstrap); ``ids`` and ``addresses`` also hold members learned at runtime from the
-    member table (``ClusterLink.learn_member``)."""
-
-    me: str
-    names: tuple[str, ...]  # initial_cluster order: their node ids are positions + 1
-    addresses: dict[str, tuple[str, int]]
-    listen: tuple[str, int]
-    ids: dict[str, int] = field(default_factory=dict)  # every known member's node id (initial ones filled in)
-
-    def __post_init__(self) -> None:
-        for pos, name in enumerate(self.names):
-            self.ids.setdefault(name, pos + 1)
-
-    def node_id(self, name: str) -> int:
-        """KeyError: not a member this node knows."""
-        return self.ids[name]
-
-    def name_of(self, node_id: int) -> str:
-        """KeyError: no member this node knows has that id."""
-        for name, nid in self.ids.items():
-            if nid == node_id:
-                return name
-        raise KeyError(node_id)
-
-    def has_id(self, node_id: int) -> bool:
-        return any(nid == node_id for nid in self.ids.values())
-
-    @property
-    def known(self) -> tuple[str, ...]:
-        """Every member this node knows (initial ones first, then as learned)."""
-        return tuple(self.ids)
-
-    @property
-    def my_id(self) -> int:
-        return self.node_id(self.me)
-
-
-def parse_cluster(cfg: ClusterConfig) -> ClusterSpec | None:
-    """None without cluster settings (one node); a checked spec otherwise."""
-    given = [cfg.node_id, cfg.initial_cluster]
-    if all(v is None for v in given) and cfg.listen is None:
-        return None
-    if cfg.node_id is None or cfg.initial_cluster is None:
-        raise ConfigError("a cluster needs --node-id and --initial-cluster (and --cluster for its peer address)")
-    names: list[str] = []
-    addresses: dict[str, tuple[str, int]] = {}
-    for item in cfg.initial_cluster.split(","):
-        name, sep, addr = item.strip().partition("=")
-        if not sep or not name:
-            raise ConfigError(f"--initial-cluster items are NAME=HOST:PORT, not {item!r}")
-        if name in addresses:
-            raise ConfigError(f"--initial-cluster names {name!r} twice")
-        names.append(name)
-        addresses[name] = parse_hostport(addr, f"--initial-cluster {name}")
-    if len(names) not in (1, 3, 5):
-        raise ConfigError(f"--initial-cluster must name 1, 3 or 5 nodes, not {len(names)}")
-    if cfg.node_id not in addresses:
-        raise ConfigError(f"--node-id {cfg.node_id!r} is not in --initial-cluster ({', '.join(names)})")
-    listen = parse_hostport(cfg.listen, "--cluster") if cfg.listen else addresses[cfg.node_id]
-    return ClusterSpec(cfg.node_id, tuple(names), addresses, listen)
 
 
 class ClusterLink:

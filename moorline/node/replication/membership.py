@@ -34,7 +34,7 @@ from typing import Any
 from moorline.broker import commands as c
 from moorline.broker.membership import GONE, MembershipState, Move
 from moorline.config import ConfigError
-from moorline.node.replication.cluster_link import parse_hostport
+from moorline.node.replication.cluster_spec import parse_hostport
 from moorline.node.replication.membership_ops import MembershipOps
 from moorline.node.replication.reconcile import (
     PlannedMove,

@@ -16,7 +16,7 @@ from moorline.broker import commands as c
 from moorline.broker.membership import GONE, MembershipState
 from moorline.cluster.auth import ClusterConfigError, require_tls_or_loopback
 from moorline.config import ConfigError
-from moorline.node.replication.cluster_link import parse_hostport
+from moorline.node.replication.cluster_spec import parse_hostport
 from moorline.node.replication.membership_views import MembershipViews, move_summary
 from moorline.node.replication.reconcile import forget_check, live_majority_after_removal
 from moorline.node.replication.shard_host import ShardUnavailable, outcome_within
@@ -40,7 +40,7 @@ class MembershipOps(MembershipViews):
 
     # --- join: a member admitted by an operator starts with --join ---------------------------
     def on_join_request(self, peer: str, body: dict[str, Any]) -> None:
-        """The link heard a join request (``cluster_link.join_cluster``) from an admitted member."""
+        """The link heard a join request (``cluster_join.join_cluster``) from an admitted member."""
         self.node.run_in_background(asyncio.get_running_loop().create_task(self._answer_join(peer, body)))
 
     async def _answer_join(self, peer: str, body: dict[str, Any]) -> None:
