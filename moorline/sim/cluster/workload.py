@@ -1147,11 +1147,16 @@ class WillClient(ModelClient):
 
     async def _clean_end(self, will: Outgoing) -> bool:
         """DISCONNECT, then wait for the broker to end the connection. Only when the node that got
-        it stayed up throughout (same boot, never crashed) is the will known to be discarded."""
+        it stayed up throughout (same boot, never crashed) and ended that connection for the
+        DISCONNECT is the will known to be discarded."""
         conn = self.conn
         assert conn is not None
         sn = next(n for n in self.wl.world.nodes if n.name == self.node)
         boots = sn.boots
+        # The node's side of this connection: a 3.1.1 client cannot tell the node's close for its
+        # DISCONNECT from one the node made for its own reason, with the DISCONNECT unread (on
+        # resuming from a pause, its session lease lapsed: seed 20048), and then the will is due.
+        theirs = sn.node.connections.get(self.client_id) if sn.node is not None else None
         self.server_disconnected = False
         self.connected = False
         self.awaiting_end = conn
@@ -1166,8 +1171,10 @@ class WillClient(ModelClient):
         # A draining node (membership_faults.py) reads nothing more and closes each connection
         # once answered: a 3.1.1 client cannot tell whether its DISCONNECT was read (it was not).
         drained = sn.server is not None and sn.server.drain is not None and sn.server.drain.draining
+        # ``ConnectionControl.on_disconnect`` names the close "client sent DISCONNECT (0x..)".
+        for_disconnect = theirs is not None and theirs.close_reason.startswith("client sent DISCONNECT")
         if (ended_by_broker and not self.server_disconnected and not sn.crashed and sn.boots == boots
-                and not drained):
+                and not drained and for_disconnect):
             self.rec("fail", "publish", guid=will.guid, topic=will.topic, qos=1, reason=WILL_DISCARDED,
                      detail="will")
             self.stat("wills_discarded")
