@@ -123,6 +123,10 @@ class LiveSession(AckingSession):
     def notify(self, shard: int, reg_key: str, offset: int) -> None:
         """A committed apply made ``offset`` owed to (or claimed for) this session. Wakes only:
         the message itself is read from the shard's store when it is delivered."""
+        if self.share_finished and reg_key.startswith(c.SHARE_PREFIX):
+            # A claim applied just now: the offset was unclaimed, so a claim of it this session
+            # finished before has ended (the offset is owed to the group again).
+            self.share_finished.pop((shard, offset), None)
         self.notify_run(shard, ((offset, reg_key),))
 
     def notify_run(self, shard: int, run: Iterable[tuple[int, str]]) -> None:
@@ -354,7 +358,8 @@ class LiveSession(AckingSession):
                 continue
             if reg.share_group is not None:
                 holder = claim_of(reg, offset)
-                if holder is None or not self._holds(holder) or (shard, offset) in self.share_delivered:
+                if (holder is None or not self._holds(holder) or (shard, offset) in self.share_delivered
+                        or (shard, offset) in self.share_finished):
                     continue
                 share = True
             elif reg.session_inc != self.incarnation or not is_owed(reg, offset) or offset <= cursor:

@@ -96,20 +96,27 @@ class AckingSession(ResumingSession):
 
     def _report_done(self, done: list[c.DeliveryItem]) -> None:
         """Finished deliveries: their topic shards may release the messages."""
-        share_delivered = self.share_delivered
+        share_delivered, finished = self.share_delivered, self.share_finished
         by_regs: dict[tuple[int, tuple[str, ...]], list[int]] = {}  # (shard, registrations) -> offsets
         for it in done:
             offset = it.offset
             if offset < 0:
                 continue
             if share_delivered:
-                share_delivered.discard((it.shard, offset))
+                claim = (it.shard, offset)
+                if claim in share_delivered:
+                    share_delivered.discard(claim)
+                    if it.reg_keys and it.reg_keys[0].startswith(c.SHARE_PREFIX):
+                        # Finished, yet claimed for us until the ack report below applies.
+                        finished[claim] = it.reg_keys[0]
             key = (it.shard, it.reg_keys)
             offsets = by_regs.get(key)
             if offsets is None:
                 by_regs[key] = [offset]
             else:
                 offsets.append(offset)
+        if len(finished) > self._share_finished_prune_at:
+            self._prune_share_finished()
         if self.node.faults.drop_ack_reports:  # test instrument: reports lost (sessions/followups.py)
             return
         by_shard: dict[int, dict[str, list[int]]] = {}

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage
-from moorline.broker.queries import claims_of, owed_after, registration, session_of
+from moorline.broker.queries import claim_of, claims_of, owed_after, registration, session_of
 from moorline.broker.session_state import RELEASING, Session, packet_id_of
 from moorline.broker.topic_state import same_incarnation
 from moorline.node.sessions.outbound import OutboundPublish, ReadFilter
@@ -27,6 +27,9 @@ log = logging.getLogger("moorline.delivery")
 # Packet ids are seqno mod 65535 + 1 (session_state.packet_id_of): a seqno this far past a delivery
 # still unacknowledged would reuse its packet id.
 PACKET_ID_SPACE = 65535
+# Finished $share claims kept (see ResumingSession.share_finished) are looked over once there are
+# this many, then again at twice as many as survived a look.
+SHARE_FINISHED_PRUNE_MIN = 256
 READ_BARRIER_WAIT_S = 2.0  # a session's read barrier on a shard not answered in this long is asked again
 READ_BARRIER_RETRY_S = 0.5  # ...and after this long when the shard has no known leader
 
@@ -72,6 +75,13 @@ class ResumingSession:
         self._oldest_unacked_seq_floor = 0
         self.inflight_out = 0  # QoS>0 PUBLISHes not yet acknowledged by the client
         self.share_delivered: set[tuple[int, int]] = set()  # (shard, offset) of share claims in flight
+        # $share claims this session finished (acknowledged): (shard, offset) -> registration. The
+        # claim still names this session until the topic shard applies the ack report (later, or
+        # never when the report is lost), and what is reloaded from that state meanwhile (a
+        # snapshot install, an overflow) must not take it for a claim still to deliver. Forgotten
+        # once the claim no longer names us (_prune_share_finished) or the offset is claimed anew.
+        self.share_finished: dict[tuple[int, int], str] = {}
+        self._share_finished_prune_at = SHARE_FINISHED_PRUNE_MIN
         self.pending: dict[int, deque[tuple[int, str]]] = {}  # shard -> (offset, registration), arrival order
         # Shards whose notices went past session.max_pending_notices while the client did not take
         # them: dropped (the shard's state still owes every one of them) and read again from that
@@ -224,6 +234,8 @@ class ResumingSession:
         self.pending = {}
         self.overflowed = set()
         self.share_delivered.update((shard, offset) for shard, _rk, offset in sess.share_done)
+        if self.share_finished:
+            self._prune_share_finished()
         for shard, regs in node.session_regs(self.client_id, sess):
             entries = self._pending_entries(shard, regs)
             if len(entries) > self.max_pending:
@@ -256,12 +268,30 @@ class ResumingSession:
             if reg is None:
                 continue
             if reg.share_group is not None:
+                done, finished = self.share_delivered, self.share_finished
                 entries.extend((o, reg_key) for o, holder in claims_of(reg).items()
-                               if self._holds(holder) and (shard, o) not in self.share_delivered)
+                               if self._holds(holder) and (shard, o) not in done and (shard, o) not in finished)
             elif reg.session_inc == self.incarnation:
                 entries.extend((o, reg_key) for o in owed_after(reg, cursor))
         entries.sort()
         return entries
+
+    def _prune_share_finished(self) -> None:
+        """Finished $share claims whose claim no longer names this session (its ack report applied,
+        or the claim went back to the group) are forgotten; those of a shard that failed or is
+        installing a snapshot here are kept."""
+        hosts = self.node.hosts
+        keep: dict[tuple[int, int], str] = {}
+        for (shard, offset), reg_key in self.share_finished.items():
+            host = hosts[shard] if 0 <= shard < len(hosts) else None
+            if host is not None and host.failed is None and not host.installing:
+                reg = registration(host.state.topics, reg_key)
+                holder = claim_of(reg, offset) if reg is not None else None
+                if holder is None or not self._holds(holder):
+                    continue
+            keep[(shard, offset)] = reg_key
+        self.share_finished = keep
+        self._share_finished_prune_at = max(SHARE_FINISHED_PRUNE_MIN, 2 * len(keep))
 
     def _holds(self, holder: tuple[str, int]) -> bool:
         """Whether a $share claim (member, incarnation) is this session's: a claim made for an
