@@ -172,7 +172,7 @@ class MembershipDriver(MembershipOps):
                    if m.state in GONE and m.name != link.spec.me and m.name not in self._fenced]
         if not pending:
             return
-        live = self._live_names() if any(m.state == "left" for m in pending) else set()
+        live = self.live_names() if any(m.state == "left" for m in pending) else set()
         for m in pending:
             if m.state == "left" and m.name in live:
                 continue  # it stops by itself once it has read that it left
@@ -251,7 +251,7 @@ class MembershipDriver(MembershipOps):
         self._announced_at = now
         info = c.MemberInfo(me, self.node.member[0], self.node.member[1], cluster, client, self.cfg.zone)
         try:
-            why = await self._propose_meta(c.MemberAnnounce(info, self.node.now_ms()))
+            why = await self.propose_meta(c.MemberAnnounce(info, self.node.now_ms()))
         except (TimeoutError, ShardUnavailable):
             return
         if why is not None:
@@ -355,7 +355,7 @@ class MembershipDriver(MembershipOps):
             promote_unchecked=self.node.faults.promote_before_caught_up))
         for mv in moves:
             try:
-                result = await self._propose_meta(c.MoveStart(mv.shard, mv.kind, mv.node, mv.member[0], mv.member[1],
+                result = await self.propose_meta(c.MoveStart(mv.shard, mv.kind, mv.node, mv.member[0], mv.member[1],
                                                               mv.origin, self.node.now_ms()))
             except (TimeoutError, ShardUnavailable) as exc:
                 log.info("reconcile: shard %d: %s %s not recorded: %s", mv.shard, mv.kind, mv.node, exc)
@@ -376,7 +376,7 @@ class MembershipDriver(MembershipOps):
             if any(m.member_id in h.raft.active_conf_state.members() for h in self.node.hosts):
                 continue
             try:
-                why = await self._propose_meta(c.MemberSetState(m.name, "left", self.node.now_ms()))
+                why = await self.propose_meta(c.MemberSetState(m.name, "left", self.node.now_ms()))
             except (TimeoutError, ShardUnavailable):
                 continue
             if why is None:

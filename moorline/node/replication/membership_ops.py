@@ -1,7 +1,7 @@
 """The operators' changes to the membership, and join admission: methods of the membership driver
 (``MembershipOps`` is a base class of ``MembershipDriver``), called by the HTTP routes
 (admin/cluster_admin_api.py) and, for a join request, by the cluster link. Like the reconciler's,
-each goes through the metadata group (``_propose_meta``, ``_operator_change``) and is answered
+each goes through the metadata group (``propose_meta``, ``_operator_change``) and is answered
 with an ``OpResult``.
 """
 
@@ -67,7 +67,7 @@ class MembershipOps(MembershipViews):
                    f"admitted again (moorline cluster join)")
         if why is None and m is not None and not m.storage_id:
             try:
-                why = await self._propose_meta(c.MemberAnnounce(
+                why = await self.propose_meta(c.MemberAnnounce(
                     c.MemberInfo(peer, m.node_id, str(sid), m.cluster, m.client, m.zone), self.node.now_ms()))
             except (TimeoutError, ShardUnavailable):
                 return
@@ -107,7 +107,7 @@ class MembershipOps(MembershipViews):
             except ClusterConfigError as exc:
                 return OpResult(409, {"error": str(exc)})
         seeds = ",".join(x.cluster for x in table.members.values()
-                         if x.state == "active" and x.cluster and x.name in self._live_names())
+                         if x.state == "active" and x.cluster and x.name in self.live_names())
         start = f"moorline run --node-id {name} --cluster {cluster} --join {seeds}"
         m = table.members.get(name)
         if m is not None and m.state != "forgotten":
@@ -130,7 +130,10 @@ class MembershipOps(MembershipViews):
                                       "and the same shard settings); it becomes a learner of every shard, then "
                                       "the reconciler gives it its share of voters"})
 
-    async def _propose_meta(self, cmd: c.Command) -> Any:
+    async def propose_meta(self, cmd: c.Command) -> Any:
+        """``cmd`` through the metadata group: what its apply returned (TimeoutError or
+        ShardUnavailable when not committed within PROPOSE_TIMEOUT_S). Public: the driver's
+        announcements and planning (membership.py) propose through it too."""
         fut = self.node.propose(self.node.meta_group, cmd)
         if fut is None:
             raise ShardUnavailable("the metadata group took no proposal")
@@ -140,7 +143,7 @@ class MembershipOps(MembershipViews):
         """An operator's change through the metadata group: what its apply returned, or the answer
         to give instead (503: not committed in time; 409: the member table refused it, saying why)."""
         try:
-            result = await self._propose_meta(cmd)
+            result = await self.propose_meta(cmd)
         except (TimeoutError, ShardUnavailable) as exc:
             return OpResult(503, {"error": f"the metadata group did not commit the change: {exc}"})
         if isinstance(result, str):
@@ -165,7 +168,7 @@ class MembershipOps(MembershipViews):
             return OpResult(404, {"error": f"no member named {name!r}"})
         if m.state == "forgotten":
             return OpResult(200, {"member": name, "state": "forgotten", "note": "already forgotten"})
-        live_names = self._live_names()
+        live_names = self.live_names()
         risks: list[str] = []
         if name in live_names:
             risks.append(f"{name} is live (this node hears from it): forget is for a node gone for good; "
@@ -202,7 +205,7 @@ class MembershipOps(MembershipViews):
             return OpResult(200, {"member": name, "state": m.state, "note": f"already {m.state}"})
         if m.state == "forgotten":
             return OpResult(409, {"error": f"{name} was forgotten"})
-        live_names = self._live_names()
+        live_names = self.live_names()
         if name not in live_names:
             return OpResult(409, {"error": f"{name} is not live (this node does not hear from it): a node gone for "
                                            f"good is forgotten (moorline cluster forget), not left"})
@@ -242,7 +245,7 @@ class MembershipOps(MembershipViews):
             if m.member_id not in conf.voters and m.member_id not in conf.learners:
                 return OpResult(409, {"error": f"{name} is not a member of shard {shard}"})
             if m.member_id in conf.voters:
-                live_names = self._live_names()
+                live_names = self.live_names()
                 live = {x.member_id for x in table.members.values() if x.name in live_names}
                 if not live_majority_after_removal(conf.voters, m.member_id, live):
                     return OpResult(409, {"error": f"removing {name} would leave shard {shard} without a live "

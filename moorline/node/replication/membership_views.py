@@ -29,7 +29,9 @@ class MembershipViews:
         host = self.node.meta_host
         return None if host is None else host.state.membership
 
-    def _live_names(self) -> set[str]:
+    def live_names(self) -> set[str]:
+        """This node and the members it hears from (a connected stream). Public: the driver's
+        fencing and the operators' checks (membership.py, membership_ops.py) use it too."""
         link = self.node.link
         if link is None:
             return {self.node.node_name(self.node.member[0])}
@@ -41,7 +43,7 @@ class MembershipViews:
         return live
 
     def _node_views(self, table: MembershipState, now: float) -> list[NodeView]:
-        live = self._live_names()
+        live = self.live_names()
         out = []
         for m in table.members.values():
             up = m.name in live
@@ -113,7 +115,7 @@ class MembershipViews:
         table = self.table
         if table is None or self.node.link is None:
             return None
-        live = self._live_names()
+        live = self.live_names()
         by_id = {m.member_id: m.name for m in table.members.values()}
 
         def named(members: tuple[Any, ...]) -> list[str]:
