@@ -100,7 +100,9 @@ def fake_node(leaders: list[tuple[int, int] | None], now: float = 100.0) -> Any:
     announced = {name: (now, {"client": f"127.0.0.1:{1880 + i}", "draining": False,
                               "leads": [g.shard for g in groups if g.raft.lead == m], "lagging": []})
                  for i, (name, m) in enumerate((("n2", N2), ("n3", N3)), start=2)}
-    link = SimpleNamespace(spec=SimpleNamespace(names=["n1", "n2", "n3"], me="n1"), announced=announced)
+    link = SimpleNamespace(spec=SimpleNamespace(names=["n1", "n2", "n3"], known=["n1", "n2", "n3"], me="n1",
+                                                ids={"n1": 1, "n2": 2, "n3": 3}),
+                           transport=SimpleNamespace(peer_names=lambda: {"n2", "n3"}), announced=announced)
     return SimpleNamespace(
         link=link, groups=groups, hosts=groups[:-1], meta_group=len(groups) - 1,
         placement=[SimpleNamespace(voters=("n1", "n2", "n3"))] * (len(groups) - 1),
