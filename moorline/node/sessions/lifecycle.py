@@ -34,6 +34,9 @@ class SessionLifecycle:
     def __init__(self, node: Node) -> None:
         self.node = node
         self._lease_deadline = node.registry.lease_deadline  # the registry's: (client id, epoch) -> deadline
+        # Opens waiting for the previous owner's release or lease (client id, epoch): their leases
+        # are renewed like those of live sessions (a wait can take most of a lease).
+        self._opening: dict[tuple[str, int], None] = {}
         # Session closes not finished yet (committed SessionClose, then the will or the session's
         # end): a stop waits for them (bounded), not for every task (edge/server.py).
         self._closing: dict[asyncio.Task[None], None] = {}
@@ -233,10 +236,22 @@ class SessionLifecycle:
             raise SessionQuotaExceeded(client_id) if res.over_quota else SessionOwnedByOther(client_id)
         # Our lease counts from when we proposed it, shortened by the clock-drift bound.
         self._lease_deadline[(client_id, res.epoch)] = proposed_at + lease_s * (1 - self.node.cfg.session.owner_lease_drift)
+        key = (client_id, res.epoch)
         try:
             if res.wait_until_ms and not self.node.faults.no_owner_lease:  # the broken build serves at once
                 coverage.hit("takeover_waited")
-                await self._wait_for_previous_owner(client_id, res)
+                self._opening[key] = None
+                try:
+                    await self._wait_for_previous_owner(client_id, res)
+                finally:
+                    self._opening.pop(key, None)
+                deadline = self._lease_deadline.get(key)
+                if deadline is None or self.node.clock.monotonic() >= deadline - LEASE_CHECK_MARGIN_S:
+                    # The wait outlasted this node's own lease (not renewed meanwhile: the
+                    # session shard unreachable): serving now could outlive it. Handed back.
+                    self.node.abandon_session(client_id, res.epoch)
+                    raise ShardUnavailable(f"session {client_id!r}: lease not renewed while waiting for "
+                                           "the previous owner")
         finally:
             # Also when the wait failed (taken over again meanwhile): the incarnation this open
             # replaced is gone from the session shard whatever happens to this connection, and
@@ -301,6 +316,8 @@ class SessionLifecycle:
                 by_shard: dict[int, list[tuple[str, int]]] = {}
                 for cid, live in self.node.live.items():
                     by_shard.setdefault(live.shard, []).append((cid, live.epoch))
+                for cid, epoch in self._opening:  # waiting for the previous owner: their lease runs
+                    by_shard.setdefault(self.node.session_shard(cid), []).append((cid, epoch))
                 for shard, held in by_shard.items():
                     if self.node.hosts[shard].failed is not None:
                         continue
@@ -314,7 +331,7 @@ class SessionLifecycle:
                         log.warning("shard %d: session leases not renewed: %s", shard, exc)
             for key, until in list(self._lease_deadline.items()):
                 live_now = self.node.live.get(key[0])
-                if (live_now is None or live_now.epoch != key[1]) and now > until:
+                if (live_now is None or live_now.epoch != key[1]) and now > until and key not in self._opening:
                     del self._lease_deadline[key]  # a CONNECT that never became a live session
             for cid, live in list(self.node.live.items()):
                 deadline = self._lease_deadline.get((cid, live.epoch))
