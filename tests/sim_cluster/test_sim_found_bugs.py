@@ -83,7 +83,13 @@ the real nodes into a state the checkers (or an exception inside a node) reporte
   installs reloaded the session's pending notices from state, where the claims still named it, and
   they went out again on the same connection with new packet ids and DUP=0 (duplicate,
   packet_id_misuse). Fixed: the session keeps the claims it finished (``share_finished``) until
-  they no longer name it."""
+  they no longer name it.
+- seed 20211 of the default mix: a takeover of an expiry-0 `$share` member waited most of its
+  node's own lease for the previous owner's; the waiting open was not renewed and its deadline was
+  dropped, so once served the connection was neither renewed nor closed. The session shard ended
+  the session at the lapsed lease, the member's claim went to another member while the client,
+  still connected, held the message (duplicate). Fixed: waiting opens are renewed like live
+  sessions, and one whose lease is about to end after the wait is refused."""
 
 from __future__ import annotations
 
@@ -182,7 +188,7 @@ def test_drawn_config_seeds_that_found_bugs_are_clean(seed: int) -> None:
     assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:5]]}\nreplay: {r.replay_command()}"
 
 
-@pytest.mark.parametrize("seed", [20048, 20116])
+@pytest.mark.parametrize("seed", [20048, 20116, 20211])
 def test_default_mix_seeds_that_found_bugs_are_clean(seed: int) -> None:
     # Drawn configuration, timed syncs and aimed crashes (the default mix since 3fc6a26), spelled out.
     r = run_seed(seed, nodes=3, cfg=RunConfig(draw_config=True, timed_sync=True, aimed_crashes=True))
