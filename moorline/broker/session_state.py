@@ -238,16 +238,18 @@ class SessionState:
         s.prev_lease = None
         return True
 
-    def apply_renew(self, cmd: SessionRenew, fx: Effects) -> int:
-        """Extends the leases still held by ``cmd.owner_node`` (same epoch); returns how many."""
+    def apply_renew(self, cmd: SessionRenew, fx: Effects) -> tuple[tuple[str, int], ...]:
+        """Extends the leases still held by ``cmd.owner_node`` (same epoch); returns those it
+        extended (the owner extends its own deadline for these only: a session the shard ended
+        or gave to another node meanwhile is not the owner's to serve any longer)."""
         self.last_ts_ms = max(self.last_ts_ms, cmd.ts_ms)
-        renewed = 0
+        renewed: list[tuple[str, int]] = []
         for client_id, epoch in cmd.sessions:
             s = self.sessions.get(client_id)
             if s is not None and s.epoch == epoch and s.connected and s.owner_node == cmd.owner_node:
                 s.lease_until_ms = max(s.lease_until_ms, cmd.ts_ms + cmd.lease_ms)
-                renewed += 1
-        return renewed
+                renewed.append((client_id, epoch))
+        return tuple(renewed)
 
     def _alive(self, s: Session, now_ms: int) -> bool:
         """Whether a CONNECT would find the session (or its live connection) rather than none."""

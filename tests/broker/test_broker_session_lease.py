@@ -18,13 +18,13 @@ def test_takeover_from_another_node_waits_for_its_lease_unless_released() -> Non
     s = SessionState(3600)
     first = _open(s, 1_000, node=1)
     assert first.wait_until_ms == 0
-    s.apply_renew(c.SessionRenew(4_000, 1, LEASE, (("cid", first.epoch),)), Effects())
+    assert s.apply_renew(c.SessionRenew(4_000, 1, LEASE, (("cid", first.epoch),)), Effects()) == (("cid", first.epoch),)
     assert s.sessions["cid"].lease_until_ms == 14_000
     second = _open(s, 5_000, node=2)
     assert second.wait_until_ms == 14_000 and second.ts_ms == 5_000  # node 1's lease still runs
     assert s.sessions["cid"].prev_lease == (1, first.epoch, 14_000)
     # A stale renewal of the old owner changes nothing now.
-    assert s.apply_renew(c.SessionRenew(6_000, 1, LEASE, (("cid", first.epoch),)), Effects()) == 0
+    assert s.apply_renew(c.SessionRenew(6_000, 1, LEASE, (("cid", first.epoch),)), Effects()) == ()
     assert s.sessions["cid"].lease_until_ms == 15_000 and s.sessions["cid"].owner_node == 2
     # Node 1 stopped serving and says so: the wait ends early.
     assert not s.apply_release(c.LeaseRelease("cid", second.epoch, 1), Effects())  # wrong epoch

@@ -344,10 +344,15 @@ class SessionLifecycle:
 
     def _renewed(self, held: tuple[tuple[str, int], ...], deadline: float) -> Any:
         def done(result: Any, exc: BaseException | None) -> None:
-            if exc is None:
-                for key in held:
-                    if key in self._lease_deadline:
-                        self._lease_deadline[key] = max(self._lease_deadline[key], deadline)
+            if exc is not None:
+                return
+            # Only the leases the session shard extended (SessionState.apply_renew): one it ended
+            # or gave to another owner meanwhile keeps its old deadline, and the check in
+            # lease_loop closes its client by then (it served on a lease nobody renewed).
+            renewed = set(result) if isinstance(result, tuple) else set(held)
+            for key in held:
+                if key in renewed and key in self._lease_deadline:
+                    self._lease_deadline[key] = max(self._lease_deadline[key], deadline)
         return done
 
     def abandon_session(self, client_id: str, epoch: int) -> None:
