@@ -699,11 +699,16 @@ class World:
             _close_files_under(sn.data_dir)
         for loop in list(self.scheduler.all_loops):
             self.scheduler.dispose(loop)
+        _release_placeholders()
 
 
 def _close_files_under(directory: Path) -> None:
     """What the kernel does to a killed process's files: every descriptor it held under
-    ``directory`` closes (its data-directory lock is released with it)."""
+    ``directory`` closes (its data-directory lock is released with it). Each number is kept taken by
+    a placeholder (/dev/null) rather than freed: the dead node's objects still hold those numbers and
+    close them when their coroutines are disposed or collected; a freed number would by then belong
+    to another node's file or a loop's self-pipe, and that close would end it (seen as EBADF when a
+    virtual loop closed its self-pipe, seed 30024)."""
     prefix = os.path.realpath(directory)
     fd_dir = "/proc/self/fd"
     try:
@@ -716,10 +721,31 @@ def _close_files_under(directory: Path) -> None:
         except OSError:
             continue
         if target.startswith(prefix + os.sep) or target == prefix:
+            fd = int(fd_name)
             try:
-                os.close(int(fd_name))
+                placeholder = os.open(os.devnull, os.O_RDWR)
+                try:
+                    os.dup2(placeholder, fd)  # the file's description is released, the number stays taken
+                finally:
+                    os.close(placeholder)
+                _PLACEHOLDERS[fd] = None
             except OSError:
                 pass
+
+
+_PLACEHOLDERS: dict[int, None] = {}  # descriptor numbers _close_files_under keeps taken
+
+
+def _release_placeholders() -> None:
+    """After the world's loops were disposed (the dead objects closed what they still closed):
+    the placeholders nobody closed are closed, so a long run does not leak descriptors."""
+    for fd in list(_PLACEHOLDERS):
+        del _PLACEHOLDERS[fd]
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == os.devnull:
+                os.close(fd)
+        except OSError:
+            pass
 
 
 def quiet_logs() -> None:
