@@ -234,3 +234,28 @@ def test_forgotten_member_is_no_peer_any_more() -> None:
     assert run(drv.forget("n5", force=False)).status == 200
     drv._fence(node.meta_host.state.membership)
     assert node.link.transport.removed == ["n5"]
+
+
+def test_a_node_whose_removal_committed_while_it_was_cut_off_plans_its_readdition() -> None:
+    # sim --cluster seed 30007: remove-replica n1 of shard 0 committed on n2 and n3 while n1 was cut
+    # off, so n1's replica never got the entry and still lists n1 as a voter (and never learns
+    # otherwise: the leader sends nothing to a non-member). n1, the metadata leader, planned from that
+    # replica: shard 0 at its target, nothing to do, 30 s after the heal still 2 of 3 voters.
+    node = FakeNode([["n1", "n2", "n3"], ["n1", "n2", "n3"]], live={"n2", "n3"})  # n4, n5 down
+    drv = MembershipDriver(node)
+    table = node.meta_host.state.membership
+    started = run(drv.change_replica(0, "n1", "remove"))
+    assert started.status == 202, started.body
+    # the shard's leader (another node) applied it and ended the move; this replica never saw it
+    assert table.apply_move_end(c.MoveEnd(0, started.body["move"]["id"], "done", 2000))
+    assert mid("n1") in node.hosts[0].raft.active_conf_state.voters
+    views = {g.shard: g for g in drv._group_views(table)}
+    assert views[0].voters == (mid("n2"), mid("n3")) and not views[0].busy and views[0].leader is None
+    assert views[1].voters == (mid("n1"), mid("n2"), mid("n3"))  # untouched: no removal of n1 there
+    moves = run(drv.reconcile(table, 0.0))
+    assert [(m.shard, m.kind, m.node) for m in moves] == [(0, "add_learner", "n1")], moves
+    assert table.moves[0].kind == "add_learner"
+    # once re-added (a later done move of n1), its replica's configuration is believed again
+    assert table.apply_move_end(c.MoveEnd(0, table.moves[0].id, "done", 3000))
+    views = {g.shard: g for g in drv._group_views(table)}
+    assert mid("n1") in views[0].voters

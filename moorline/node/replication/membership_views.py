@@ -12,6 +12,7 @@ from typing import Any
 
 from moorline.broker.membership import GONE, MembershipState, Move
 from moorline.node.replication.reconcile import GroupView, NodeView
+from moorline.raft.types import ConfState
 
 
 class MembershipViews:
@@ -64,8 +65,12 @@ class MembershipViews:
 
     def _group_views(self, table: MembershipState) -> list[GroupView]:
         last: dict[int, Move] = {}  # each shard's latest ended move
+        me = tuple(self.node.member)
+        mine: dict[int, Move] = {}  # each shard's latest done move of this node's own member
         for mv in table.history:
             last[mv.shard] = mv
+            if mv.outcome == "done" and (mv.node_id, mv.storage_id) == me:
+                mine[mv.shard] = mv
         out = []
         for host in self.node.groups:
             raft = host.raft
@@ -75,9 +80,16 @@ class MembershipViews:
             # A change in the log, not applied here yet. Not when it removed this node from the
             # group: the leader no longer sends it anything, so its replica never learns that the
             # change committed; the member table says whether the move ended (table.moves).
-            me = tuple(self.node.member)
             pending = conf != raft.conf_state and (me in conf.voters or me in conf.learners)
             lead = raft.lead
+            if host.shard in mine and mine[host.shard].kind == "remove" and me in conf.members():
+                # The member table says this node's removal from the group is done, yet its replica
+                # still lists it: the removal committed while this node was down or cut off, so its
+                # log never got it, and never will (the leader sends nothing to a non-member). Its
+                # configuration is stale: the group's is this one without this node, its leader
+                # unknown here (the planner then re-adds it as a learner, as for any other node).
+                conf = ConfState.of([v for v in conf.voters if v != me], [x for x in conf.learners if x != me])
+                pending, lead = False, None
             out.append(GroupView(host.shard, conf.voters, conf.learners, target,
                                  lead[0] if lead is not None else None,
                                  busy=host.shard in table.moves or pending or host.failed is not None,
