@@ -11,6 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from moorline.broker import commands as c
+from moorline.broker.effects import Effects
+from moorline.broker.messages import StoredMessage
 from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import TopicLimits
 from moorline.cluster.wire import Heartbeats, Payload, RaftMessages, encode_frame, preamble
@@ -23,6 +26,7 @@ from moorline.raft.coalesce import HeartbeatBatch
 from moorline.raft.types import ReadState
 from moorline.sim.cluster.world import TimedSync, _FrameTap, _MqttTap
 from moorline.sim.cluster.world_checks import (
+    PinCheck,
     PromiseLedger,
     ReadBarrierCheck,
     RecoveredLogCheck,
@@ -330,3 +334,59 @@ def test_a_crash_inside_a_timed_sync_keeps_nothing_of_it(tmp_path: Path) -> None
 
     assert last_index_after_power_loss(complete=True) == 2
     assert last_index_after_power_loss(complete=False) == 1
+
+
+# --- retention pins ----------------------------------------------------------------------------------
+def _pinned_shard(messages: int = 6) -> ShardState:
+    st = ShardState(0, "inc0", TopicLimits(retention_min_age_ms=1000), 3600)
+    for i in range(messages):
+        st.apply(c.Publish(StoredMessage("t", b"x", 1, False, i.to_bytes(16, "big"), 0)), Effects())
+    assert st.apply(c.Pin("r1", "sim", 3, 10_000, 10, 10, 1_000), Effects()) == "ok"  # live until 11,000
+    return st
+
+
+def _housekeeping(st: ShardState, now: int) -> list[int]:
+    fx = Effects()
+    st.apply(c.Housekeeping(now, -1), fx)
+    st.applied_index += 1
+    return list(fx.releases)
+
+
+def test_retention_that_holds_back_from_a_live_pin_passes() -> None:
+    st, check = _pinned_shard(), PinCheck()
+    check.sample("n1", 0, st)
+    assert _housekeeping(st, 5_000) == [0, 1, 2]  # below the pin: free to go
+    check.sample("n1", 0, st)
+    assert _housekeeping(st, 10_000) == []
+    check.sample("n1", 0, st)
+    assert check.findings == [] and check.judged == 2 and check.watched == 6
+
+
+def test_a_release_at_or_above_a_live_pin_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    st, check = _pinned_shard(), PinCheck()
+    check.sample("n1", 0, st)
+    monkeypatch.setattr(ShardState, "_pinned", lambda self, cmd: cmd)  # planted: pins ignored
+    assert _housekeeping(st, 5_000) == [0, 1, 2, 3, 4, 5]
+    check.sample("n1", 0, st)
+    assert [k for k, _ in check.findings] == ["pinned_released"]
+    assert "offset(s) [3, 4, 5]" in check.findings[0][1] and "r1" in check.findings[0][1]
+
+
+def test_releases_after_a_pin_ran_out_or_was_unpinned_are_not_findings() -> None:
+    st, check = _pinned_shard(), PinCheck()
+    check.sample("n1", 0, st)
+    assert _housekeeping(st, 11_001) == [0, 1, 2, 3, 4, 5]  # its TTL ran out first
+    check.sample("n1", 0, st)
+    st2, check2 = _pinned_shard(), PinCheck()
+    check2.sample("n1", 0, st2)
+    check2.unpinning("r1")
+    assert st2.apply(c.Unpin("r1", "sim"), Effects()) == "ok"
+    assert _housekeeping(st2, 5_000) == [0, 1, 2, 3, 4, 5]
+    check2.sample("n1", 0, st2)
+    # A restarted replica (a new state object) starts over rather than comparing across the restart.
+    st3, check3 = _pinned_shard(), PinCheck()
+    check3.sample("n1", 0, st3)
+    fresh = ShardState(0, "inc0", TopicLimits(retention_min_age_ms=1000), 3600)
+    fresh.pins = dict(st3.pins)
+    check3.sample("n1", 0, fresh)
+    assert check.findings == check2.findings == check3.findings == []

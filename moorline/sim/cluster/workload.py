@@ -41,7 +41,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moorline.broker.commands import SHARE_PREFIX
 from moorline.broker.share_policy import SHARE_MODE_PROPERTY, SINGLE_ACTIVE
@@ -70,8 +70,11 @@ from moorline.mqtt.topics import matches
 from moorline.sim.cluster.mqtt_client import Changed, ClientClosed, ClientConnection
 from moorline.sim.cluster.vloop import VirtualLoop
 from moorline.sim.cluster.vnet import HostNetwork
-from moorline.sim.cluster.world import EPOCH_MS, World, WorldConfig
+from moorline.sim.cluster.world import EPOCH_MS, SimNode, World, WorldConfig
 from moorline.verify.history import check_record
+
+if TYPE_CHECKING:
+    from moorline.node.node import Node
 
 PROBE_AGAIN_S = (0.3, 1.0)  # a racer's SUBACK is probed at once and again after these delays
 RACE_FILTERS_KEPT = 5  # a racer holds at most this many race/ filters; past it the oldest is unsubscribed
@@ -144,6 +147,14 @@ class WorkloadConfig:
     # Rounds go on into the heal phase (the workload's stop ends them): a will due there, with no
     # fault near, must be published (checkers: will_not_published).
     will_rounds: int = 12
+    # Pinning readers (PinningReader: retention pins through the node's pin API, judged by
+    # world_checks.PinCheck). The runner sets 0 without drawn configuration (runner.plain_mix: its
+    # seeds replay as before); with it, retention_min_age_s is seconds in half the seeds.
+    pinning_readers: int = 1
+    pin_gap_s: tuple[float, float] = (0.5, 3.0)  # between one pin's end and the next
+    pin_ttl_s: tuple[float, float] = (1.5, 6.0)
+    pin_hold_s: tuple[float, float] = (4.0, 20.0)  # renewed for this long
+    pin_lapse_probability: float = 0.3  # a pin left to run out by its TTL instead of unpinned
     # A round of an MQTT 5 will client with this probability is a delayed one: will delay
     # WILL_DELAY_S, an end without DISCONNECT, then the session resumed within the delay. The
     # runner sets 0 without drawn configuration (runner.plain_mix: its seeds replay as before).
@@ -1186,6 +1197,96 @@ class WillClient(ModelClient):
 
 
 # ---------------------------------------------------------------------------------------------
+class PinningReader:
+    """A reader's retention pins (the Spark source's, ``POST /v1/pins``): over and over it pins one
+    topic shard at about its newest offset (the shard of a topic a plain publisher writes), through
+    the node API the HTTP route calls (admin/pins.py ``set_pin``) on a node drawn at random, renews
+    it (same offset) every third of its TTL for a while, then either unpins it (``remove_pin``) or
+    lets it run out by its TTL. Each pin has a reader name of its own. World.pins (world_checks.
+    PinCheck) judges that retention never released a message at or above a live pin's offset."""
+
+    OWNER = "sim-pinner"
+
+    def __init__(self, wl: Workload, name: str, host: ClientHost, topics: list[str]) -> None:
+        self.wl = wl
+        self.name = name
+        self.host = host
+        self.topics = topics
+        self.rng = random.Random(f"{wl.world.seed}/{name}")  # the workload's own draws stay as they were
+        self.done = False
+
+    def _node(self) -> SimNode | None:
+        live = [sn for sn in self.wl.world.nodes if sn.node is not None and sn.ready and not sn.crashed]
+        return self.rng.choice(live) if live else None
+
+    async def _call(self, what: str, make: Callable[[Node], Any]) -> int | None:
+        """``make(node)`` (a coroutine giving (status, body)) run on a live node's loop; its status,
+        or None when the node died or gave no answer in time."""
+        sn = self._node()
+        if sn is None or sn.node is None or sn.loop is None:
+            self.wl.stats["pin_no_node"] += 1
+            return None
+        node, loop = sn.node, sn.loop
+        task = loop.create_task(make(node))
+        deadline = self.wl.world.scheduler.now + node.cfg.mqtt.publish_timeout_s + 2.0
+        while not task.done():
+            if sn.node is not node or sn.crashed or self.wl.world.scheduler.now > deadline:
+                break
+            await asyncio.sleep(0.05)
+        status: int | None = None
+        if task.done() and not task.cancelled() and task.exception() is None:
+            status = task.result()[0]
+        elif task.done() and not task.cancelled():
+            task.exception()
+        self.wl.world.note(f"{self.name}: {what} via {sn.name}: {status if status is not None else 'no answer'}")
+        self.wl.stats[f"pin_{what.split()[0]}_{status}"] += 1
+        return status
+
+    async def run(self) -> None:
+        from moorline.node.admin.pins import remove_pin, set_pin
+
+        wl, cfg, rng = self.wl, self.wl.cfg, self.rng
+        cycle = 0
+        try:
+            while not wl.stopping:
+                await asyncio.sleep(rng.uniform(*cfg.pin_gap_s))
+                sn = self._node()
+                if wl.stopping or sn is None or sn.node is None:
+                    continue
+                cycle += 1
+                reader = f"{self.name}-{cycle}"
+                topic = rng.choice(self.topics)
+                shard = sn.node.topic_shard(topic)
+                head = sn.node.hosts[shard].state.topics.next_offset
+                offset = max(0, head - rng.randint(0, 3))
+                ttl_s = rng.uniform(*cfg.pin_ttl_s)
+                hold_s = rng.uniform(*cfg.pin_hold_s)
+                lapse = rng.random() < cfg.pin_lapse_probability
+                ttl_ms = round(ttl_s * 1000)
+
+                def pin(node: Node, reader: str = reader, offsets: dict[int, int] = {shard: offset},  # noqa: B006
+                        ttl_ms: int = ttl_ms) -> Any:
+                    return set_pin(node, node.cfg, self.OWNER, reader, dict(offsets), ttl_ms)
+
+                await self._call(f"pin {reader} shard {shard} offset {offset} ttl {ttl_ms} ms", pin)
+                end = wl.world.scheduler.now + hold_s
+                while not wl.stopping and wl.world.scheduler.now < end:
+                    await asyncio.sleep(ttl_s / 3)
+                    if not wl.stopping:
+                        await self._call(f"renew {reader}", pin)
+                if lapse and not wl.stopping:
+                    wl.world.note(f"{self.name}: {reader} left to run out by its TTL")
+                    continue
+                wl.world.pins.unpinning(reader)
+
+                def unpin(node: Node, reader: str = reader) -> Any:
+                    return remove_pin(node, node.cfg, self.OWNER, reader)
+
+                await self._call(f"unpin {reader}", unpin)
+        finally:
+            self.done = True
+
+
 class Workload:
     """The model clients of one seed. ``start()`` spawns them; ``stop()`` ends production;
     ``drain(timeout_s)`` runs the world until subscribers have what they can get, closes every
@@ -1213,6 +1314,7 @@ class Workload:
         self.clients: list[ModelClient] = []
         self.pairs: list[TakeoverPair] = []
         self.race_publishers: list[RacePublisher] = []
+        self.pinners: list[PinningReader] = []
         # What the world's own state shows wrong when a client observes something (the runner
         # reports each as a finding): (kind, detail).
         self.state_findings: list[tuple[str, str]] = []
@@ -1311,6 +1413,10 @@ class Workload:
             self.clients.append(Publisher(self, "retpub0", self._version(), host(), qos=0, with_guid=True,
                                           persistent=False, topics=["r/2"],
                                           messages=max(1, cfg.retained_messages // 2), retain=True))
+        publishers = [c for c in self.clients if type(c) is Publisher and c.name.startswith("pub")]
+        for i in range(cfg.pinning_readers if publishers else 0):
+            topics = sorted({t for p in publishers for t in p.topics})
+            self.pinners.append(PinningReader(self, f"pinner{i + 1}", self._host(i), topics))
         for c in self.clients:
             self.stats_by_kind.setdefault(c.kind, Counter())
 
@@ -1392,6 +1498,8 @@ class Workload:
             self._tasks.append(c.host.loop.create_task(c.main(), name=f"client-{c.name}"))
         for p in self.pairs:
             self._tasks.append(p.procs[0].host.loop.create_task(p.run(), name="takeover-pair"))
+        for r in self.pinners:
+            self._tasks.append(r.host.loop.create_task(r.run(), name=f"pins-{r.name}"))
 
     def stop(self) -> None:
         """Publishers stop taking new messages (they still finish those in flight)."""

@@ -47,6 +47,7 @@ from moorline.sim.cluster.tuning import DEFAULT_TUNING, NodeTuning
 from moorline.sim.cluster.vloop import Scheduler, VirtualLoop
 from moorline.sim.cluster.vnet import HostNetwork, LinkDelay, SimNetwork
 from moorline.sim.cluster.world_checks import (
+    PinCheck,
     PromiseLedger,
     ReadBarrierCheck,
     RecoveredLogCheck,
@@ -418,6 +419,7 @@ class World:
         self.recovered_logs = RecoveredLogCheck()
         self.on_install: Callable[[SimNode], None] | None = None  # the fault plan's aim (runner.FaultPlan)
         self.barriers = ReadBarrierCheck()
+        self.pins = PinCheck()  # retention holds back from live pins (the workload's pinning reader)
         self.canonical_findings: list[tuple[str, str]] = []  # snapshots installed, or restored at a restart
         self.states_checked_at_crash = 0  # replicas' states restored and compared as their node crashed
         self.installs_checked = 0
@@ -609,7 +611,8 @@ class World:
         node.open_groups = watched  # type: ignore[method-assign]
 
     def sample_commits(self) -> None:
-        """Record what every live replica committed since the last sample (RecoveredLogCheck)."""
+        """Record what every live replica committed since the last sample (RecoveredLogCheck), and
+        sample its topic shards' pins and messages (PinCheck)."""
         for sn in self.nodes:
             if sn.node is None or sn.crashed:
                 continue
@@ -618,6 +621,9 @@ class World:
                     continue
                 log_ = host.raft.log
                 self.recovered_logs.sample(sn.name, host.shard, log_.committed, log_.first_index(), log_.term_or_zero)
+            for host in sn.node.hosts:
+                if host.failed is None:
+                    self.pins.sample(sn.name, host.shard, host.state)
 
     def check_counts(self) -> dict[str, int]:
         """How much the world-state checks saw (a check that saw nothing proves nothing)."""
@@ -628,7 +634,8 @@ class World:
                   "committed_entries_recorded": self.recovered_logs.entries_recorded,
                   "read_barriers_judged": self.barriers.resolved,
                   "snapshot_installs_checked": self.installs_checked,
-                  "states_checked_at_crash": self.states_checked_at_crash}
+                  "states_checked_at_crash": self.states_checked_at_crash,
+                  "pin_intervals_judged": self.pins.judged, "pinned_offsets_watched": self.pins.watched}
         if self.cfg.timed_sync:
             counts |= {"syncs_timed": self.syncs_timed + live, "crash_inside_sync": self.syncs_cut}
         counts |= {f"aimed_crash_on_{moment}": n for moment, n in sorted(self.aimed_crashes.items())}
@@ -640,7 +647,7 @@ class World:
         replicas = [(sn.name, h.shard, h.state) for sn in self.nodes if sn.node is not None and sn.ready
                     for h in sn.node.groups if h.failed is None]
         return (self.promises.findings + self.recovered_logs.findings + self.barriers.findings + self.canonical_findings
-                + canonical_state_findings(replicas))
+                + self.pins.findings + canonical_state_findings(replicas))
 
     def crash(self, sn: SimNode, lose_unsynced: bool = True) -> list[str]:
         """kill -9 plus (optionally) power loss: what was not synced may be lost or torn."""

@@ -19,6 +19,12 @@ check that reused that condition could not fail when the condition is wrong.
   ``ShardState.restore`` and encoded again gives the same bytes, the restored state's derived
   indexes (``derived_state``: owed counts and bytes, retention candidates, ...) are those the
   replica kept as it applied, and replicas at the same applied index encode the same bytes.
+- ``PinCheck`` (retention pins): no message at or above a live pin's offset on a shard is released
+  by retention while that pin is live on that replica (``pinned_released``). Judged between two
+  samples of the replica's state: a message present (in its message index) at the first and gone at
+  the second, at or above the offset of a pin held at both with that same offset, whose TTL (at
+  both) had not run out by the replica's latest entry time at the second, and whose reader no unpin
+  was asked for (``unpinning``; the workload's readers never reuse a name), went while the pin held.
 """
 
 from __future__ import annotations
@@ -253,6 +259,67 @@ def watch_barriers(check: ReadBarrierCheck, node: str, host: Any) -> None:
 
     host.read_barrier = barrier
     host._serve_reads = serve
+
+
+PIN_WINDOW = 4096  # offsets below a shard's next offset that PinCheck follows, at most
+
+
+@dataclass
+class _PinSample:
+    state: ShardState  # the replica's state object (a restart or a new state starts over)
+    applied: int
+    pins: dict[str, tuple[int, int]]  # reader -> (offset, until_ms)
+    present: set[int]  # offsets at or above the lowest pin that were in the message index
+
+
+@dataclass
+class PinCheck:
+    """Retention holds back from every live pin (``pinned_released``): see the module docstring.
+    ``sample`` every replica often (the runner: each 0.1 virtual s); ``unpinning(reader)`` before
+    an unpin of ``reader`` is proposed."""
+
+    samples: dict[tuple[str, int], _PinSample] = field(default_factory=dict)  # (node, shard) -> last
+    ending: set[str] = field(default_factory=set)
+    findings: list[Finding] = field(default_factory=list)
+    judged: int = 0  # (replica, pin, interval) judged with the pin live throughout
+    watched: int = 0  # of those, offsets held at or above the pin when the interval began
+    _flagged: set[tuple[str, int, str]] = field(default_factory=set)
+
+    def unpinning(self, reader: str) -> None:
+        self.ending.add(reader)
+
+    def sample(self, node: str, shard: int, state: ShardState) -> None:
+        key = (node, shard)
+        raw = state.pins
+        if not raw and key not in self.samples:
+            return
+        topics = state.topics
+        meta = topics.meta
+        pins = {r: (o, until) for r, (o, until, _owner) in raw.items()}
+        prev = self.samples.get(key)
+        if prev is not None and prev.state is state and state.applied_index >= prev.applied:
+            now = topics.last_ts_ms  # no entry applied since prev had a later time
+            for reader, (offset, until) in sorted(prev.pins.items()):
+                cur = pins.get(reader)
+                if reader in self.ending or cur is None or cur[0] != offset or now > min(until, cur[1]):
+                    continue
+                self.judged += 1
+                held = sorted(x for x in prev.present if x >= offset)
+                self.watched += len(held)
+                gone = [x for x in held if x not in meta]
+                if gone and (node, shard, reader) not in self._flagged:
+                    self._flagged.add((node, shard, reader))
+                    self.findings.append((
+                        "pinned_released",
+                        f"{node} shard {shard}: retention released offset(s) {gone[:8]} at or above "
+                        f"{reader}'s pin at offset {offset} while it was live (until {min(until, cur[1])} ms; "
+                        f"replica time {now} ms, applied index {prev.applied}..{state.applied_index})"))
+        if not pins:
+            self.samples.pop(key, None)
+            return
+        floor = max(min(o for o, _ in pins.values()), topics.next_offset - PIN_WINDOW, 0)
+        present = {x for x in range(floor, topics.next_offset) if x in meta}
+        self.samples[key] = _PinSample(state, state.applied_index, pins, present)
 
 
 def canonical_state_findings(replicas: Iterable[tuple[str, int, ShardState]]) -> list[Finding]:
