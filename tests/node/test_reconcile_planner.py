@@ -99,6 +99,17 @@ def test_removal_that_loses_the_live_majority_is_not_planned() -> None:
     assert forget_check({0: g.voters}, mid("n1"), {mid("n2"), mid("n3")}) == []
 
 
+def test_a_dead_voter_of_two_cannot_be_removed() -> None:
+    """Two voters, one dead: removing the dead one is committed by both, so it never commits (sim
+    --cluster seed 30106: a remove-replica racing a crash left such a shard, and a forget accepted
+    there left it unable to commit anything, for good)."""
+    ns = nodes(n1={"state": "forgotten", "live": False})
+    g = GroupView(0, (mid("n1"), mid("n2")), (), 3, leader=2)
+    assert plan(ns, [g], PlanSettings("k")) == []
+    assert forget_check({0: g.voters}, mid("n1"), {mid("n2"), mid("n3")}) == [
+        "shard 0: removing it is committed by a majority of its 2 voters (2), and 1 are live"]
+
+
 def test_promotion_waits_for_the_learner_to_catch_up() -> None:
     ns = nodes()
     g = GroupView(0, (mid("n1"), mid("n2")), (mid("n3"), mid("n4"), mid("n5")), 3, leader=1,
