@@ -216,6 +216,7 @@ class LiveSession(AckingSession):
         byte_budget = self.node.cfg.mqtt.write_buffer_high_bytes
         batch_bytes = 0
         items: list[c.DeliveryItem] = []
+        taken_share: set[tuple[int, int]] = set()  # $share (shard, offset) put in this batch
         msgs: list[StoredMessage] = []
         more = False
         held: set[int] = set()
@@ -261,6 +262,8 @@ class LiveSession(AckingSession):
                             qos = -1
                     else:
                         qos, sub_ids, reg_keys, rap, share = self._resolve(topics, subs, shard, offset, dq, 1, cursor)
+                if share and (shard, offset) in taken_share:
+                    qos = -1  # claimed twice for us in one burst of applies: sent once
                 if qos < 0:
                     for _ in range(n):
                         dq.popleft()
@@ -300,6 +303,8 @@ class LiveSession(AckingSession):
                     if not share:
                         self.cursor[shard] = max(cursor, offset)
                     continue
+                if share:
+                    taken_share.add((shard, offset))
                 items.append(c.DeliveryItem(shard, offset, qos, msg.retain and rap, sub_ids, reg_keys))
                 msgs.append(msg)
                 if qos > 0:
