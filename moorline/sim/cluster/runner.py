@@ -469,7 +469,10 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
             if not cfg.draw_config:
                 # Delayed wills came with the default mix (issue 28): the plain mix's seeds replay as before.
                 wcfg.delayed_will_probability = 0.0
-                # So did the pinning reader (retention pins, judged by world_checks.PinCheck).
+            if not (cfg.draw_config and cfg.timed_sync and cfg.aimed_crashes):
+                # The pinning reader (retention pins, judged by world_checks.PinCheck) is the whole
+                # default mix's only: seeds found with the plain mix or with --draw-config alone (the
+                # found-bug seeds of test_sim_found_bugs) replay as before.
                 wcfg.pinning_readers = 0
             workload = Workload(world, random.Random(f"{seed}/workload"), records, wcfg)
             plan.history = workload.history

@@ -148,8 +148,9 @@ class WorkloadConfig:
     # fault near, must be published (checkers: will_not_published).
     will_rounds: int = 12
     # Pinning readers (PinningReader: retention pins through the node's pin API, judged by
-    # world_checks.PinCheck). The runner sets 0 without drawn configuration (runner.plain_mix: its
-    # seeds replay as before); with it, retention_min_age_s is seconds in half the seeds.
+    # world_checks.PinCheck). The runner sets 0 outside the default mix (runner.plain_mix, or drawn
+    # configuration without timed syncs and aimed crashes: those seeds replay as before); in it,
+    # retention_min_age_s is seconds in half the seeds.
     pinning_readers: int = 1
     pin_gap_s: tuple[float, float] = (0.5, 3.0)  # between one pin's end and the next
     pin_ttl_s: tuple[float, float] = (1.5, 6.0)
