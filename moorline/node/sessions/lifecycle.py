@@ -154,24 +154,36 @@ class SessionLifecycle:
                 for rk in it.reg_keys:
                     if self.node.is_share_key(rk):
                         received.setdefault((rk, it.shard), []).append(it.offset)
-        futs = []
-        for flt in sess.subs:
-            reg_key, inner, group = reg_key_for(sess.client_id, flt)
-            for shard in self.node.shards_for_filter(inner):
-                if self.node.hosts[shard].failed is not None:
-                    continue  # unregistered when the shard is back (_unregister_ghosts)
-                if group is not None:
-                    done = received.get((reg_key, shard))
-                    if done:  # proposed first from this node: applied before the return
-                        self.node.propose(shard, c.AckReport(reg_key, tuple(done)), want=False)
-                    dropped = tuple(qos2_unreceived.get((reg_key, shard), ()))
-                    inc = sess.incarnation
-                    futs.append(self.node.propose_cross(shard, c.ShareReturn(reg_key, sess.client_id, dropped, inc)))
-                    futs.append(self.node.propose_cross(shard, c.ShareMember(reg_key, sess.client_id, False, inc)))
-                else:
-                    futs.append(self.node.propose_cross(shard, c.Unregister(reg_key, sess.incarnation, reason)))
+        futs: list[asyncio.Future[Any]] = []
+        try:
+            for flt in sess.subs:
+                reg_key, inner, group = reg_key_for(sess.client_id, flt)
+                for shard in self.node.shards_for_filter(inner):
+                    if self.node.hosts[shard].failed is not None:
+                        continue  # unregistered when the shard is back (_unregister_ghosts)
+                    if group is not None:
+                        done = received.get((reg_key, shard))
+                        if done:  # proposed first from this node: applied before the return
+                            self.node.propose(shard, c.AckReport(reg_key, tuple(done)), want=False)
+                        dropped = tuple(qos2_unreceived.get((reg_key, shard), ()))
+                        inc = sess.incarnation
+                        futs.append(self.node.propose_cross(shard, c.ShareReturn(reg_key, sess.client_id, dropped, inc)))
+                        futs.append(self.node.propose_cross(shard, c.ShareMember(reg_key, sess.client_id, False, inc)))
+                    else:
+                        futs.append(self.node.propose_cross(shard, c.Unregister(reg_key, sess.incarnation, reason)))
+        except BaseException:
+            # A later proposal refused (raft.max_pending_proposals): the outcomes of those already
+            # proposed are nobody's now; retrieved, so none is reported as never retrieved.
+            for f in futs:
+                f.add_done_callback(_retrieve)
+            raise
         self.node.registry.views.pop(sess.client_id, None)
-        await asyncio.gather(*futs)
+        # Every outcome retrieved (gather's first failure would leave the others' unretrieved),
+        # then the first failure raised, as before.
+        outcomes = await asyncio.gather(*futs, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     def takeover_across_users(self) -> bool:
         auth = self.node.cfg.auth
@@ -418,3 +430,9 @@ class SessionLifecycle:
             self.node.now_ms(), will.expiry_s, props, client_id,
         )
         await self.node.publish(msg, principal="")
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Marks a proposal's outcome retrieved (nobody waits for it any longer)."""
+    if not fut.cancelled():
+        fut.exception()
