@@ -18,9 +18,7 @@ from moorline.broker import commands as c
 from moorline.config import NodeConfig
 from moorline.mqtt.codec import encode
 from moorline.mqtt.packets import Connect, Disconnect, Properties, Will
-from moorline.node.edge.auth import Authorizer
-from moorline.node.edge.server import MqttServer
-from moorline.node.node import Node
+from tests.node.served_node import served_node
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,44 +49,35 @@ async def _scenario(tmp_path: Path, version: int, stall_close: bool) -> tuple[li
     cfg.data_dir = str(tmp_path / "data")
     cfg.shard.count = 2
     cfg.mqtt.publish_timeout_s = TIMEOUT_S
-    node = Node(cfg)
-    node.open()
-    await node.start()
-    authorizer = Authorizer(cfg.auth, loopback_only=True)
-    server = await asyncio.get_running_loop().create_server(MqttServer(node, authorizer).protocol_factory,
-                                                            "127.0.0.1", 0)
-    writer: asyncio.StreamWriter | None = None
-    try:
-        if stall_close:
-            real_propose = node.propose
+    async with served_node(cfg) as (node, port):
+        writer: asyncio.StreamWriter | None = None
+        try:
+            if stall_close:
+                real_propose = node.propose
 
-            def propose(shard: int, cmd: c.Command, want: bool = True) -> asyncio.Future[Any] | None:
-                if isinstance(cmd, c.SessionClose):
-                    return asyncio.get_running_loop().create_future()  # never committed
-                return real_propose(shard, cmd, want)
+                def propose(shard: int, cmd: c.Command, want: bool = True) -> asyncio.Future[Any] | None:
+                    if isinstance(cmd, c.SessionClose):
+                        return asyncio.get_running_loop().create_future()  # never committed
+                    return real_propose(shard, cmd, want)
 
-            node.propose = propose  # type: ignore[method-assign]
-        port = server.sockets[0].getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        props = Properties(session_expiry_interval=600) if version == 5 else Properties()
-        writer.write(encode(Connect(protocol_level=version, client_id="c1", clean_start=True, properties=props,
-                                    will=Will("w/c1", b"gone", 1)), version))
-        connack = await asyncio.wait_for(_read_packet(reader), 5)
-        assert connack is not None and connack[0] == 0x20 and connack[1][1] == 0, connack
-        writer.write(encode(Disconnect(0), version))
-        t0 = asyncio.get_running_loop().time()
-        after: list[tuple[int, bytes]] = []
-        while (pk := await asyncio.wait_for(_read_packet(reader), 5)) is not None:
-            after.append(pk)
-        took = asyncio.get_running_loop().time() - t0
-        sess = node.hosts[node.session_shard("c1")].state.sessions.sessions.get("c1")
-        return after, took, sess
-    finally:
-        if writer is not None:
-            writer.close()
-        server.close()
-        await node.stop()
-        authorizer.close()
+                node.propose = propose  # type: ignore[method-assign]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            props = Properties(session_expiry_interval=600) if version == 5 else Properties()
+            writer.write(encode(Connect(protocol_level=version, client_id="c1", clean_start=True, properties=props,
+                                        will=Will("w/c1", b"gone", 1)), version))
+            connack = await asyncio.wait_for(_read_packet(reader), 5)
+            assert connack is not None and connack[0] == 0x20 and connack[1][1] == 0, connack
+            writer.write(encode(Disconnect(0), version))
+            t0 = asyncio.get_running_loop().time()
+            after: list[tuple[int, bytes]] = []
+            while (pk := await asyncio.wait_for(_read_packet(reader), 5)) is not None:
+                after.append(pk)
+            took = asyncio.get_running_loop().time() - t0
+            sess = node.hosts[node.session_shard("c1")].state.sessions.sessions.get("c1")
+            return after, took, sess
+        finally:
+            if writer is not None:
+                writer.close()
 
 
 @pytest.mark.parametrize("version", [4, 5], ids=["v311", "v5"])

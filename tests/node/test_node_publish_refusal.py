@@ -16,9 +16,7 @@ import pytest
 from moorline.config import NodeConfig
 from moorline.mqtt.codec import encode
 from moorline.mqtt.packets import Connect, Properties, Publish
-from moorline.node.edge.auth import Authorizer
-from moorline.node.edge.server import MqttServer
-from moorline.node.node import Node
+from tests.node.served_node import served_node
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,50 +42,41 @@ async def _scenario(tmp_path: Path, qos: int, dup: bool = False) -> list[tuple[i
     cfg.data_dir = str(tmp_path / "data")
     cfg.shard.count = 2
     cfg.mqtt.publish_timeout_s = 30.0
-    node = Node(cfg)
-    node.open()
-    await node.start()
-    authorizer = Authorizer(cfg.auth, loopback_only=True)
-    server = await asyncio.get_running_loop().create_server(MqttServer(node, authorizer).protocol_factory,
-                                                            "127.0.0.1", 0)
-    writer: asyncio.StreamWriter | None = None
-    try:
-        client = "c1"
-        # A topic on the shard that does not hold the session (QoS 2 records its packet id there first).
-        topic = next(f"t/{i}" for i in range(100) if node.topic_shard(f"t/{i}") != node.session_shard(client))
-        host = node.hosts[node.topic_shard(topic)]
-        port = server.sockets[0].getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(encode(Connect(protocol_level=5, client_id=client, clean_start=True,
-                                    properties=Properties(session_expiry_interval=600)), 5))
-        connack = await asyncio.wait_for(_read_packet(reader), 5)
-        assert connack[0] == 0x20 and connack[1][1] == 0, connack
-        # A user property: the general publish path (a bare QoS 1 PUBLISH is proposed in a group).
-        props = Properties(user_properties=(("k", "v"),))
-        cap = host.max_pending_proposals
-        host.max_pending_proposals = 0  # every proposal of this shard is refused
-        writer.write(encode(Publish(topic, b"one", qos, dup=dup, packet_id=1, properties=props), 5))
-        await writer.drain()
-        await asyncio.sleep(0.2)  # read and refused
-        host.max_pending_proposals = cap
-        writer.write(encode(Publish(topic, b"two", qos, packet_id=2, properties=props), 5))
-        acks: list[tuple[int, int, int]] = []
+    async with served_node(cfg) as (node, port):
+        writer: asyncio.StreamWriter | None = None
         try:
-            while len(acks) < 2:
-                first, body = await asyncio.wait_for(_read_packet(reader), WAIT_S)
-                if first == 0xE0:  # DISCONNECT: (type, 0, reason)
-                    acks.append((first, 0, body[0] if body else 0))
-                    break
-                acks.append((first, int.from_bytes(body[:2], "big"), body[2] if len(body) > 2 else 0))
-        except (TimeoutError, asyncio.IncompleteReadError):
-            pass
-        return acks
-    finally:
-        if writer is not None:
-            writer.close()
-        server.close()
-        await node.stop()
-        authorizer.close()
+            client = "c1"
+            # A topic on the shard that does not hold the session (QoS 2 records its packet id there first).
+            topic = next(f"t/{i}" for i in range(100) if node.topic_shard(f"t/{i}") != node.session_shard(client))
+            host = node.hosts[node.topic_shard(topic)]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(encode(Connect(protocol_level=5, client_id=client, clean_start=True,
+                                        properties=Properties(session_expiry_interval=600)), 5))
+            connack = await asyncio.wait_for(_read_packet(reader), 5)
+            assert connack[0] == 0x20 and connack[1][1] == 0, connack
+            # A user property: the general publish path (a bare QoS 1 PUBLISH is proposed in a group).
+            props = Properties(user_properties=(("k", "v"),))
+            cap = host.max_pending_proposals
+            host.max_pending_proposals = 0  # every proposal of this shard is refused
+            writer.write(encode(Publish(topic, b"one", qos, dup=dup, packet_id=1, properties=props), 5))
+            await writer.drain()
+            await asyncio.sleep(0.2)  # read and refused
+            host.max_pending_proposals = cap
+            writer.write(encode(Publish(topic, b"two", qos, packet_id=2, properties=props), 5))
+            acks: list[tuple[int, int, int]] = []
+            try:
+                while len(acks) < 2:
+                    first, body = await asyncio.wait_for(_read_packet(reader), WAIT_S)
+                    if first == 0xE0:  # DISCONNECT: (type, 0, reason)
+                        acks.append((first, 0, body[0] if body else 0))
+                        break
+                    acks.append((first, int.from_bytes(body[:2], "big"), body[2] if len(body) > 2 else 0))
+            except (TimeoutError, asyncio.IncompleteReadError):
+                pass
+            return acks
+        finally:
+            if writer is not None:
+                writer.close()
 
 
 @pytest.mark.parametrize("qos", [1, 2])

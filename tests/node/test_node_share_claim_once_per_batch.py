@@ -23,9 +23,7 @@ from moorline.mqtt.packets import (
     Subscribe,
     SubscriptionOptions,
 )
-from moorline.node.edge.auth import Authorizer
-from moorline.node.edge.server import MqttServer
-from moorline.node.node import Node
+from tests.node.served_node import served_node
 from tests.node.test_node_share_reload_after_ack import GROUP_KEY, _Client, _message
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,53 +34,44 @@ async def _scenario(tmp_path: Path) -> list[Publish]:
     cfg.data_dir = str(tmp_path / "data")
     cfg.shard.count = 2
     cfg.sys.interval_s = 0
-    node = Node(cfg)
-    node.open()
-    await node.start()
-    authorizer = Authorizer(cfg.auth, loopback_only=True)
-    server = await asyncio.get_running_loop().create_server(MqttServer(node, authorizer).protocol_factory,
-                                                            "127.0.0.1", 0)
-    writer: asyncio.StreamWriter | None = None
-    try:
-        port = server.sockets[0].getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        client = _Client(reader, writer)
-        writer.write(encode(Connect(protocol_level=5, client_id="m1", clean_start=True,
-                                    properties=Properties(session_expiry_interval=0)), 5))
-        connack = await client.next()
-        assert isinstance(connack, Connack) and connack.reason_code == 0, connack
-        writer.write(encode(Subscribe(1, (("$share/g/q/#", SubscriptionOptions(1)),)), 5))
-        suback = await client.next()
-        assert isinstance(suback, Suback) and suback.reason_codes == (1,), suback
-        shard = node.topic_shard("q/1")
-        live = node.live["m1"]
-        live.writable = False  # the pump holds (as while the socket's buffer is full)
-        await node.publish(_message("q/1", 1))
-        await node.publish(_message("q/1", 2))
-        reg = node.hosts[shard].state.topics.regs.get(GROUP_KEY)
-        assert reg is not None
-        for _ in range(200):  # the group's dispatcher claims both for m1 (proposals of its own)
-            claimed = sorted(o for o, (m, _inc) in reg.claims.items() if m == "m1")
-            if len(claimed) == 2 and len(live.pending.get(shard, ())) >= 2:
-                break
-            await asyncio.sleep(0.01)
-        first, _second = claimed
-        # The first offset's second claim, applied after the second offset's: its notice comes
-        # after (a notice right behind one of the same offset is taken as the same message).
-        live.notify(shard, GROUP_KEY, first)
-        live.writable = True
-        live.wake()
-        got: list[Publish] = []
-        while (pk := await client.next(timeout=1.0)) is not None:
-            if isinstance(pk, Publish):
-                got.append(pk)
-        return got
-    finally:
-        if writer is not None:
-            writer.close()
-        server.close()
-        await node.stop()
-        authorizer.close()
+    async with served_node(cfg) as (node, port):
+        writer: asyncio.StreamWriter | None = None
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            client = _Client(reader, writer)
+            writer.write(encode(Connect(protocol_level=5, client_id="m1", clean_start=True,
+                                        properties=Properties(session_expiry_interval=0)), 5))
+            connack = await client.next()
+            assert isinstance(connack, Connack) and connack.reason_code == 0, connack
+            writer.write(encode(Subscribe(1, (("$share/g/q/#", SubscriptionOptions(1)),)), 5))
+            suback = await client.next()
+            assert isinstance(suback, Suback) and suback.reason_codes == (1,), suback
+            shard = node.topic_shard("q/1")
+            live = node.live["m1"]
+            live.writable = False  # the pump holds (as while the socket's buffer is full)
+            await node.publish(_message("q/1", 1))
+            await node.publish(_message("q/1", 2))
+            reg = node.hosts[shard].state.topics.regs.get(GROUP_KEY)
+            assert reg is not None
+            for _ in range(200):  # the group's dispatcher claims both for m1 (proposals of its own)
+                claimed = sorted(o for o, (m, _inc) in reg.claims.items() if m == "m1")
+                if len(claimed) == 2 and len(live.pending.get(shard, ())) >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            first, _second = claimed
+            # The first offset's second claim, applied after the second offset's: its notice comes
+            # after (a notice right behind one of the same offset is taken as the same message).
+            live.notify(shard, GROUP_KEY, first)
+            live.writable = True
+            live.wake()
+            got: list[Publish] = []
+            while (pk := await client.next(timeout=1.0)) is not None:
+                if isinstance(pk, Publish):
+                    got.append(pk)
+            return got
+        finally:
+            if writer is not None:
+                writer.close()
 
 
 def test_a_share_offset_claimed_twice_in_one_burst_is_sent_once(tmp_path: Path) -> None:

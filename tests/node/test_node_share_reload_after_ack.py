@@ -31,9 +31,7 @@ from moorline.mqtt.packets import (
     Subscribe,
     SubscriptionOptions,
 )
-from moorline.node.edge.auth import Authorizer
-from moorline.node.edge.server import MqttServer
-from moorline.node.node import Node
+from tests.node.served_node import served_node
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -72,72 +70,63 @@ async def _scenario(tmp_path: Path) -> list[Publish]:
     cfg.data_dir = str(tmp_path / "data")
     cfg.shard.count = 2
     cfg.sys.interval_s = 0
-    node = Node(cfg)
-    node.open()
-    await node.start()
-    authorizer = Authorizer(cfg.auth, loopback_only=True)
-    server = await asyncio.get_running_loop().create_server(MqttServer(node, authorizer).protocol_factory,
-                                                            "127.0.0.1", 0)
-    writer: asyncio.StreamWriter | None = None
-    real_lazy = node.propose_lazy
+    async with served_node(cfg) as (node, port):
+        writer: asyncio.StreamWriter | None = None
+        real_lazy = node.propose_lazy
 
-    def propose_lazy(shard: int, cmd: c.Command, want: bool = False) -> asyncio.Future[Any] | None:
-        if isinstance(cmd, c.AckReport):
-            return None  # lost, as on a leader cut from its followers: the claim keeps naming the member
-        return real_lazy(shard, cmd, want)
+        def propose_lazy(shard: int, cmd: c.Command, want: bool = False) -> asyncio.Future[Any] | None:
+            if isinstance(cmd, c.AckReport):
+                return None  # lost, as on a leader cut from its followers: the claim keeps naming the member
+            return real_lazy(shard, cmd, want)
 
-    node.propose_lazy = propose_lazy  # type: ignore[method-assign]
-    try:
-        port = server.sockets[0].getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        client = _Client(reader, writer)
-        # Session expiry 0: the member's delivery log lives only on its node.
-        writer.write(encode(Connect(protocol_level=5, client_id="m1", clean_start=True,
-                                    properties=Properties(session_expiry_interval=0)), 5))
-        connack = await client.next()
-        assert isinstance(connack, Connack) and connack.reason_code == 0, connack
-        writer.write(encode(Subscribe(1, (("$share/g/q/#", SubscriptionOptions(1)),)), 5))
-        suback = await client.next()
-        assert isinstance(suback, Suback) and suback.reason_codes == (1,), suback
-        shard = node.topic_shard("q/1")
-        await node.publish(_message("q/1", 1))
-        first = await client.next()
-        assert isinstance(first, Publish) and first.payload == b"m1" and first.packet_id is not None, first
-        writer.write(encode(Puback(first.packet_id), 5))
-        live = node.live["m1"]
-        for _ in range(200):  # the acknowledgement flushed (and its ack report dropped)
-            if live.inflight_out == 0 and not live._acks:
-                break
-            await asyncio.sleep(0.01)
-        assert live.inflight_out == 0
-        await asyncio.sleep(0.05)
-        reg = node.hosts[shard].state.topics.regs.get(GROUP_KEY)
-        assert reg is not None
-        assert [m for m, _inc in reg.claims.values()] == ["m1"], "the claim still names the member (no ack report)"
-        node.housekeeping.snapshot_installed(node.hosts[shard])  # what an install does: reload
-        await node.publish(_message("q/1", 2))
-        got: list[Publish] = [first]
-        while (pk := await client.next(timeout=1.0)) is not None:
-            if isinstance(pk, Publish):
-                got.append(pk)
-                if pk.packet_id is not None:
-                    writer.write(encode(Puback(pk.packet_id), 5))
-        # Once the ack reports apply, the claims end and the session forgets what it finished.
-        node.propose_lazy = real_lazy  # type: ignore[method-assign]
-        done = [o for o, (m, _inc) in reg.claims.items() if m == "m1"]
-        fut = node.propose(shard, c.AckReport(GROUP_KEY, tuple(done)))
-        assert fut is not None
-        await asyncio.wait_for(fut, 10)
-        assert not reg.claims
-        node.housekeeping.snapshot_installed(node.hosts[shard])
-        assert not getattr(live, "share_finished", {}), "finished claims no longer held are forgotten"
-        return got
-    finally:
-        if writer is not None:
-            writer.close()
-        server.close()
-        await node.stop()
-        authorizer.close()
+        node.propose_lazy = propose_lazy  # type: ignore[method-assign]
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            client = _Client(reader, writer)
+            # Session expiry 0: the member's delivery log lives only on its node.
+            writer.write(encode(Connect(protocol_level=5, client_id="m1", clean_start=True,
+                                        properties=Properties(session_expiry_interval=0)), 5))
+            connack = await client.next()
+            assert isinstance(connack, Connack) and connack.reason_code == 0, connack
+            writer.write(encode(Subscribe(1, (("$share/g/q/#", SubscriptionOptions(1)),)), 5))
+            suback = await client.next()
+            assert isinstance(suback, Suback) and suback.reason_codes == (1,), suback
+            shard = node.topic_shard("q/1")
+            await node.publish(_message("q/1", 1))
+            first = await client.next()
+            assert isinstance(first, Publish) and first.payload == b"m1" and first.packet_id is not None, first
+            writer.write(encode(Puback(first.packet_id), 5))
+            live = node.live["m1"]
+            for _ in range(200):  # the acknowledgement flushed (and its ack report dropped)
+                if live.inflight_out == 0 and not live._acks:
+                    break
+                await asyncio.sleep(0.01)
+            assert live.inflight_out == 0
+            await asyncio.sleep(0.05)
+            reg = node.hosts[shard].state.topics.regs.get(GROUP_KEY)
+            assert reg is not None
+            assert [m for m, _inc in reg.claims.values()] == ["m1"], "the claim still names the member (no ack report)"
+            node.housekeeping.snapshot_installed(node.hosts[shard])  # what an install does: reload
+            await node.publish(_message("q/1", 2))
+            got: list[Publish] = [first]
+            while (pk := await client.next(timeout=1.0)) is not None:
+                if isinstance(pk, Publish):
+                    got.append(pk)
+                    if pk.packet_id is not None:
+                        writer.write(encode(Puback(pk.packet_id), 5))
+            # Once the ack reports apply, the claims end and the session forgets what it finished.
+            node.propose_lazy = real_lazy  # type: ignore[method-assign]
+            done = [o for o, (m, _inc) in reg.claims.items() if m == "m1"]
+            fut = node.propose(shard, c.AckReport(GROUP_KEY, tuple(done)))
+            assert fut is not None
+            await asyncio.wait_for(fut, 10)
+            assert not reg.claims
+            node.housekeeping.snapshot_installed(node.hosts[shard])
+            assert not getattr(live, "share_finished", {}), "finished claims no longer held are forgotten"
+            return got
+        finally:
+            if writer is not None:
+                writer.close()
 
 
 def test_acknowledged_share_claim_is_not_sent_again_by_a_reload(tmp_path: Path) -> None:

@@ -20,9 +20,7 @@ from moorline.broker import commands as c
 from moorline.config import NodeConfig
 from moorline.mqtt.codec import Decoder, encode
 from moorline.mqtt.packets import Connack, Connect, Properties
-from moorline.node.edge.auth import Authorizer
-from moorline.node.edge.server import MqttServer
-from moorline.node.node import Node
+from tests.node.served_node import served_node
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,44 +35,35 @@ async def _scenario(tmp_path: Path) -> tuple[bool, bool, str]:
     cfg.shard.housekeeping_interval_s = 0.05
     cfg.sys.interval_s = 0
     cfg.session.owner_lease_s = LEASE_S
-    node = Node(cfg)
-    node.open()
-    await node.start()
-    authorizer = Authorizer(cfg.auth, loopback_only=True)
-    server = await asyncio.get_running_loop().create_server(MqttServer(node, authorizer).protocol_factory,
-                                                            "127.0.0.1", 0)
-    writer: asyncio.StreamWriter | None = None
-    try:
-        shard = node.session_shard("t")
-        # The client's connection on another node (member 7), whose lease runs 3.5 s more: longer
-        # than this node's own lease would last unrenewed (3 s less the drift margin).
-        fut = node.propose(shard, c.SessionOpen(node.now_ms(), "t", True, 0, None, owner_node=7,
-                                                lease_ms=PREVIOUS_LEASE_MS))
-        assert fut is not None
-        await asyncio.wait_for(fut, 10)
-        port = server.sockets[0].getsockname()[1]
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(encode(Connect(protocol_level=5, client_id="t", clean_start=True,
-                                    properties=Properties(session_expiry_interval=0)), 5))
-        decoder = Decoder(role="client", version=5)
-        data = await asyncio.wait_for(reader.read(65536), 15)
-        packets = decoder.feed(data)
-        assert packets and isinstance(packets[0], Connack), packets
-        assert packets[0].reason_code == 0, packets[0]  # served once the previous owner's lease ran out
-        # Past this node's unrenewed lease plus the session shard's grace (1 s): the session lives
-        # on as long as the node serves it.
-        await asyncio.sleep(LEASE_S)
-        live = node.live.get("t")
-        sess = node.hosts[shard].state.sessions.sessions.get("t")
-        served = live is not None and "t" in node.connections
-        alive = sess is not None and live is not None and sess.epoch == live.epoch and sess.connected
-        return served, alive, f"live={live is not None} session={sess!r}"
-    finally:
-        if writer is not None:
-            writer.close()
-        server.close()
-        await node.stop()
-        authorizer.close()
+    async with served_node(cfg) as (node, port):
+        writer: asyncio.StreamWriter | None = None
+        try:
+            shard = node.session_shard("t")
+            # The client's connection on another node (member 7), whose lease runs 3.5 s more: longer
+            # than this node's own lease would last unrenewed (3 s less the drift margin).
+            fut = node.propose(shard, c.SessionOpen(node.now_ms(), "t", True, 0, None, owner_node=7,
+                                                    lease_ms=PREVIOUS_LEASE_MS))
+            assert fut is not None
+            await asyncio.wait_for(fut, 10)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(encode(Connect(protocol_level=5, client_id="t", clean_start=True,
+                                        properties=Properties(session_expiry_interval=0)), 5))
+            decoder = Decoder(role="client", version=5)
+            data = await asyncio.wait_for(reader.read(65536), 15)
+            packets = decoder.feed(data)
+            assert packets and isinstance(packets[0], Connack), packets
+            assert packets[0].reason_code == 0, packets[0]  # served once the previous owner's lease ran out
+            # Past this node's unrenewed lease plus the session shard's grace (1 s): the session lives
+            # on as long as the node serves it.
+            await asyncio.sleep(LEASE_S)
+            live = node.live.get("t")
+            sess = node.hosts[shard].state.sessions.sessions.get("t")
+            served = live is not None and "t" in node.connections
+            alive = sess is not None and live is not None and sess.epoch == live.epoch and sess.connected
+            return served, alive, f"live={live is not None} session={sess!r}"
+        finally:
+            if writer is not None:
+                writer.close()
 
 
 def test_a_takeover_that_waited_keeps_its_lease_renewed(tmp_path: Path) -> None:
