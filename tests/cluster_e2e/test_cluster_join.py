@@ -45,7 +45,8 @@ REPLICAS = 3
 
 def membership(cluster: Cluster, via: str) -> dict[str, Any]:
     ms = cluster[via].get("/v1/cluster")["membership"]
-    assert ms is not None
+    if ms is None:  # the metadata group has not applied its member table yet (just after start)
+        raise ValueError(f"{via} has no member table yet")  # wait_for retries on ValueError
     return ms
 
 
