@@ -1,12 +1,16 @@
 """The console's cluster-wide parts on a 3-node cluster with authentication (issue 35):
 
 - ``GET /v1/clients`` asked of n1 lists a client connected to n2 (node = n2; each peer asked over
-  HTTP with the caller's credentials: a non-admin sees its own client there, another user none),
-  and ``DELETE /v1/clients/{id}`` asked of n1 disconnects it on n2 (MQTT 5 DISCONNECT 0x98);
-- in headless Chromium the overview offers the admin drain (live members) and forget (dead ones),
-  each asking for confirmation in the page (cancel sends nothing); a non-admin user sees none;
-- after n3 is SIGKILLed and forgotten through the console, the shards page shows the member
-  table's target and marks the shards below it.
+  the cluster link, the caller's rights applied by n1: a non-admin sees its own client there,
+  another user none), and ``DELETE /v1/clients/{id}`` asked of n1 disconnects it on n2 (MQTT 5
+  DISCONNECT 0x98);
+- in headless Chromium, n1's Clients page lists a client connected to n2 (alice: hers, with no
+  action), and the admin disconnects it from there after a confirmation naming the node (0x98);
+- the overview offers the admin drain (live members) and forget (dead ones), each asking for
+  confirmation in the page (cancel sends nothing); a non-admin user sees none. Drain n3 confirmed:
+  n3 exits 0 and the Clients page names it as not answering; forget n3 confirmed: the member table
+  forgets it and the shards page marks the shards below target; with n2 stopped (SIGSTOP), forget
+  n2 is refused and the page shows the server's 409 with its reasons.
 """
 
 from __future__ import annotations
@@ -116,9 +120,13 @@ ACTIONS = ("JSON.stringify([...document.querySelectorAll('#nodes [data-action]')
            ".map(b => b.dataset.action + ':' + b.dataset.target).sort())")
 
 
+CLIENT_ROW = "document.querySelector('#clients-table tr[data-client=\"far-console\"]')"
+
+
 async def drive(cluster: Cluster, url: str, shots: Path) -> None:
     browser = Browser(shots / "chromium-profile")
     await browser.start()
+    far = mqtt(cluster["n2"].mqtt_port, "far-console", "alice")  # connected to n2; the console is n1's
     try:
         # A non-admin user: no cluster action anywhere (the overview is refused).
         await browser.set_auth(basic("alice"))
@@ -126,6 +134,11 @@ async def drive(cluster: Cluster, url: str, shots: Path) -> None:
         await browser.wait_for("the console as alice", "document.body.dataset.ready === '1'"
                                " && document.body.dataset.admin === '0'", 20)
         await browser.wait_for("the overview refused", "document.body.dataset.page === 'denied'", 5)
+        assert await browser.eval("document.querySelectorAll('[data-action], .admin-action').length") == 0
+        # Her own client on n2 is on n1's Clients page, with no action for her.
+        await browser.eval("location.hash = '#clients'")
+        await browser.wait_for("alice's client on n2 listed by n1's console", f"!!{CLIENT_ROW}"
+                               f" && {CLIENT_ROW}.dataset.node === 'n2'", 10)
         assert await browser.eval("document.querySelectorAll('[data-action], .admin-action').length") == 0
 
         # The admin: drain on every live member, asked first; cancel sends nothing.
@@ -137,6 +150,25 @@ async def drive(cluster: Cluster, url: str, shots: Path) -> None:
                                "document.querySelectorAll('#nodes [data-state=\"up\"]').length === 3"
                                " && document.querySelectorAll('#nodes [data-action=\"drain\"]').length === 3", 15)
         assert json.loads(await browser.eval(ACTIONS)) == ["drain:n1", "drain:n2", "drain:n3"]
+
+        # The Clients page of n1 lists the client on n2; Disconnect asks first, naming the node, and
+        # n2 sends it DISCONNECT 0x98.
+        await browser.eval("location.hash = '#clients'")
+        await browser.wait_for("the client on n2 listed by n1's console", f"!!{CLIENT_ROW}"
+                               f" && {CLIENT_ROW}.dataset.node === 'n2'", 10)
+        cells = json.loads(await browser.eval(f"JSON.stringify([...{CLIENT_ROW}.children].map(td => td.textContent))"))
+        assert cells[:5] == ["far-console", "alice", "n2", cells[3], "MQTT 5"] and cells[3], cells
+        assert await browser.eval("document.getElementById('client-missing').hidden") is True
+        await browser.screenshot(shots / "clients.png")
+        await browser.eval(f"{CLIENT_ROW}.querySelector('[data-action=\"disconnect\"]').click()")
+        await browser.wait_for("the disconnect asked for confirmation", "!document.getElementById('confirm').hidden"
+                               " && document.getElementById('confirm-text').textContent"
+                               ".startsWith('Disconnect far-console from n2?')", 5)
+        await browser.eval("document.getElementById('confirm-yes').click()")
+        bye = await asyncio.to_thread(far.expect, DISCONNECT, 5)
+        assert bye.reason == 0x98, bye
+        await browser.wait_for("the client gone from the page", f"!{CLIENT_ROW}", 10)
+        await browser.eval("location.hash = '#overview'")
         assert await browser.eval("document.getElementById('confirm').hidden") is True
         await browser.eval("document.querySelector('[data-action=\"drain\"][data-target=\"n3\"]').click()")
         await browser.wait_for("the drain asked for confirmation", "!document.getElementById('confirm').hidden", 5)
@@ -149,15 +181,26 @@ async def drive(cluster: Cluster, url: str, shots: Path) -> None:
         status, health = call(cluster["n3"].http_url, "GET", "/v1/health", "root")
         assert status == 200 and health["draining"] is False, health
 
-        # n3 dies: forget (not drain) is offered for it; confirmed, the member table forgets it.
-        cluster.kill9("n3")
+        # Drain n3, confirmed: it hands over and exits 0; forget (not drain) is then offered for it.
+        await browser.eval("document.querySelector('[data-action=\"drain\"][data-target=\"n3\"]').click()")
+        await browser.wait_for("the drain asked again", "!document.getElementById('confirm').hidden", 5)
+        await browser.eval("document.getElementById('confirm-yes').click()")
+        await browser.wait_for("the drain's answer", "document.getElementById('action-result').dataset.status === 'ok'"
+                               " && document.getElementById('action-result').textContent.includes('/v1/drain')", 10)
+        assert await asyncio.to_thread(cluster["n3"].wait_exit, 60) == 0
         await browser.wait_for("n3 down with a forget action",
                                "document.querySelector('#nodes [data-node=\"n3\"]').dataset.state === 'down'"
                                " && !!document.querySelector('[data-action=\"forget\"][data-target=\"n3\"]')", 15)
         assert json.loads(await browser.eval(ACTIONS)) == ["drain:n1", "drain:n2", "forget:n3"]
-        # GET /v1/clients names the dead node as unreachable (not silently left out)...
+        # GET /v1/clients names the dead node as unreachable (not silently left out), and so does the page...
         wait_for("n3 unreachable in GET /v1/clients", lambda: [u["node"] for u in clients_of(
             cluster, "n1", "root")["unreachable"]] == ["n3"] or None, 10, 0.2)
+        await browser.eval("location.hash = '#clients'")
+        await browser.wait_for("n3 named on the Clients page", "document.getElementById('client-missing')"
+                               ".dataset.nodes === 'n3' && !document.getElementById('client-missing').hidden", 10)
+        await browser.eval("location.hash = '#overview'")
+        await browser.wait_for("the overview again", "!!document.querySelector('[data-action=\"forget\"]"
+                               "[data-target=\"n3\"]')", 10)
         await browser.eval("document.querySelector('[data-action=\"forget\"][data-target=\"n3\"]').click()")
         await browser.wait_for("the forget asked for confirmation", "!document.getElementById('confirm').hidden"
                                " && document.getElementById('confirm-text').textContent.startsWith('Forget n3?')", 5)
@@ -179,6 +222,30 @@ async def drive(cluster: Cluster, url: str, shots: Path) -> None:
         assert all(t.endswith("/3") for t in below), below
         await browser.screenshot(shots / "shards-below-target.png")
         assert await browser.eval("document.getElementById('shard-summary').textContent.includes('below')")
-        assert browser.errors == [], browser.errors
+
+        # n2 stops answering (SIGSTOP): forget n2 is offered and, confirmed, refused by the server
+        # (no shard would keep a live majority); the page shows the 409 and its reasons.
+        await browser.eval("location.hash = '#overview'")
+        cluster.pause("n2")
+        try:
+            await browser.wait_for("n2 down with a forget action",
+                                   "!!document.querySelector('[data-action=\"forget\"][data-target=\"n2\"]')", 15)
+            await browser.eval("document.querySelector('[data-action=\"forget\"][data-target=\"n2\"]').click()")
+            await browser.wait_for("the forget of n2 asked", "!document.getElementById('confirm').hidden && "
+                                   "document.getElementById('confirm-text').textContent.startsWith('Forget n2?')", 5)
+            await browser.eval("document.getElementById('confirm-yes').click()")
+            refusal = await browser.wait_for(
+                "the refusal shown", "document.getElementById('action-result').dataset.status === '409'"
+                " && document.getElementById('action-result').textContent", 15)
+            assert "refusing to forget n2" in refusal and "live majority" in refusal, refusal
+            await browser.screenshot(shots / "forget-refused.png")
+        finally:
+            cluster.resume("n2")
+        status, body = call(cluster["n1"].http_url, "GET", "/v1/cluster", "root")
+        assert status == 200, body
+        # The refused forget's own 409 is the one failed load the page may report.
+        unexpected = [e for e in browser.errors if not ("409" in e and "/forget" in e)]
+        assert unexpected == [], browser.errors
     finally:
+        far.close()
         await browser.close()

@@ -15,9 +15,9 @@ authentication (HTTP Basic or Bearer). Access:
 
 What one node knows: sessions, retained messages and ``$share`` groups are replicated state (every
 node holds every shard, as voter or learner), so any node lists them all, as of its last apply.
-Connected clients are not replicated: ``GET /v1/clients`` adds each live peer's own list, fetched
-over HTTP with the caller's credentials (peer_http.py), and ``DELETE /v1/clients/{id}`` asks the
-node serving the client. Rates, uptime and disk use in the live stream are this node's, computed here.
+Connected clients are not replicated: ``GET /v1/clients`` adds each live peer's own list, asked
+over the authenticated cluster link (peer_ask.py; the caller's role checked here, its credentials
+never forwarded), and ``DELETE /v1/clients/{id}`` asks the node serving the client the same way. Rates, uptime and disk use in the live stream are this node's, computed here.
 
 Lists are paged (``offset``, ``limit`` up to ``http.max_admin_page``) and filtered (``q``: a part
 of the client id, topic or group name; more per route).
@@ -49,7 +49,7 @@ from moorline.broker.topic_state import DELIVERY_LIMIT
 from moorline.mqtt.topics import TopicBounds, topic_filter_error
 from moorline.node.admin.console import CONSOLE_HEADERS, Sampler, console_snapshot, load_console_files
 from moorline.node.admin.http_api import CALLER, Caller, Handler, _err
-from moorline.node.admin.peer_http import answer_error, ask_peers, peer_addresses, quote_segment
+from moorline.node.admin.peer_ask import ask_peers, live_peers
 from moorline.node.edge.auth import Authorizer
 from moorline.node.node import Node, reg_key_for
 from moorline.node.replication.shard_host import ShardUnavailable, consume_outcome
@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 ADMINISTRATIVE_ACTION = 0x98  # MQTT 5 DISCONNECT reason: Administrative action
 SESSION_END_WAIT_S = 5.0  # DELETE /v1/sessions/{id} waits this long for the end to apply
+PEER_ROWS_PER_PAGE = 10  # GET /v1/clients asks each peer for at most this many http.max_admin_page of rows
 
 
 def _page(req: web.Request, max_page: int) -> tuple[int, int] | web.Response:
@@ -129,6 +130,10 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
 
     async def on_startup(_app: web.Application) -> None:
         sampler.start()
+        # The app is built before the node opens (node/assembly.py), its runner set up after: the
+        # cluster link exists now. Peers' admin requests (the cluster-wide client list) are answered here.
+        if node.link is not None:
+            node.link.on_admin_request = answer_peer
 
     async def on_shutdown(_app: web.Application) -> None:
         closing.set()
@@ -195,6 +200,35 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
                    "protocol": "MQTT 5" if conn.version == 5 else "MQTT 3.1.1" if conn.version == 4 else "MQTT 3.1",
                    "since_ms": round((now_wall - (now_mono - conn.connected_at)) * 1000)}
 
+    def my_clients(q: str, user: str | None, owner: str | None) -> list[dict[str, Any]]:
+        """This node's clients whose id contains ``q`` (of ``user``; of the owner name ``owner``,
+        None: anyone's), by client id."""
+        return [r for r in client_rows() if q in r["client_id"] and (user is None or r["user"] == user)
+                and (owner is None or r["principal"] == owner)]
+
+    def answer_peer(peer: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """A member's admin request over the cluster link (peer_ask.py): its asker checked the
+        caller's role and narrowed the question to what the caller may see."""
+        if op == "clients":
+            q, user, owner, limit = args.get("q", ""), args.get("user"), args.get("owner"), args.get("limit")
+            if not isinstance(q, str) or not isinstance(limit, int) or limit < 0 \
+                    or not isinstance(user, str | None) or not isinstance(owner, str | None):
+                return {"error": "clients: q, user, owner or limit malformed"}
+            rows = my_clients(q, user, owner)
+            return {"total": len(rows), "items": rows[:limit]}
+        if op == "disconnect":
+            cid = args.get("client_id")
+            if not isinstance(cid, str):
+                return {"error": "disconnect: client_id missing"}
+            conn = node.connections.get(cid)
+            if conn is None:
+                return {"disconnected": False}
+            conn.disconnect(ADMINISTRATIVE_ACTION, "administrative action")
+            log.info("client %r disconnected by an administrator (%s, asked through %s)", cid,
+                     str(args.get("by", "?"))[:100], peer)
+            return {"disconnected": True}
+        return {"error": f"unknown admin request {op[:40]!r}"}
+
     def scope_of(req: web.Request) -> str | web.Response:
         scope = req.query.get("scope", "cluster")
         if scope not in ("cluster", "node"):
@@ -203,50 +237,59 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
 
     @routes.get("/v1/clients")
     async def clients(req: web.Request) -> web.Response:
-        """This node's clients and, unless ``scope=node``, every live peer's (peer_http.py): a
-        peer that does not answer is listed in ``unreachable``, one whose list was cut at
-        http.max_admin_page in ``partial``."""
+        """This node's clients and, unless ``scope=node``, every live peer's (asked over the cluster
+        link, peer_ask.py): a peer that cannot be asked or does not answer in time is listed in
+        ``unreachable``; one whose rows for this page were cut (``10 * http.max_admin_page`` rows a
+        peer at most) in ``partial``."""
         page = _page(req, max_page)
         if isinstance(page, web.Response):
             return page
+        offset, limit = page
         scope = scope_of(req)
         if isinstance(scope, web.Response):
             return scope
         q, user, only = req.query.get("q", ""), req.query.get("user"), req.query.get("node")
-        visible = owner_filter()
+        caller: Caller = CALLER.get()
+        owner = None if caller.admin else (authorizer.owner_name(caller.principal) or "")
         me = me_name()
-        rows = [r for r in client_rows() if visible(r["principal"]) and q in r["client_id"]
-                and (user is None or r["user"] == user)] if only in (None, me) else []
+        rows = my_clients(q, user, owner) if only in (None, me) and owner != "" else []
+        total = len(rows)
         unreachable: list[dict[str, str]] = []
         partial: list[str] = []
-        if scope == "cluster" and node.link is not None:
-            live, down = peer_addresses(node, node.clock.monotonic())
+        if scope == "cluster" and node.link is not None and owner != "":
+            live, down = live_peers(node, node.clock.monotonic())
             if only is not None:
-                live = {k: v for k, v in live.items() if k == only}
+                live = [n for n in live if n == only]
                 down = {k: v for k, v in down.items() if k == only}
             unreachable += [{"node": k, "error": v} for k, v in sorted(down.items())]
-            query = {"scope": "node", "q": q, "offset": "0", "limit": str(max_page), **({"user": user} if user else {})}
-            answers = await ask_peers(live, "GET", "/v1/clients", query, req.headers.get("Authorization"),
+            want = min(offset + limit, PEER_ROWS_PER_PAGE * max_page)  # enough of each peer's first rows for this page
+            answers = await ask_peers(node.link, live, "clients",
+                                      {"q": q, "user": user, "owner": owner, "limit": want},
                                       hcfg.peer_request_timeout_s)
             for name, ans in answers.items():
-                items = ans.body.get("items") if ans.status == 200 and isinstance(ans.body, dict) else None
-                if not isinstance(items, list):
-                    unreachable.append({"node": name, "error": answer_error(ans)})
+                got = ans.answer
+                items = got.get("items") if got is not None else None
+                if got is None or not isinstance(items, list) or not isinstance(got.get("total"), int):
+                    unreachable.append({"node": name, "error": ans.error or "answered without a client list"})
                     continue
-                rows += [r for r in items if isinstance(r, dict) and isinstance(r.get("client_id"), str)]
-                if isinstance(ans.body.get("total"), int) and ans.body["total"] > len(items):
+                rows += [r for r in items if isinstance(r, dict) and isinstance(r.get("client_id"), str)
+                         and (owner is None or r.get("principal") == owner)]
+                total += got["total"]
+                if len(items) < min(got["total"], offset + limit):
                     partial.append(name)
             unreachable.sort(key=lambda u: u["node"])
         rows.sort(key=lambda r: (r["client_id"], str(r.get("node"))))
-        out: dict[str, Any] = {"node": me, "scope": scope, **_paged(rows, *page)}
+        out: dict[str, Any] = {"node": me, "scope": scope, "total": total, "offset": offset, "limit": limit,
+                               "items": rows[offset:offset + limit]}
         if scope == "cluster":
             out.update(unreachable=unreachable, partial=sorted(partial))
         return web.json_response(out)
 
     @routes.delete("/v1/clients/{client_id}")
     async def disconnect(req: web.Request) -> web.Response:
-        """Here if the client is connected here; else (unless ``scope=node``) through the node
-        that serves its session (the session shard's owner), or every live peer when none is known."""
+        """Here if the client is connected here; else (unless ``scope=node``) through the node that
+        serves its session (the session shard's owner), or every live peer when none is known;
+        asked over the cluster link (peer_ask.py)."""
         if (refused := admin_only()) is not None:
             return refused
         scope = scope_of(req)
@@ -254,32 +297,33 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
             return scope
         cid = req.match_info["client_id"]
         me = me_name()
+        by = CALLER.get().principal.username
         conn = node.connections.get(cid)
         if conn is not None:
             conn.disconnect(ADMINISTRATIVE_ACTION, "administrative action")
-            log.info("client %r disconnected by an administrator (%s)", cid, CALLER.get().principal.username)
+            log.info("client %r disconnected by an administrator (%s)", cid, by)
             return web.json_response({"client_id": cid, "node": me, "disconnected": True})
         if scope == "node" or node.link is None:
             return _err(404, f"client {cid!r} is not connected to this node ({me})", node=me)
-        live, down = peer_addresses(node, node.clock.monotonic())
+        live, down = live_peers(node, node.clock.monotonic())
         sess = find_session(cid)
         owner = node.node_name(sess.owner_node) if sess is not None and sess.connected and sess.owner_node else None
         if owner is not None and owner != me:
             if owner not in live:
                 return _err(503, f"client {cid!r} is served by {owner}, which cannot be asked: "
                                  f"{down.get(owner, 'not a member')}", owner_node=owner)
-            live = {owner: live[owner]}
-        answers = await ask_peers(live, "DELETE", "/v1/clients/" + quote_segment(cid), {"scope": "node"},
-                                  req.headers.get("Authorization"), hcfg.peer_request_timeout_s)
-        for _name, ans in sorted(answers.items()):
-            if ans.status == 200 and isinstance(ans.body, dict):
-                return web.json_response({**ans.body, "forwarded_by": me})
-        refusals = {n: answer_error(a) for n, a in answers.items() if a.status != 404}
-        if refusals:
-            return _err(502, f"client {cid!r}: no node disconnected it", nodes=refusals,
-                        unreachable=[{"node": k, "error": v} for k, v in sorted(down.items())])
+            live = [owner]
+        answers = await ask_peers(node.link, live, "disconnect", {"client_id": cid, "by": by},
+                                  hcfg.peer_request_timeout_s)
+        for name, ans in sorted(answers.items()):
+            if ans.answer is not None and ans.answer.get("disconnected") is True:
+                return web.json_response({"client_id": cid, "node": name, "disconnected": True, "forwarded_by": me})
+        failed = {n: a.error for n, a in answers.items() if a.answer is None}
+        unreachable = [{"node": k, "error": v} for k, v in sorted({**down, **failed}.items())]
+        if failed:
+            return _err(502, f"client {cid!r}: no node disconnected it", nodes=failed, unreachable=unreachable)
         return _err(404, f"client {cid!r} is not connected to any node that answered", node=me,
-                    unreachable=[{"node": k, "error": v} for k, v in sorted(down.items())])
+                    unreachable=unreachable)
 
     # --- sessions -------------------------------------------------------------------------------
     def find_session(cid: str) -> Session | None:

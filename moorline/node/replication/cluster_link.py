@@ -64,6 +64,8 @@ ANNOUNCE_INTERVAL_S = 1.0  # storage-id announcements to peers, until and after 
 ANNOUNCE_TASK = "cluster-announce"  # the link's loops, as the node's Supervisor names them
 CLOCK_TASK = "cluster-clocks"
 MAX_RAFT_NUMBER = (1 << 62) - 1  # terms, indexes, commits: a peer's larger (or negative) one is refused
+ADMIN_ASK_PAYLOAD = "admin-ask"  # a request/response between members (ClusterLink.ask)
+ADMIN_ANSWER_PAYLOAD = "admin-answer"
 REFUSAL_LOG_INTERVAL_S = 60.0  # a peer's refused frames are logged at most this often (and counted always)
 _fwd_enc = msgspec.msgpack.Encoder()
 _fwd_dec = msgspec.msgpack.Decoder(tuple[int, list[bytes]])
@@ -146,6 +148,12 @@ class ClusterLink:
         self.announced: dict[str, tuple[float, dict[str, Any]]] = {}
         self.on_drain_request: Callable[[str], None] | None = None  # a peer asks this node to drain
         self.on_join_request: Callable[[str, dict[str, Any]], None] | None = None  # membership.py answers
+        # Admin requests between members (node/admin/peer_ask.py: the cluster-wide client list and
+        # disconnect): a peer's question is answered by this handler (op, args) -> answer, at once;
+        # this node's own questions wait in _asked for their answer, by request id.
+        self.on_admin_request: Callable[[str, str, dict[str, Any]], dict[str, Any]] | None = None
+        self._asked: dict[int, tuple[str, asyncio.Future[dict[str, Any]]]] = {}
+        self._ask_seq = 0
         self.snapshots = SnapshotTransfers(
             TransferLimits.from_config(cfg),
             lambda peer, data: self.transport.send(peer, Stream.SNAPSHOT, Payload(SNAP_PAYLOAD, data)),
@@ -227,6 +235,48 @@ class ClusterLink:
             return False
         self.transport.send(peer, Stream.CONTROL, Payload("drain", b""))
         return True
+
+    async def ask(self, peer: str, op: str, args: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """An admin request to ``peer`` over its authenticated link; its answer (a dict), or
+        TimeoutError when none came within ``timeout_s`` (not connected, dropped, too slow)."""
+        if peer == self.spec.me or peer not in self.spec.ids:
+            raise KeyError(peer)
+        self._ask_seq += 1
+        rid = self._ask_seq
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._asked[rid] = (peer, fut)
+        try:
+            self.transport.send(peer, Stream.CONTROL,
+                                Payload(ADMIN_ASK_PAYLOAD, _fwd_enc.encode({"id": rid, "op": op, "args": args})))
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._asked.pop(rid, None)
+
+    def _on_admin_ask(self, peer: str, body: dict[str, Any]) -> None:
+        rid, op, args = body.get("id"), body.get("op"), body.get("args")
+        if not isinstance(rid, int) or not isinstance(op, str) or not isinstance(args, dict):
+            raise ValueError("an admin request without id, op or args")
+        if self.on_admin_request is None:
+            answer: dict[str, Any] = {"error": "this node does not answer admin requests (yet)"}
+        else:
+            try:
+                answer = self.on_admin_request(peer, op, args)
+            except Exception as exc:  # noqa: BLE001 - the asker gets the failure, not a timeout
+                log.exception("cluster: %s's admin request %r failed here", peer, escape(op, 40))
+                answer = {"error": f"{type(exc).__name__} on {self.spec.me}"}
+        self.transport.send(peer, Stream.CONTROL, Payload(ADMIN_ANSWER_PAYLOAD, _fwd_enc.encode({"id": rid, "answer": answer})))
+
+    def _on_admin_answer(self, peer: str, body: dict[str, Any]) -> None:
+        rid, answer = body.get("id"), body.get("answer")
+        asked = self._asked.get(rid) if isinstance(rid, int) else None
+        if asked is None:
+            return  # answered after its timeout
+        if asked[0] != peer:
+            raise ForgedSender(f"an answer to admin request {rid} asked of {asked[0]}")
+        if not isinstance(answer, dict):
+            raise ValueError("an admin answer that is not a map")
+        if not asked[1].done():
+            asked[1].set_result(answer)
 
     def learn_member(self, name: str, node_id: int, address: tuple[str, int]) -> bool:
         """A member this node did not start with (the member table admitted it): from now on the
@@ -354,6 +404,10 @@ class ClusterLink:
                 elif frame.kind == "drain":  # from an authenticated peer, asked by its admin
                     if self.on_drain_request is not None:
                         self.on_drain_request(peer)
+                elif frame.kind == ADMIN_ASK_PAYLOAD:  # an authenticated peer's admin asks (its admin checked)
+                    self._on_admin_ask(peer, _member_dec.decode(frame.data))
+                elif frame.kind == ADMIN_ANSWER_PAYLOAD:
+                    self._on_admin_answer(peer, _member_dec.decode(frame.data))
                 elif frame.kind == SNAP_PAYLOAD:
                     self.snapshots.on_payload(peer, frame.data)
                 elif frame.kind == CLOCK_PAYLOAD:

@@ -68,7 +68,12 @@ async function api(method, path, send) {
   let body = null;
   try { body = await resp.json(); } catch (e) { body = null; }
   if (!resp.ok && resp.status !== 202) {
-    throw new Error(`${method} ${path}: ${resp.status} ${body && body.error ? body.error : ""}`);
+    // the server's refusal in its words: the error, and its reasons when it gives them (a forget's 409)
+    const why = body && body.error ? body.error : "";
+    const reasons = body && Array.isArray(body.reasons) ? ": " + body.reasons.join("; ") : "";
+    const err = new Error(`${method} ${path}: ${resp.status} ${why}${reasons}`);
+    err.status = resp.status;
+    throw err;
   }
   return body;
 }
@@ -199,14 +204,24 @@ function askConfirm(question) {
   });
 }
 
+// The answer stays on the page (#action-result) until the next action: a refusal (a forget that
+// would leave a shard without a live majority: 409 with the reasons) is read, not missed.
 async function clusterAct(method, path, body, question) {
   if (!(await askConfirm(question))) return;
+  const out = document.getElementById("action-result");
   try {
     const r = await api(method, path, body);
+    out.textContent = `${method} ${path}: ${JSON.stringify(r)}`;
+    out.className = "note good";
+    out.dataset.status = "ok";
     toast(`${method} ${path}: ${JSON.stringify(r)}`);
   } catch (e) {
+    out.textContent = e.message;
+    out.className = "note red";
+    out.dataset.status = String(e.status || "error");
     toast(e.message, true);
   }
+  out.hidden = false;
 }
 
 function renderShards() {
@@ -248,6 +263,45 @@ function renderShards() {
   if (below) parts.push(`${below} below their replica target`);
   summary.textContent = parts.length ? parts.join(", ") : "every shard led, every voter up";
   summary.className = parts.length ? "red" : "good";
+}
+
+// Connected clients on every node (GET /v1/clients asks the other members over the cluster link);
+// the nodes that did not answer are named above the table, never silently left out.
+async function loadClients() {
+  const q = document.getElementById("client-q").value;
+  const tbody = document.querySelector("#clients-table tbody");
+  const missing = document.getElementById("client-missing");
+  try {
+    const page = await api("GET", "/v1/clients?" + new URLSearchParams({ q, limit: "200" }));
+    document.getElementById("client-count").textContent =
+      `${page.total} client${page.total === 1 ? "" : "s"}${page.total > page.items.length ? ` (first ${page.items.length})` : ""}`;
+    const notes = (page.unreachable || []).map((u) => `${u.node}: ${u.error}`);
+    if (page.partial && page.partial.length) notes.push(`cut short (too many rows): ${page.partial.join(", ")}`);
+    missing.textContent = notes.length ? "Not listed: " + notes.join("; ") : "";
+    missing.hidden = !notes.length;
+    missing.dataset.nodes = (page.unreachable || []).map((u) => u.node).join(",");
+    const rows = page.items.map((c) => h("tr", { "data-client": c.client_id, "data-node": c.node },
+      h("td", { class: "mono" }, c.client_id), h("td", {}, c.user || "–"), h("td", {}, c.node),
+      h("td", { class: "mono" }, c.address), h("td", {}, c.protocol), h("td", {}, fmtAgo(c.since_ms)),
+      h("td", {}, state.me && state.me.admin ? h("button", { class: "danger admin-action", "data-action": "disconnect",
+        "data-target": c.client_id, onclick: () => disconnectClient(c) }, "Disconnect") : null)));
+    replaceRows(tbody, rows, "no connected clients match", 7);
+  } catch (e) {
+    replaceRows(tbody, [], String(e.message), 7);
+  }
+}
+
+async function disconnectClient(c) {
+  const question = `Disconnect ${c.client_id} from ${c.node}? Its connection is closed (MQTT 5 clients are ` +
+    "sent DISCONNECT 0x98, Administrative action); it may reconnect, and its session stays.";
+  if (!(await askConfirm(question))) return;
+  try {
+    const r = await api("DELETE", "/v1/clients/" + encodeURIComponent(c.client_id));
+    toast(`${c.client_id} disconnected on ${r.node}`);
+  } catch (e) {
+    toast(e.message, true);
+  }
+  loadClients();
 }
 
 async function loadSessions() {
@@ -396,6 +450,7 @@ function show(page) {
   document.body.dataset.page = page;
   if (page === "overview") renderOverview();
   if (page === "shards") renderShards();
+  if (page === "clients") loadClients();
   if (page === "sessions") loadSessions();
   if (page === "groups") loadGroups();
   if (page === "drops") loadDrops();
@@ -415,6 +470,7 @@ async function main() {
   if (!state.me.admin) {
     for (const a of document.querySelectorAll("#nav a[data-admin]")) a.remove();
   }
+  document.getElementById("client-search").addEventListener("submit", (ev) => { ev.preventDefault(); loadClients(); });
   document.getElementById("session-search").addEventListener("submit", (ev) => { ev.preventDefault(); loadSessions(); });
   window.addEventListener("hashchange", () => show(location.hash.slice(1)));
   startStream();
