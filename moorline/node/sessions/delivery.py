@@ -335,13 +335,20 @@ class LiveSession(AckingSession):
         self, topics: TopicState, subs: dict[str, SubscriptionState], reg_key: str
     ) -> tuple[Registration, int, tuple[int, ...], bool, tuple[str, ...]] | None:
         """(registration, qos, subscription ids, retain as published, (reg_key,)) for a plain
-        registration of this session's incarnation; None for anything else ($share, stale, gone)."""
+        registration of this session's incarnation that a subscription of the session stands
+        behind; None for anything else ($share, stale, gone, or unsubscribed).
+
+        Unsubscribed (the session's subscription is gone, the registration draining): what it owes
+        and is not delivered yet is not sent. ``Subscriptions.unsubscribe`` reports those offsets
+        acknowledged (owed past this session's cursor once the unsubscribe applied here), so a
+        message sent after that point would be released with its delivery still unacknowledged,
+        and never resent (sim --cluster seed 30574). What is in flight is finished as usual."""
         reg = registration(topics, reg_key)
         if reg is None or reg.share_group is not None or reg.session_inc != self.incarnation:
             return None
         sub = subs.get(reg_key)
         if sub is None:
-            return reg, reg.qos, (), False, (reg_key,)
+            return None
         return reg, sub.qos, (sub.sub_id,) if sub.sub_id else (), sub.retain_as_published, (reg_key,)
 
     def _resolve(
@@ -367,7 +374,8 @@ class LiveSession(AckingSession):
                         or (shard, offset) in self.share_finished):
                     continue
                 share = True
-            elif reg.session_inc != self.incarnation or not is_owed(reg, offset) or offset <= cursor:
+            elif (reg.session_inc != self.incarnation or not is_owed(reg, offset) or offset <= cursor
+                  or sub is None):  # unsubscribed: see _plain_registration
                 continue
             sq = sub.qos if sub is not None else reg.qos
             if sq > qos:
