@@ -34,8 +34,9 @@ class SessionLifecycle:
     def __init__(self, node: Node) -> None:
         self.node = node
         self._lease_deadline = node.registry.lease_deadline  # the registry's: (client id, epoch) -> deadline
-        # Opens waiting for the previous owner's release or lease (client id, epoch): their leases
-        # are renewed like those of live sessions (a wait can take most of a lease).
+        # Opens committed but not served yet (client id, epoch): waiting for the previous owner's
+        # release or lease, or ending the incarnation they replaced. Their leases are renewed like
+        # those of live sessions (a wait can take most of a lease).
         self._opening: dict[tuple[str, int], None] = {}
         # Session closes not finished yet (committed SessionClose, then the will or the session's
         # end): a stop waits for them (bounded), not for every task (edge/server.py).
@@ -249,29 +250,35 @@ class SessionLifecycle:
         # Our lease counts from when we proposed it, shortened by the clock-drift bound.
         self._lease_deadline[(client_id, res.epoch)] = proposed_at + lease_s * (1 - self.node.cfg.session.owner_lease_drift)
         key = (client_id, res.epoch)
+        # Until it is served, the open's lease is renewed like a live session's (the wait for the
+        # previous owner, the end of the incarnation it replaced, can take a while).
+        self._opening[key] = None
         try:
-            if res.wait_until_ms and not self.node.faults.no_owner_lease:  # the broken build serves at once
-                coverage.hit("takeover_waited")
-                self._opening[key] = None
-                try:
+            try:
+                if res.wait_until_ms and not self.node.faults.no_owner_lease:  # the broken build serves at once
+                    coverage.hit("takeover_waited")
                     await self._wait_for_previous_owner(client_id, res)
-                finally:
-                    self._opening.pop(key, None)
-                deadline = self._lease_deadline.get(key)
-                if deadline is None or self.node.clock.monotonic() >= deadline - LEASE_CHECK_MARGIN_S:
-                    # The wait outlasted this node's own lease (not renewed meanwhile: the
-                    # session shard unreachable): serving now could outlive it. Handed back.
-                    self.node.abandon_session(client_id, res.epoch)
-                    raise ShardUnavailable(f"session {client_id!r}: lease not renewed while waiting for "
-                                           "the previous owner")
+            finally:
+                # Also when the wait failed (taken over again meanwhile): the incarnation this open
+                # replaced is gone from the session shard whatever happens to this connection, and
+                # nothing else would end it (a $share member whose claims never come back).
+                self._publish_replaced_will(client_id, res)
+                if res.ended is not None:
+                    coverage.hit("session_replaced")
+                    await self.end_session(res.ended, reason)
         finally:
-            # Also when the wait failed (taken over again meanwhile): the incarnation this open
-            # replaced is gone from the session shard whatever happens to this connection, and
-            # nothing else would end it (a $share member whose claims never come back).
-            self._publish_replaced_will(client_id, res)
-            if res.ended is not None:
-                coverage.hit("session_replaced")
-                await self.end_session(res.ended, reason)
+            self._opening.pop(key, None)
+        deadline = self._lease_deadline.get(key)
+        if (deadline is None or self.node.clock.monotonic() >= deadline - LEASE_CHECK_MARGIN_S) and \
+                not self.node.faults.no_owner_lease:
+            # This node's own lease ran out (or nearly) before the session could be served, not
+            # renewed meanwhile (the session shard unreachable, a long wait, this node paused):
+            # the session shard may already have ended the session as a connection lost at the
+            # lease's end, so a CONNACK now would serve a session that is gone (and could outlive
+            # the lease, promise 5). Handed back; the client connects again.
+            self.node.abandon_session(client_id, res.epoch)
+            raise ShardUnavailable(f"session {client_id!r}: this node's lease on it ran out before it "
+                                   "could be served")
         return res.session_present, res.epoch, res.incarnation
 
     def _publish_replaced_will(self, client_id: str, res: Any) -> None:
