@@ -273,6 +273,15 @@ class SessionHousekeeping(Cmd, tag="shk"):
     ts_ms: int
 
 
+class WillPublished(Cmd, tag="swill"):
+    """The will of ``client_id``'s connection of that incarnation and epoch is committed in its
+    topic's shard: the session shard no longer owes it (``SessionState.wills_owed``)."""
+
+    client_id: str
+    incarnation: int
+    epoch: int
+
+
 class SessionsForget(Cmd, tag="sforget"):
     """Remove subscriptions whose topic-shard registrations vanished (reconcile)."""
 
@@ -404,6 +413,7 @@ Command = (
     | InboundRelease
     | SessionClose
     | SessionHousekeeping
+    | WillPublished
     | SessionsForget
     | SessionRenew
     | LeaseRelease

@@ -23,6 +23,7 @@ from moorline.broker.commands import (
     SessionRenew,
     SessionSubscribe,
     SessionUnsubscribe,
+    WillPublished,
     WillSpec,
 )
 from moorline.broker.effects import Effects
@@ -80,6 +81,22 @@ class Session:
     share_done: list[tuple[int, str, int]] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class OwedWill:
+    """A will that fell due (a connection's end without DISCONNECT once its delay passed, a
+    takeover, a lapsed owner lease) and is not yet known committed in its topic's shard: the
+    session shard keeps it until a ``WillPublished`` says so, and the shard's leader publishes it
+    again meanwhile (sessions/followups.py), so a refused or lost publish (its proposer crashed, the
+    topic shard had no room for proposals) is not a lost will. Its GUID (the client id,
+    incarnation and epoch) makes every publication after the first a duplicate."""
+
+    client_id: str
+    incarnation: int
+    epoch: int
+    will: WillSpec
+    due_ms: int  # entry time it fell due
+
+
 @dataclass(frozen=True, slots=True)
 class OpenResult:
     session_present: bool
@@ -124,6 +141,8 @@ class SessionState:
         self.epochs = 0  # shard-wide, so an epoch never repeats for a client id, even across incarnations
         self.max_expiry_s = max_expiry_s
         self.last_ts_ms = 0
+        # Wills due and not yet known published, by (client id, incarnation, epoch) (OwedWill).
+        self.wills_owed: dict[tuple[str, int, int], OwedWill] = {}
         # Derived (rebuilt on restore, never snapshotted): principal -> its sessions here with an
         # expiry above 0, for session.max_persistent_per_user.
         self.persistent: dict[str, int] = {}
@@ -175,6 +194,7 @@ class SessionState:
         replaced_will = None
         if old is not None and (due := self._replaced_will(old, ending, cmd.ts_ms)) is not None:
             replaced_will = (old.incarnation, old.epoch, due)
+            self._owe(old, due, cmd.ts_ms)
         if ending:
             ended = old
             old = None
@@ -230,6 +250,14 @@ class SessionState:
         else:
             return None
         return will if ending or due <= now_ms else None
+
+    def _owe(self, s: Session, will: WillSpec, now_ms: int) -> None:
+        self.wills_owed[(s.client_id, s.incarnation, s.epoch)] = OwedWill(s.client_id, s.incarnation, s.epoch, will,
+                                                                          now_ms)
+
+    def apply_will_published(self, cmd: WillPublished, fx: Effects) -> bool:
+        """The will is committed in its topic's shard: no longer owed (False: it was not)."""
+        return self.wills_owed.pop((cmd.client_id, cmd.incarnation, cmd.epoch), None) is not None
 
     def apply_release(self, cmd: LeaseRelease, fx: Effects) -> bool:
         s = self.sessions.get(cmd.client_id)
@@ -390,6 +418,7 @@ class SessionState:
             expired = now - s.disconnected_at_ms >= s.expiry_s * 1000
             if s.will is not None and s.will_due_ms is not None and (s.will_due_ms <= now or expired):
                 wills.append((s, s.will))
+                self._owe(s, s.will, now)
                 s.will = None
                 s.will_due_ms = None
             if expired:

@@ -20,6 +20,7 @@ from moorline.broker.message_index import MessageIndex
 from moorline.broker.messages import StoredMessage
 from moorline.broker.session_state import (
     InflightDelivery,
+    OwedWill,
     Session,
     SessionState,
     SubscriptionState,
@@ -35,7 +36,8 @@ from moorline.broker.topic_state import (
 # by (principal, producer), registrations without a copy of the client id; 5: a $share group's
 # work-queue policy and state (Registration.queue: single-active, delivery attempts, dead letters,
 # ack timeouts; None elsewhere, and absent, so None, in a version-4 snapshot); 6: readers' retention
-# pins (``Pin``; absent, so none, in older snapshots)
+# pins (``Pin``; absent, so none, in older snapshots). Wills owed (``SessionState.wills_owed``) came
+# within version 6 as an optional field: absent, so none owed, in snapshots written before them
 SNAPSHOT_VERSION = 6
 
 
@@ -130,6 +132,8 @@ class ShardState:
                 return s.apply_close(cmd, fx)
             case c.SessionHousekeeping():
                 return s.apply_housekeeping(cmd, fx)
+            case c.WillPublished():
+                return s.apply_will_published(cmd, fx)
             case c.SessionsForget():
                 return None
             case c.SessionRenew():
@@ -215,6 +219,7 @@ class ShardState:
             incarnations=s.incarnations,
             epochs=s.epochs,
             session_ts_ms=s.last_ts_ms,
+            wills_owed=list(s.wills_owed.values()),
             sink_markers=dict(sorted(self.sink_markers.items())),
             pins=sorted((r, o, u, w) for r, (o, u, w) in self.pins.items()),
             proposals=sorted((o, b, s) for o, (b, s) in self.proposals.items()),
@@ -266,6 +271,7 @@ class ShardState:
         st.sessions.incarnations = snap.incarnations
         st.sessions.epochs = snap.epochs
         st.sessions.last_ts_ms = snap.session_ts_ms
+        st.sessions.wills_owed = {(w.client_id, w.incarnation, w.epoch): w for w in snap.wills_owed}
         st.sessions.rebuild_counts()
         st.sink_markers = dict(snap.sink_markers)
         st.pins = {r: (o, u, w) for r, o, u, w in snap.pins}
@@ -337,6 +343,7 @@ class _Snapshot:
     # metadata group's from before it (then rebuilt from ``cluster``).
     membership: MembershipSnapshot | None = None
     pins: list[tuple[str, int, int, str]] = field(default_factory=list)  # (reader, offset, until_ms, owner); v6
+    wills_owed: list[OwedWill] = field(default_factory=list)  # absent before owed wills (v6 too)
 
 
 __all__ = ["ShardState", "InflightDelivery", "SubscriptionState"]

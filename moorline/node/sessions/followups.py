@@ -11,6 +11,11 @@ shards and proposes what a crash (or a lost proposal) left undone:
 - ghost registrations: a plain registration no subscription of its session stands behind (a
   SUBSCRIBE undone, an UNSUBSCRIBE or a session's end whose ``Unregister`` never reached the
   shard) is unregistered, so it stops collecting messages.
+- wills owed: a will the session shard handed out as due (``SessionHousekeeping``, or a takeover's
+  ``OpenResult.replaced_will``) stays in its state (``SessionState.wills_owed``) until a
+  ``WillPublished`` says its topic's shard applied it. The leader of the session shard publishes
+  an owed will again (its proposer crashed, its publish was refused for room or its outcome lost);
+  the will's GUID makes any publication after the first a duplicate the topic shard recognises.
 
 Nothing here is remembered by the node that started the work: any node that becomes a shard's
 leader finds the same candidates in its replicas. What the leader keeps in memory is only a
@@ -27,12 +32,13 @@ registration's incarnation and version, so one that a re-SUBSCRIBE overtook is i
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
 from moorline import coverage
 from moorline.broker import commands as c
-from moorline.broker.session_state import LEASE_LAPSE_GRACE_MS, Session
+from moorline.broker.session_state import LEASE_LAPSE_GRACE_MS, OwedWill, Session
 from moorline.broker.topic_state import Registration, same_incarnation
 from moorline.node.errors import ShardUnavailable
 from moorline.node.replication.shard_host import ShardHost
@@ -53,9 +59,13 @@ class FollowUps:
         # /metrics: moorline_followup_acks_resent_total, moorline_followup_ghosts_unregistered_total
         self.acks_resent = 0  # offsets reported again
         self.ghosts_unregistered = 0  # Unregister proposals for ghost registrations
+        self.wills_republished = 0  # owed wills published again
         # Per shard, the candidates found in the previous round (de-bouncing only; see above).
         self._acks_seen: dict[int, dict[tuple[str, int], None]] = {}
         self._ghosts_seen: dict[int, dict[tuple[str, int, int], None]] = {}
+        self._wills_seen: dict[int, dict[tuple[str, int, int], None]] = {}
+        # Owed wills this node is publishing again right now (one publication at a time each).
+        self._wills_publishing: dict[tuple[str, int, int], None] = {}
 
     def run(self, host: ShardHost) -> None:
         """One round for a shard this node leads."""
@@ -64,11 +74,13 @@ class FollowUps:
             return
         self._resend_acks(host, limit)
         self._unregister_ghosts(host, limit)
+        self._publish_owed_wills(host, limit)
 
     def forget(self, shard: int) -> None:
         """Not the shard's leader (any more): its candidates start over."""
         self._acks_seen.pop(shard, None)
         self._ghosts_seen.pop(shard, None)
+        self._wills_seen.pop(shard, None)
 
     # --- helpers ---------------------------------------------------------------------------------
     def _session(self, client_id: str) -> tuple[ShardHost, Session | None] | None:
@@ -219,6 +231,38 @@ class FollowUps:
         if acted:
             log.info("shard %d: unregistered %d registration(s) no subscription stands behind: %s%s", shard,
                      len(acted), ", ".join(acted[:LOG_NAMES]), ", ..." if len(acted) > LOG_NAMES else "")
+
+
+    # --- wills owed ----------------------------------------------------------------------------
+    def _publish_owed_wills(self, host: ShardHost, limit: int) -> None:
+        """Owed wills seen in the previous round too (a publication under way has had a round to
+        reach its ``WillPublished``) are published again, at most ``limit`` per round."""
+        shard = host.shard
+        seen = self._wills_seen.get(shard, {})
+        now_seen: dict[tuple[str, int, int], None] = {}
+        started: list[str] = []
+        for key, owed in host.state.sessions.wills_owed.items():
+            if len(now_seen) >= limit:
+                break
+            now_seen[key] = None
+            if key not in seen or key in self._wills_publishing:
+                continue
+            self._wills_publishing[key] = None
+            task = asyncio.get_running_loop().create_task(self._publish_again(key, owed))
+            self.node.run_in_background(task)
+            self.wills_republished += 1
+            coverage.hit("followup_will_republished")
+            started.append(owed.client_id)
+        self._wills_seen[shard] = now_seen
+        if started:
+            log.info("shard %d: publishing %d owed will(s) again: %s", shard, len(started),
+                     ", ".join(repr(n) for n in started[:LOG_NAMES]) + (", ..." if len(started) > LOG_NAMES else ""))
+
+    async def _publish_again(self, key: tuple[str, int, int], owed: OwedWill) -> None:
+        try:
+            await self.node.lifecycle.publish_owed_will(owed)
+        finally:
+            self._wills_publishing.pop(key, None)
 
 
 def _names(keys: list[str]) -> str:

@@ -13,12 +13,13 @@ import msgspec
 from moorline import coverage
 from moorline.broker import commands as c
 from moorline.broker.messages import MessageProps, StoredMessage
-from moorline.broker.session_state import SENT, Session
+from moorline.broker.session_state import SENT, OwedWill, Session
 from moorline.hashing import guid128
 from moorline.node.errors import NodeFailure, SessionOwnedByOther, SessionQuotaExceeded, ShardUnavailable
 from moorline.node.replication.shard_host import ShardHost
 from moorline.node.sessions.delivery import LiveSession
 from moorline.node.sessions.subscriptions import reg_key_for
+from moorline.raft import ProposalDropped
 
 if TYPE_CHECKING:
     from moorline.node.node import Node
@@ -428,15 +429,28 @@ class SessionLifecycle:
     async def _publish_will(self, sess: Session, will: c.WillSpec) -> None:
         await self._publish_will_of(sess.client_id, sess.incarnation, sess.epoch, will)
 
+    async def publish_owed_will(self, owed: OwedWill) -> None:
+        """An owed will published again (sessions/followups.py)."""
+        await self._publish_will_of(owed.client_id, owed.incarnation, owed.epoch, owed.will)
+
     async def _publish_will_of(self, client_id: str, incarnation: int, epoch: int, will: c.WillSpec) -> None:
-        """The will of ``client_id``'s connection of that incarnation and epoch (its GUID)."""
+        """The will of ``client_id``'s connection of that incarnation and epoch (its GUID). The
+        session shard owes it until a ``WillPublished`` applies (session_state.OwedWill): a publish
+        that fails here (the topic shard unavailable, its proposals refused, the outcome unknown)
+        is tried again by the session shard's leader (sessions/followups.py), a duplicate then."""
         coverage.hit("will_published")
         props = msgspec.msgpack.decode(will.props, type=MessageProps) if will.props else None
         msg = StoredMessage(
             will.topic, will.payload, will.qos, will.retain, guid128(client_id, incarnation, epoch, "will"),
             self.node.now_ms(), will.expiry_s, props, client_id,
         )
-        await self.node.publish(msg, principal="")
+        try:
+            await self.node.publish(msg, principal="")
+            # Applied in the topic's shard (stored, a duplicate, or refused there for good).
+            self.node.propose(self.node.session_shard(client_id), c.WillPublished(client_id, incarnation, epoch),
+                              want=False)
+        except (ShardUnavailable, ProposalDropped, NodeFailure) as exc:
+            log.warning("%s: will not published yet (the session shard's leader tries again): %s", client_id, exc)
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
