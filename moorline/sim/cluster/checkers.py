@@ -36,7 +36,10 @@ Beyond verify (``EXTRA_KINDS``):
   that overlaps the lease before the new CONNACK moves the bound to the pause's end plus the grace;
 - *session_lost*: CONNECT with clean start 0 answered session present 0 although the session's
   expiry (``session_expiry`` of the CONNECT that opened its last connection; none on 3.1.1 means it
-  does not expire within a run) had not run out since its last connection ended;
+  does not expire within a run) had not run out since its last connection ended (a connection
+  whose node was paused after its CONNACK and that ended during that pause, or within
+  ``stale_owner_grace_s`` of its end, counts as ended when the pause began: the lease a paused
+  node cannot renew may run out, and the session shard then ends the connection as of then);
 - *resend_without_dup*: a QoS 2 resend of a held packet id with DUP=0;
 - *stuck*: liveness after the faults healed: a subscriber the workload's drain gave up on (it could
   not reconnect and catch up within the drain's time), or a publish never answered.
@@ -869,7 +872,16 @@ class _RunCheck:
         attempt: dict[tuple[str, Any], dict[str, Any]] = {}
         open_by: dict[str, set[Any]] = defaultdict(set)
         last_end: dict[str, int] = {}
+        served: dict[tuple[str, Any], tuple[Any, int]] = {}  # (session, process) -> (node, CONNACK time)
+        pauses: dict[str, list[list[int]]] = defaultdict(list)  # node -> [start, end] (end open: END_OF_TIME)
+        grace_ns = int(self.cfg.stale_owner_grace_s * 1e9)
         for r in self.ev:
+            if r.get("op") == "fault" and r.get("node") is not None:
+                if r.get("reason") == "pause":
+                    pauses[r["node"]].append([r["mono_ns"], END_OF_TIME])
+                elif r.get("reason") == "resume" and pauses[r["node"]]:
+                    pauses[r["node"]][-1][1] = min(pauses[r["node"]][-1][1], r["mono_ns"])
+                continue
             s = r.get("session")
             if s is None or r.get("op") not in ("connect", "disconnect"):
                 continue
@@ -878,7 +890,16 @@ class _RunCheck:
             if r["op"] == "disconnect":
                 if typ in ("ok", "info") and r.get("process") in open_by[s]:
                     open_by[s].discard(r.get("process"))
-                    last_end[s] = r["mono_ns"]
+                    end = r["mono_ns"]
+                    node, since = served.pop(key, (None, end))
+                    # Its node paused while serving it, the connection ending during the pause or as
+                    # the node resumed: a paused owner renews no lease, so the session shard may
+                    # have ended the connection (lost without DISCONNECT, design.md "Wills") at the
+                    # lease's end, while the client saw it open; that end is not before the pause.
+                    for p_start, p_end in pauses.get(node, ()):
+                        if since <= p_start <= end <= p_end + grace_ns:
+                            end = p_start
+                    last_end[s] = end
                 continue
             if typ == "invoke":
                 attempt[key] = r
@@ -904,3 +925,4 @@ class _RunCheck:
             expiry[s] = inv.get("session_expiry") if inv.get("clean_start") is False or inv.get(
                 "session_expiry") is not None else 0
             open_by[s].add(r.get("process"))
+            served[key] = (r.get("node"), r["mono_ns"])
