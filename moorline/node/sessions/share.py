@@ -1,6 +1,7 @@
 """$share groups on the shard's leader: dispatch (claims committed before they are pushed),
-dead letters, single-active hand-over (docs/queues.md). Ack timeouts are judged on the node the
-member is connected to: sessions/ack_timeout.py."""
+dead letters, single-active hand-over (docs/queues.md), and the claims of members' ended sessions
+returned (``return_ended``). Ack timeouts are judged on the node the member is connected to:
+sessions/ack_timeout.py."""
 
 from __future__ import annotations
 
@@ -11,13 +12,22 @@ from typing import TYPE_CHECKING, Any
 from moorline import coverage
 from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage
-from moorline.broker.queries import claims_of, owed_count, owed_offsets, registration, registration_keys
+from moorline.broker.queries import (
+    claims_of,
+    owed_count,
+    owed_offsets,
+    registration,
+    registration_keys,
+    session_of,
+)
+from moorline.broker.session_state import LEASE_LAPSE_GRACE_MS
 from moorline.broker.share_policy import dead_letter_message
-from moorline.broker.topic_state import same_incarnation
+from moorline.broker.topic_state import Registration, same_incarnation
 from moorline.hashing import shard_of
 from moorline.node.errors import ShardUnavailable
 from moorline.node.replication.proposer import consume_outcome
 from moorline.node.replication.shard_host import ShardHost
+from moorline.raft import ProposalDropped
 from moorline.testing.volatile_dlq import VolatileDeliveryCounts
 
 if TYPE_CHECKING:
@@ -39,6 +49,10 @@ class ShareDispatch:
         # The broken build Faults.dlq_count_not_replicated (tests only): leader-memory hand-out counts.
         self._volatile = VolatileDeliveryCounts() if node.faults.dlq_count_not_replicated else None
         self._rounds = 0
+        # return_ended: per shard, the (group, member, incarnation) found ended in the previous
+        # round (de-bouncing only, as in sessions/followups.py); claims and leaves proposed so far.
+        self._ended_seen: dict[int, dict[tuple[str, str, int], None]] = {}
+        self.ended_returned = 0
 
     def schedule_dispatch(self, shard: int, reg_key: str) -> None:
         key = (shard, reg_key)
@@ -207,6 +221,7 @@ class ShareDispatch:
         again, and groups with unclaimed messages and a member online are dispatched. (Ack
         timeouts are judged where the member is connected: sessions/ack_timeout.py.)"""
         topics = host.state.topics
+        self.return_ended(host)
         for reg_key in list(topics.share_keys):
             reg = registration(topics, reg_key)
             if reg is None or reg.share_group is None:
@@ -219,6 +234,92 @@ class ShareDispatch:
                 # A safety net: a member's connection applied in its session shard's replica here
                 # after the group's last change (nothing else would dispatch to it until the next).
                 self.schedule_dispatch(host.shard, reg_key)
+
+    def return_ended(self, host: ShardHost) -> None:
+        """On the shard's leader, each housekeeping round: claims held for a member's session
+        incarnation that has ended, and its membership, go back to the group (``ShareReturn``, then
+        ``ShareMember`` leave), as ``SessionLifecycle.end_session`` does when the session ends.
+        That end can be cut short (its proposals refused for room, raft.max_pending_proposals, or
+        its node crashed right after the open that replaced the session committed), and nothing
+        else returns the claims: the messages stay claimed for nobody forever, and a single-active
+        group then has two holders once its next member claims (sim --cluster seed 30722).
+
+        Derived from this node's replicas only, like sessions/followups.py: an incarnation is
+        ended when its session shard's replica here has applied its open (the shard's incarnation
+        counter reached it) and the client id's session is gone or a later incarnation, and not
+        while a takeover may still wait for the old owner's lease. Acted on when seen in two
+        consecutive rounds (a normal end's proposals on their way land first). Which claims were
+        sent at QoS 2 is gone with the session's delivery log, so every claim that would be
+        delivered at QoS 2 is dropped (counted, as an unreceived one is): never sent to another
+        member (MQTT-4.8.2-5). Both commands are idempotent at apply."""
+        limit = self.node.cfg.shard.followups_max_per_round
+        if limit <= 0:
+            return
+        shard = host.shard
+        topics = host.state.topics
+        seen = self._ended_seen.get(shard, {})
+        now_seen: dict[tuple[str, str, int], None] = {}
+        ended: dict[tuple[str, int], bool] = {}  # (member, incarnation) -> ended, per round
+        for reg_key in list(topics.share_keys):
+            if len(now_seen) >= limit:
+                break
+            reg = registration(topics, reg_key)
+            if reg is None or reg.share_group is None:
+                continue
+            held: dict[tuple[str, int], list[int]] = {}
+            for offset, holder in claims_of(reg).items():
+                held.setdefault(holder, []).append(offset)
+            candidates = list(held) + [(m, inc) for m, inc in reg.members.items() if (m, inc) not in held]
+            for member, inc in candidates:
+                gone = ended.get((member, inc))
+                if gone is None:
+                    gone = ended[(member, inc)] = self._incarnation_ended(member, inc)
+                if not gone:
+                    continue
+                key = (reg_key, member, inc)
+                now_seen[key] = None
+                if key not in seen:
+                    continue
+                try:
+                    self._return(host, reg_key, reg, member, inc, held.get((member, inc), []))
+                except (ShardUnavailable, ProposalDropped) as exc:
+                    log.warning("shard %d: claims of %r's ended session not returned yet: %s", shard, member, exc)
+                    self._ended_seen[shard] = now_seen
+                    return
+        self._ended_seen[shard] = now_seen
+
+    def _return(self, host: ShardHost, reg_key: str, reg: Registration, member: str, inc: int,
+                offsets: list[int]) -> None:
+        shard = host.shard
+        if offsets:
+            meta = host.state.topics.meta
+            dropped = tuple(o for o in offsets if reg.qos >= 2 and (m := meta.get(o)) is not None and m.qos >= 2)
+            self.node.propose(shard, c.ShareReturn(reg_key, member, dropped, inc), want=False)
+        if reg.members.get(member) == inc:
+            self.node.propose(shard, c.ShareMember(reg_key, member, False, inc), want=False)
+        self.ended_returned += 1
+        coverage.hit("share_ended_claims_returned")
+        log.info("shard %d: %d claim(s) of %r's ended session (incarnation %d) returned to $share group %r",
+                 shard, len(offsets), member, inc, reg.share_group)
+
+    def _incarnation_ended(self, client_id: str, inc: int) -> bool:
+        """Whether the session incarnation ``inc`` of ``client_id`` has ended, as this node's
+        replica of its session shard knows (False when it cannot tell)."""
+        if inc < 0:
+            return False  # LEGACY_INC: any incarnation
+        shost = self.node.hosts[self.node.session_shard(client_id)]
+        if shost.failed is not None:
+            return False
+        sessions = shost.state.sessions
+        if sessions.incarnations < inc:
+            return False  # the replica has not applied that incarnation's open yet
+        sess = session_of(sessions, client_id)
+        if sess is None:
+            return True
+        if sess.incarnation <= inc:
+            return False
+        prev = sess.prev_lease  # a takeover: the old owner may serve the old incarnation until then
+        return prev is None or self.node.now_ms() > prev[2] + LEASE_LAPSE_GRACE_MS
 
     def on_ack_room(self, client_id: str) -> None:
         """A member freed window room: its share groups may dispatch again."""
