@@ -180,6 +180,11 @@ def sim(
                            help="--cluster: some crashes fire right after a node's next vote grant, append "
                                 "response, PUBACK or PUBREC")
     ] = True,
+    joins: Annotated[
+        bool, typer.Option("--joins/--no-joins",
+                           help="--cluster, with the whole default mix: a new node joins the running cluster, "
+                                "and a forgotten node is wiped and joins again (replace)")
+    ] = True,
 ) -> None:
     """Deterministic simulation: seeded faults, online Raft checks, total-queue and
     linearizability checkers. Exits 1 on the first seed with a violation. With --cluster: whole
@@ -188,7 +193,8 @@ def sim(
         from moorline.sim.cluster.cli import cluster_sim
 
         cluster_sim(seeds, start, nodes, seed, trace, switch or [], progress_every, bitflips, jobs,
-                    draw_config=draw_config, verbose=verbose, timed_sync=timed_sync, aimed_crashes=aimed_crashes)
+                    draw_config=draw_config, verbose=verbose, timed_sync=timed_sync, aimed_crashes=aimed_crashes,
+                    joins=joins)
         return
     if bug is not None and bug not in ALL_BUGS:
         raise typer.BadParameter(f"unknown bug {bug!r}; known: {', '.join(ALL_BUGS)}")

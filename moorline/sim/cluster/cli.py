@@ -38,16 +38,17 @@ def known_switches() -> list[str]:
     return sorted(n for n, v in vars(Faults()).items() if v is False)
 
 
-def _run_one(args: tuple[int, int, frozenset[str], Path | None, bool, bool, bool, bool]) -> SeedResult:
-    s, nodes, switches, trace, bitflips, draw_config, timed_sync, aimed_crashes = args
+def _run_one(args: tuple[int, int, frozenset[str], Path | None, bool, bool, bool, bool, bool]) -> SeedResult:
+    s, nodes, switches, trace, bitflips, draw_config, timed_sync, aimed_crashes, joins = args
     return run_seed(s, nodes, switches, trace=trace, cfg=RunConfig(bitflips=bitflips, draw_config=draw_config,
-                                                                  timed_sync=timed_sync, aimed_crashes=aimed_crashes))
+                                                                  timed_sync=timed_sync, aimed_crashes=aimed_crashes,
+                                                                  joins=joins))
 
 
 def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Path | None,
                 switches: list[str], progress_every: float, bitflips: bool = False, jobs: int = 1,
                 draw_config: bool = True, verbose: bool = False, timed_sync: bool = True,
-                aimed_crashes: bool = True) -> None:
+                aimed_crashes: bool = True, joins: bool = True) -> None:
     if nodes not in CLUSTER_SIZES:
         raise typer.BadParameter(f"--nodes must be 3 or 5 with --cluster, not {nodes}")
     unknown = [s for s in switches if s not in known_switches()]
@@ -65,7 +66,8 @@ def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Pat
     results: list[SeedResult] = []
     failed: list[SeedResult] = []
     t0 = time.monotonic()
-    work = [(s, nodes, frozenset(switches), trace, bitflips, draw_config, timed_sync, aimed_crashes) for s in todo]
+    work = [(s, nodes, frozenset(switches), trace, bitflips, draw_config, timed_sync, aimed_crashes, joins)
+            for s in todo]
     pool = None
     try:
         if jobs > 1 and len(todo) > 1:

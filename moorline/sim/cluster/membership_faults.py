@@ -14,7 +14,21 @@ exactly as the HTTP routes call it:
 - **drain** a healthy node (the server's drain, as ``moorline cluster drain``), then stop it; it
   starts again 1-8 s later, as in a rolling restart.
 
-While a shard is below its target or a change is in progress, no new node fault starts (a shard
+With ``joins`` (the whole default mix; ``--no-joins`` turns it off), from a stream of their own
+(``f"{seed}/join"``, so the membership and node-fault draws stay as they were until one happens):
+
+- **join** (7 seeds in 10, once, 2-15 s into the fault phase): a new node (n4 of three, n6 of five)
+  is admitted through a live node's driver as ``moorline cluster join`` admits it, then started as
+  ``moorline run --node-id N --cluster ADDR --join SEEDS`` with the seeds the answer's start command
+  names (no ``--initial-cluster``): a member binds its storage and welcomes it, it becomes a learner
+  of every shard and the reconciler gives it its share of voters. Refused or unanswered: asked
+  again 2-4 s later (three times at most).
+- **replace** (3 forgets in 4 that were answered 200, 1-5 s after): the forgotten node's data
+  directory is wiped (a new disk), it is admitted again under its name and started with ``--join``:
+  a new member, with a new node id and storage id.
+
+A node started to join counts as faulty until it is ready (no node fault is added meanwhile), and
+must be ready by the end (``join_not_completed``). While a shard is below its target or a change is in progress, no new node fault starts (a shard
 of two voters has no fault to spare); connection resets go on.
 
 Checkers:
@@ -50,6 +64,12 @@ DRAIN_TIMEOUT_S = 5.0  # cluster.drain_timeout_s of the simulator's nodes (World
 MIN_VOTERS_TO_REMOVE = 3  # a race's remove-replica leaves a shard two voters at least (see _race)
 HOLD_MAX_S = 20.0  # node faults wait at most this long for the shards to be back at target
 CONVERGE_BOUND_S = 30.0  # after the heal: every shard at target within this (virtual seconds)
+JOIN_P = 0.7  # the share of seeds (with joins) in which a new node joins
+JOIN_AT_S = (2.0, 15.0)  # into the fault phase
+REPLACE_P = 0.75  # the share of answered forgets after which the node is replaced (wiped, joins again)
+REPLACE_AFTER_S = (1.0, 5.0)
+ADMIT_RETRY_S = (2.0, 4.0)  # an admission refused or unanswered is asked again after this
+ADMIT_TRIES = 3
 
 
 def live_nodes(world: World) -> list[SimNode]:
@@ -92,7 +112,7 @@ def member_replicas(world: World, names: list[str], group: int) -> list[str]:
 
 
 class MembershipPlan:
-    def __init__(self, world: World, rng: random.Random, plan: Any) -> None:
+    def __init__(self, world: World, rng: random.Random, plan: Any, joins: bool = False) -> None:
         self.world = world
         self.rng = rng
         self.plan = plan  # runner.FaultPlan: its crashed nodes, and their restarts
@@ -104,6 +124,18 @@ class MembershipPlan:
         self.forgetting: tuple[str, float] | None = None  # a forget asked, not answered: (node, its restart)
         self.draining: dict[str, float] = {}  # node -> how long it stays down once stopped
         self.stopped: list[str] = []  # drained nodes whose stop finished (their loop ends at the next tick)
+        # Joins and replacements (``joins``): their own stream, drawn only when they are on.
+        self.joins = joins
+        self.join_rng = random.Random(f"{world.seed}/join")
+        self.join_at: float | None = None  # a new node's admission is due
+        self.replace_at: tuple[str, float] | None = None  # a forgotten node's replacement is due
+        self.replace_drawn = False  # one replacement a seed at most
+        self.admitting: str | None = None  # an admission asked, not answered
+        self.tries: dict[str, int] = {}
+        self.joining: dict[str, float] = {}  # started to join, not ready yet: name -> since
+        self.joined: list[str] = []  # every node started to join in this run
+        if joins and self.join_rng.random() < JOIN_P:
+            self.join_at = self.now + self.join_rng.uniform(*JOIN_AT_S)
 
     @property
     def now(self) -> float:
@@ -116,6 +148,8 @@ class MembershipPlan:
     def tick(self) -> None:
         """Called every 0.1 s of the fault phase."""
         self._drained()
+        if self.joins:
+            self._joins()
         for item in [p for p in self.pending if p[0] <= self.now]:
             self.pending.remove(item)
             item[1]()
@@ -201,6 +235,9 @@ class MembershipPlan:
         if name in ids:
             self.forgotten_ids.add(ids[name])
         w.note(f"membership: {name} forgotten")
+        if self.joins and not self.replace_drawn and self.join_rng.random() < REPLACE_P:
+            self.replace_drawn = True
+            self.replace_at = (name, self.now + self.join_rng.uniform(*REPLACE_AFTER_S))
 
     def _drain(self) -> bool:
         """A node drained as ``moorline cluster drain`` drains it (the server's drain: CONNECTs
@@ -211,7 +248,7 @@ class MembershipPlan:
         faulty = plan.faulty()
         if len(faulty) >= minority or self.hold():
             return False
-        ok = [sn for sn in live_nodes(w) if sn.name not in faulty and sn.server is not None]
+        ok = [sn for sn in live_nodes(w) if sn.name not in faulty and sn.assembly is not None]
         if not ok:
             return False
         sn = self.rng.choice(ok)
@@ -219,8 +256,9 @@ class MembershipPlan:
         self.draining[sn.name] = self.rng.uniform(*plan.cfg.crash_down_s)
         plan._record_fault(sn.name, "drain")
         w.note(f"membership: drain {sn.name}")
-        assert sn.loop is not None and sn.node is not None and sn.server is not None
-        task = sn.loop.create_task(drain_and_stop(sn.node, sn.server))
+        assert sn.loop is not None and sn.assembly is not None
+        # What ``moorline run`` does on a drain request: the assembly's shutdown (drain, hand-over, stop).
+        task = sn.loop.create_task(sn.assembly.shutdown("simulator: drain"))
         task.add_done_callback(lambda t, name=sn.name: self.stopped.append(name))  # type: ignore[misc]
         return True
 
@@ -270,6 +308,107 @@ class MembershipPlan:
                 return
             self._call(via, f"add-replica {name} {shard}", via.node.membership.change_replica(shard, name, "add"))
         return add
+
+    # --- joins and replacements --------------------------------------------------------------
+    def _joins(self) -> None:
+        w = self.world
+        for name in list(self.joining):
+            sn = next(x for x in w.nodes if x.name == name)
+            if sn.ready:
+                del self.joining[name]
+                assert sn.node is not None
+                w.note(f"membership: {name} joined (ready), node id {sn.node.member[0]}")
+            elif sn.boot_error is not None or sn.crashed:
+                del self.joining[name]  # join_not_completed at the end, unless it comes back
+        if self.admitting is not None:
+            return
+        if self.join_at is not None and self.now >= self.join_at:
+            self.join_at = None
+            index = max(sn.index for sn in w.nodes) + 1
+            self._admit(f"n{index}", f"10.0.0.{index}", None)
+        elif self.replace_at is not None and self.now >= self.replace_at[1]:
+            name = self.replace_at[0]
+            self.replace_at = None
+            sn = next(x for x in w.nodes if x.name == name)
+            if name not in w.forgotten or not sn.crashed:
+                return
+            if not self.tries.get(name):
+                w.wipe(sn)  # a new disk: the replacement
+                self._count("replace")
+            self._admit(name, sn.host, sn)
+
+    def _admit(self, name: str, host: str, sn: SimNode | None) -> None:
+        """``moorline cluster join NAME --cluster HOST:PORT`` through a live node; once admitted the
+        node starts as the answer's start command says (``--join`` its seeds)."""
+        from moorline.sim.cluster.world import CLUSTER_PORT
+
+        w = self.world
+        via = self._via()
+        tries = self.tries[name] = self.tries.get(name, 0) + 1
+        kind = "join" if sn is None else "replace"
+        if via is None or via.node is None:
+            self._admit_later(name, sn)
+            return
+        if sn is None:
+            self._count("join")
+        cluster = f"{host}:{CLUSTER_PORT}"
+        w.note(f"membership: {kind} {name}: admit {name} --cluster {cluster} via {via.name} (try {tries})")
+        self.admitting = name
+        assert via.loop is not None
+        task = via.loop.create_task(via.node.membership.admit(name, cluster, ""))
+
+        def done(t: Any) -> None:
+            self.admitting = None
+            if t.cancelled() or t.exception() is not None:
+                w.note(f"membership: admit {name} via {via.name}: no answer")
+                self._count("admit_no_answer")
+                self._admit_later(name, sn)
+                return
+            r = t.result()
+            w.note(f"membership: admit {name} via {via.name}: {r.status}")
+            self._count(f"admit_{r.status}")
+            if r.status not in (200, 201):
+                self._admit_later(name, sn)
+                return
+            start = str(r.body.get("start", ""))
+            seeds = start.split("--join", 1)[1].strip() if "--join" in start else ""
+            self._start_joining(name, sn, seeds or f"{via.host}:{CLUSTER_PORT}")
+
+        task.add_done_callback(done)
+
+    def _admit_later(self, name: str, sn: SimNode | None) -> None:
+        if self.tries.get(name, 0) >= ADMIT_TRIES:
+            self.world.note(f"membership: {name} not admitted after {ADMIT_TRIES} tries")
+            return
+        at = self.now + self.join_rng.uniform(*ADMIT_RETRY_S)
+        if sn is None:
+            self.join_at = at
+        else:
+            self.replace_at = (name, at)
+
+    def _start_joining(self, name: str, sn: SimNode | None, seeds: str) -> None:
+        w = self.world
+        if sn is None:
+            sn = w.add_node(name)
+        else:
+            w.forgotten.discard(name)  # a new member under the old name
+        sn.join = seeds
+        self.joining[name] = self.now
+        if name not in self.joined:
+            self.joined.append(name)
+        w.note(f"membership: {name} starts with --join {seeds}")
+        w.start(sn)
+
+    def join_findings(self) -> list[tuple[str, str]]:
+        """Every node started to join (and not forgotten since) is up at the end."""
+        w = self.world
+        out = []
+        for name in self.joined:
+            sn = next(x for x in w.nodes if x.name == name)
+            if name not in w.forgotten and not sn.ready:
+                out.append(("join_not_completed", f"{name} started with --join {sn.join} and is not up at the end"
+                            + (f": {sn.boot_error!r}" if sn.boot_error is not None else "")))
+        return out
 
     def settle(self) -> None:
         """Before the heal: the operator's commands still to come are dropped; a forget not answered
@@ -418,17 +557,3 @@ class Convergence:
             return [("membership_not_converged", f"{CONVERGE_BOUND_S:.0f} s after the heal: "
                      + "; ".join(self.last_why[:6]))]
         return []
-
-
-async def drain_and_stop(node: Any, server: Any) -> None:
-    """What ``moorline run`` does on a drain request: the server's drain, then the node's stop."""
-    from moorline.node.edge import server as server_mod
-    from moorline.node.edge.drain import Drain
-
-    drain = Drain(node.cfg.cluster.drain_timeout_s, node.clock.monotonic)
-    server.drain = drain
-    drain.request("simulator: drain")
-    await server_mod._drain(node, server, drain)
-    for conn in list(server.connections):
-        conn.abort("server shutting down")
-    await node.stop()

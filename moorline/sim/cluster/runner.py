@@ -8,7 +8,8 @@ a reset of a random connection, or a heal. A minority of nodes at most is faulty
 every shard keeps a majority of its voters and the promises apply. Clocks are skewed and their
 rates drift within the documented bound throughout (world.py). Membership changes join the mix
 from their own stream (membership_faults.py): forget of a crashed node, an operator's
-remove-replica and add-replica racing the reconciler, a drain and stop of a healthy node.
+remove-replica and add-replica racing the reconciler, a drain and stop of a healthy node, and
+(with the whole default mix) a new node joining, and a forgotten node replaced (wiped, joined again).
 
 Checks at the end: the history checkers (checkers.py, the definitions ``moorline verify`` uses),
 Raft election safety (one leader per group and term, sampled every 100 ms of virtual time), every
@@ -64,13 +65,21 @@ class RunConfig:
     timed_sync: bool = True
     aimed_crashes: bool = True
     aim_window_s: float = 5.0  # an armed crash whose moment does not come within this is disarmed
+    # A new node joins a running cluster; a forgotten node is wiped and joins again (replace):
+    # membership_faults.py. Only with the whole default mix (draw_config, timed_sync and
+    # aimed_crashes on): seeds found with the plain mix or a part of it replay as before. --no-joins.
+    joins: bool = True
+
+    @property
+    def joins_on(self) -> bool:
+        return self.joins and self.draw_config and self.timed_sync and self.aimed_crashes
 
 
 def plain_mix(**kw: Any) -> RunConfig:
     """The mix before issue 28 made its parts the default: production-sized node configuration,
     syncs inline in the callback that staged them, crashes only between scheduler steps
     (``--no-draw-config --no-timed-sync --no-aimed-crashes``). Seeds found with it replay with it."""
-    return RunConfig(draw_config=False, timed_sync=False, aimed_crashes=False, **kw)
+    return RunConfig(draw_config=False, timed_sync=False, aimed_crashes=False, joins=False, **kw)
 
 
 @dataclass
@@ -91,6 +100,7 @@ class SeedResult:
     paths: dict[str, int] = field(default_factory=dict)  # rare node paths reached (moorline/coverage.py)
     timed_sync: bool = False
     aimed_crashes: bool = False
+    joins: bool = False  # joins and replacements were in the mix (RunConfig.joins_on)
 
     @property
     def ok(self) -> bool:
@@ -100,6 +110,8 @@ class SeedResult:
         sw = "".join(f" --switch {s}" for s in self.switches) + (" --bitflips" if self.bitflips else "")
         sw += "" if self.draw_config else " --no-draw-config"
         sw += ("" if self.timed_sync else " --no-timed-sync") + ("" if self.aimed_crashes else " --no-aimed-crashes")
+        if self.draw_config and self.timed_sync and self.aimed_crashes and not self.joins:
+            sw += " --no-joins"
         return f"moorline sim --cluster --nodes {self.nodes} --seed {self.seed}{sw} --trace seed-{self.seed}.trace"
 
 
@@ -139,6 +151,7 @@ class FaultPlan:
         out |= w.forgotten  # gone for good (membership_faults.py)
         if self.members is not None:
             out |= set(self.members.draining)  # draining, then stopped
+            out |= set(self.members.joining)  # started to join, not ready yet
         out |= {sn.name for sn in w.nodes if sn.loop is not None and sn.loop.paused_until is not None
                 and sn.loop.paused_until > self.now}
         hosts = {sn.host: sn.name for sn in w.nodes}
@@ -454,7 +467,7 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
     monitor = SafetyMonitor(world)
     from moorline.sim.cluster.membership_faults import ConfRules, Convergence, MembershipPlan
 
-    members = plan.members = MembershipPlan(world, random.Random(f"{seed}/membership"), plan)
+    members = plan.members = MembershipPlan(world, random.Random(f"{seed}/membership"), plan, joins=cfg.joins_on)
     conf_rules = ConfRules(world, members.forgotten_ids)
     convergence = Convergence(members)
     try:
@@ -505,6 +518,7 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
                 world.run_for(0.1)
                 convergence.sample()
             findings += [Finding(kind, detail) for kind, detail in convergence.finish(world)]
+            findings += [Finding(kind, detail) for kind, detail in members.join_findings()]
             conf_rules.sample()
             while world.scheduler.now < converge_end and not _replicas_converged(world):
                 world.run_for(0.1)
@@ -542,7 +556,7 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
                         time.perf_counter() - started, world.scheduler.steps, digest.hexdigest()[:16],
                         {**plan.counts, "records": len(records)}, list(world.events), cfg.bitflips,
                         tuning.differences(), cfg.draw_config, coverage.snapshot(), cfg.timed_sync,
-                        cfg.aimed_crashes)
+                        cfg.aimed_crashes, cfg.joins_on)
     if trace is not None:
         write_trace(trace, result, records)
     return result

@@ -1,9 +1,10 @@
 """A simulated world of real moorline nodes: 3 or 5 ``Node`` processes in one Python process.
 
-Each node is the production code (``moorline.node.node.Node``, its MQTT server, group commit,
-cluster link and transport) on its own ``VirtualLoop`` with its seams (DESIGN: simulation seams)
-pointed at the world: virtual time (a per-node clock rate within the drift bound and a wall-clock
-offset), the in-memory network, seeded random bytes, and every fdatasync inline — or, with
+Each node is the production code, built by the production composition root
+(``moorline.node.assembly.NodeAssembly``: the node, its MQTT server, ``$SYS``, the loop-lag
+watcher, the drain, the admin HTTP app on port 8080; group commit, cluster link and transport)
+on its own ``VirtualLoop`` with its seams (DESIGN: simulation seams) pointed at the world:
+virtual time (a per-node clock rate within the drift bound and a wall-clock offset), the in-memory network, seeded random bytes, and every fdatasync inline — or, with
 ``timed_sync``, each WAL sync of group commit taking a drawn stretch of virtual time beside the
 loop, as on the production sync thread (``TimedSync``). Its disk is a real directory under the
 run's base; a ledger of synced lengths (the crash harness's instrument) lets a crash lose or tear
@@ -38,7 +39,7 @@ import msgspec
 from moorline.cluster.limits import TransportLimits
 from moorline.cluster.wire import MAGIC, PREAMBLE_BYTES, RaftMessages
 from moorline.config import NodeConfig
-from moorline.node.edge.auth import Authorizer
+from moorline.node.assembly import NodeAssembly
 from moorline.node.edge.server import MqttServer
 from moorline.node.node import Node
 from moorline.node.seams import Seams, SyncRunner
@@ -62,6 +63,7 @@ log = logging.getLogger("moorline.sim.cluster")
 
 CLUSTER_PORT = 7000
 MQTT_PORT = 1883
+HTTP_PORT = 8080  # the admin HTTP API (node/admin/http_api.py), served on the virtual network too
 EPOCH_MS = 1_790_000_000_000  # the world's wall clock at t=0 (a fixed date: traces replay exactly)
 
 
@@ -338,6 +340,7 @@ class SimNode:
     ledger: Path  # where the synced lengths are written out for tools (flip_synced_byte)
     memory_ledger: MemoryLedger = field(default_factory=MemoryLedger)
     loop: VirtualLoop | None = None
+    assembly: NodeAssembly | None = None  # the node and its edge, as ``moorline run`` builds them
     node: Node | None = None
     server: MqttServer | None = None
     boots: int = 0
@@ -348,10 +351,15 @@ class SimNode:
     armed: str | None = None  # a crash aimed at the next such send (MOMENTS)
     crash_due: bool = False  # the aimed moment came: frozen, to be crashed by the fault plan
     syncer: TimedSync | None = None
+    join: str | None = None  # joined a running cluster: `moorline run --join` these seeds (no --initial-cluster)
 
     @property
     def mqtt(self) -> tuple[str, int]:
         return self.host, MQTT_PORT
+
+    @property
+    def http(self) -> tuple[str, int]:
+        return self.host, HTTP_PORT
 
 
 @dataclass
@@ -450,6 +458,8 @@ class World:
         cfg.cluster.node_id = sn.name
         cfg.cluster.listen = f"{sn.host}:{CLUSTER_PORT}"
         cfg.cluster.initial_cluster = self.initial_cluster
+        if sn.join is not None:  # as `moorline run --join` (a restart reads cluster.json's record)
+            cfg.cluster.initial_cluster, cfg.cluster.join = None, sn.join
         cfg.cluster.secret_file = str(self.secret_file)  # peers authenticate, as off loopback they must
         cfg.raft.tick_interval_ms = self.cfg.tick_ms
         cfg.raft.election_ticks = self.cfg.election_ticks
@@ -458,6 +468,7 @@ class World:
         cfg.storage.wal_preallocate = False  # no preparer thread
         cfg.storage.inline_sync_max_us = 0
         cfg.listeners.mqtt = f"{sn.host}:{MQTT_PORT}"
+        cfg.listeners.http = f"{sn.host}:{HTTP_PORT}"
         cfg.queue.limited_groups = list(self.cfg.queue_limited_groups)
         cfg.queue.max_deliveries = self.cfg.queue_max_deliveries
         cfg.queue.ack_timeout_s = self.cfg.queue_ack_timeout_s
@@ -487,16 +498,20 @@ class World:
         async def boot() -> None:
             try:
                 faults = Faults(**dict.fromkeys(self.switches, True))  # type: ignore[arg-type]
-                node = Node(cfg, faults, seams)
-                sn.node = node
-                self._watch_recovery(sn, node)
-                await node.open_async()
-                await node.start()
-                server = MqttServer(node, Authorizer(cfg.auth, loopback_only=True, clock=seams.clock.monotonic))
-                sn.server = server
+                # The production composition root (node/assembly.py): the node, its authorizer on the
+                # virtual clock, $SYS, the lag watcher, the drain and link hooks, the admin HTTP app.
+                # The virtual network is closed: anonymous clients and an open HTTP API, as on loopback.
+                asm = NodeAssembly(cfg, faults, seams, loopback_only=True, http_auth=False)
+                sn.assembly, sn.node, sn.server = asm, asm.node, asm.server
+                self._watch_recovery(sn, asm.node)
+                if not await asm.start(sn.mqtt, sn.http):
+                    raise RuntimeError("stopped while opening")  # nothing asks a simulated node to stop then
+                server = asm.server
                 on_packet = self._mqtt_sent(sn, loop)
                 host_net.serve_protocol(sn.host, MQTT_PORT,
                                         lambda: _TapProtocol(server.protocol_factory(), on_packet))
+                assert asm.http_runner is not None and asm.http_runner.server is not None
+                host_net.serve_protocol(sn.host, HTTP_PORT, asm.http_runner.server)
                 sn.ready = True
                 self.note(f"{sn.name} ready (boot {sn.boots})")
             except BaseException as exc:  # noqa: BLE001 - a node that cannot start is a finding
@@ -509,6 +524,42 @@ class World:
     def start_all(self) -> None:
         for sn in self.nodes:
             self.start(sn)
+
+    # --- nodes that join a running cluster (membership_faults.py) --------------------------------
+    def add_node(self, name: str) -> SimNode:
+        """A new node of the world (not started): the next host address, its own directory, and its
+        clock, random bytes and syncs drawn from its own stream (the world's draws stay as they were)."""
+        if any(sn.name == name for sn in self.nodes):
+            raise ValueError(f"the world has a node {name!r} already")
+        index = max(sn.index for sn in self.nodes) + 1
+        d = self.base / name
+        d.mkdir(parents=True, exist_ok=True)
+        sn = SimNode(name, index, f"10.0.0.{index}", d / "data", d / "ledger.jsonl")
+        rng = random.Random(f"{self.seed}/node/{name}")
+        self._node_rngs[name] = random.Random(rng.getrandbits(64))
+        self._skews[name] = (rng.randint(-self.cfg.max_skew_ms, self.cfg.max_skew_ms),
+                             1.0 + rng.uniform(-self.cfg.max_rate_drift, self.cfg.max_rate_drift))
+        self._sync_rngs[name] = random.Random(rng.getrandbits(64))
+        self.nodes.append(sn)
+        self.note(f"{name} added to the world at {sn.host}")
+        return sn
+
+    def wipe(self, sn: SimNode) -> None:
+        """A crashed node's data directory deleted (a replaced disk): a start makes a new member.
+        The world-state checks forget what the old storage promised (a new storage promised nothing)."""
+        if not sn.crashed:
+            raise ValueError(f"{sn.name} is running: crash it before wiping its data")
+        import shutil
+
+        shutil.rmtree(sn.data_dir, ignore_errors=True)
+        sn.memory_ledger = MemoryLedger()
+        p, r = self.promises, self.recovered_logs
+        for d in (p.term_sent, p.acked, r.cursor, self.pins.samples):
+            for key in [k for k in d if k[0] == sn.name]:
+                del d[key]  # type: ignore[attr-defined]
+        for vote in [k for k in p.votes if k[0] == sn.name]:
+            del p.votes[vote]
+        self.note(f"{sn.name}: data directory wiped")
 
     # --- what nodes send; crashes aimed at it ----------------------------------------------------
     def _sync_runner(self, sn: SimNode) -> Callable[[WriteAheadLog], SyncRunner]:
@@ -671,7 +722,7 @@ class World:
         sn.crashed, sn.ready = True, False
         cut = sn.memory_ledger.cut_unsynced(self.crash_rng) if lose_unsynced else []
         self.note(f"{sn.name} crashed" + (f", cut {len(cut)} file(s) to their synced length" if cut else ""))
-        sn.node, sn.server = None, None
+        sn.assembly, sn.node, sn.server = None, None, None
         return cut
 
     def pause(self, sn: SimNode, seconds: float) -> None:
