@@ -6,7 +6,10 @@
 - inside ``moorline/node`` no module reads or calls another module's private name
   (``conn._closing``, ``from x import _helper``);
 - outside ``moorline/broker`` only ``moorline/broker/queries.py``'s functions reach a shard state's
-  ``regs``, ``owed`` and ``claims``: no attribute of those names is read in ``moorline/node``.
+  ``regs``, ``owed`` and ``claims``: no attribute of those names is read in ``moorline/node``;
+- one composition root: in ``moorline`` only ``moorline/node/assembly.py`` constructs a ``Node``,
+  ``MqttServer``, ``Authorizer``, ``SysTopics`` or ``Drain`` (``moorline run`` and the simulator
+  build their nodes the same way).
 
 What breaks a rule today is listed below, each with its reason; the lists only shrink: a new
 violation fails, and so does an entry that no longer occurs (remove it).
@@ -34,9 +37,6 @@ PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
         "the cluster CLI's helpers, shared by the groups CLI: to become public helpers of an admin CLI module",
     ("admin/groups_cli.py", "import moorline.node.admin.cluster_cli._get"): "as above",
     ("admin/http_api.py", "site._server"): "aiohttp's TCPSite has no public accessor for its server",
-    ("edge/server.py", "c._closing"): "edge's own connection state, read by its server: to become public in edge/",
-    ("edge/server.py", "conn._closing"): "as above",
-    ("edge/server.py", "conn._write"): "as above",
 }
 
 # The shard state's fields node code reaches only through moorline/broker/queries.py.
@@ -55,6 +55,10 @@ STATE_FIELDS_ALLOWED_FILES: dict[str, str] = {
     "sessions/lifecycle.py": "reconcile / ghost / ack-report code being reworked (issue 29 item 3): to use queries.py",
     "sessions/followups.py": "new this session (issue 29 item 3), being worked on: to use queries.py",
 }
+
+# What only the composition root (moorline/node/assembly.py) constructs.
+ASSEMBLED = ("Node", "MqttServer", "Authorizer", "SysTopics", "Drain")
+COMPOSITION_ROOT = "node/assembly.py"  # relative to moorline/
 
 # Names with a leading underscore that are public API of their library.
 NOT_PRIVATE = {"os._exit", "sys._getframe"}
@@ -122,6 +126,17 @@ def state_field_accesses(source: str) -> set[str]:
             if isinstance(n, ast.Attribute) and n.attr in STATE_FIELDS}
 
 
+def constructions(source: str) -> set[str]:
+    """The ASSEMBLED classes ``source`` calls (``Node(...)``, ``edge.server.MqttServer(...)``)."""
+    found = set()
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Call):
+            name = n.func.id if isinstance(n.func, ast.Name) else n.func.attr if isinstance(n.func, ast.Attribute) else ""
+            if name in ASSEMBLED:
+                found.add(name)
+    return found
+
+
 def _node_files() -> list[Path]:
     return sorted(p for p in NODE.rglob("*.py") if "__pycache__" not in p.parts)
 
@@ -184,6 +199,16 @@ def test_only_broker_queries_reach_state_fields() -> None:
     assert not gone, "fixed, remove from STATE_FIELDS_ALLOWED_FILES:\n" + "\n".join(gone)
 
 
+def test_only_the_composition_root_builds_a_node() -> None:
+    bad = []
+    for path in sorted(MOORLINE.rglob("*.py")):
+        rel = path.relative_to(MOORLINE).as_posix()
+        if "__pycache__" not in path.parts and rel != COMPOSITION_ROOT:
+            bad += [f"{rel} constructs {name}" for name in sorted(constructions(path.read_text()))]
+    assert not bad, f"build nodes through moorline/{COMPOSITION_ROOT} (NodeAssembly):\n" + "\n".join(bad)
+    assert constructions((MOORLINE / COMPOSITION_ROOT).read_text()) == set(ASSEMBLED)
+
+
 def test_the_checks_see_planted_violations() -> None:
     """The scanners themselves: each rule's violation, planted in a snippet, is found."""
     assert "moorline.node.node" in imported_modules("from moorline.node.node import Node\n", "moorline.broker.x")
@@ -199,3 +224,6 @@ def test_the_checks_see_planted_violations() -> None:
     planted_state = "def f(host, reg, o):\n    return host.state.topics.regs.get('k') or o in reg.owed or reg.claims[o]\n"
     assert state_field_accesses(planted_state) == {"host.state.topics.regs", "reg.owed", "reg.claims"}
     assert state_field_accesses("from moorline.broker.queries import owed_after\nx = owed_after(reg, 3)\n") == set()
+    planted_root = "node = Node(cfg, faults, seams)\nsrv = server.MqttServer(node, Authorizer(cfg.auth, True))\n"
+    assert constructions(planted_root) == {"Node", "MqttServer", "Authorizer"}
+    assert constructions("drain = make_drain()\nx: Drain | None = None\n") == set()

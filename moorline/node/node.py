@@ -1,7 +1,8 @@
-"""One moorline node: the composition root. It builds the node's parts from its config and
-Seams, starts and stops them (every long-lived loop under the Supervisor), and is the one object
-the edge (connections), the admin API and the simulator hold: the methods after ``stop`` are
-thin delegates to the part that owns the concern.
+"""One moorline node: it builds the node's parts from its config and Seams, starts and stops them
+(every long-lived loop under the Supervisor), and is the one object the edge (connections), the
+admin API and the simulator hold: the methods after ``stop`` are thin delegates to the part that
+owns the concern. The node and its edge (MQTT server, $SYS, drain, HTTP app) are composed, for
+``moorline run`` and the simulator alike, by ``assembly.py`` (NodeAssembly).
 
     boot.py                     Startup: prepare, open groups, recover, cluster.json
     replication/router.py       GroupRouter: the propose API, Raft messages in and out
@@ -122,7 +123,7 @@ class Node:
         self.publish_denied = {"mqtt": 0, "http": 0, "spark": 0}
         self.link: ClusterLink | None = None  # cluster mode: peers, forwarding
         # HOST:PORT clients reach this node's MQTT listener at (listeners.advertise, else the bound
-        # address): set by the server once its listener is bound (edge/drain.py advertised_address).
+        # address): set by the assembly's start (assembly.py; edge/drain.py advertised_address).
         self.client_address: str | None = None
         self.placement: list[ShardPlacement] = []  # per shard: voters (preferred leader first), learners
         self.preferred_leader: list[MemberId] = []

@@ -1,6 +1,6 @@
 """A stop (SIGTERM) waits for the session closes that closing its connections started, and only for
 those: a connection's committed SessionClose, then its will, are done before the process exits
-(edge/server.py, _wait_for_session_closes), and no fixed 2 s is spent on loops that never end."""
+(node/assembly.py, wait_for_session_closes), and no fixed 2 s is spent on loops that never end."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""At stop, edge/server.py waits (bounded) for the session closes that closing the connections
+"""At stop, the node's assembly (node/assembly.py) waits (bounded) for the session closes that closing the connections
 started and the cleanups they left (node.background), and for nothing else: a long-lived loop
 does not hold the stop up to the bound (it did, 2 s every stop, before)."""
 
@@ -9,7 +9,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from moorline.node.edge.server import _wait_for_session_closes
+from moorline.node.assembly import wait_for_session_closes
 
 
 class _Conn:
@@ -43,7 +43,7 @@ def test_waits_for_the_closes_and_their_cleanups_only() -> None:
         asyncio.get_running_loop().call_later(0.05, setattr, conn, "live", None)
         server = SimpleNamespace(connections={conn: None})
         t0 = time.monotonic()
-        await _wait_for_session_closes(_node([closing], background), server, 2.0)
+        await wait_for_session_closes(_node([closing], background), server, 2.0)
         took = time.monotonic() - t0
         done = closing.done() and not background
         forever_running = not forever.done()
@@ -60,7 +60,7 @@ def test_bounded_by_the_timeout() -> None:
         stuck = asyncio.create_task(asyncio.sleep(3600))
         server = SimpleNamespace(connections={_Conn(): None})
         t0 = time.monotonic()
-        await _wait_for_session_closes(_node([stuck], {}), server, 0.3)
+        await wait_for_session_closes(_node([stuck], {}), server, 0.3)
         stuck.cancel()
         return time.monotonic() - t0
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import signal
@@ -11,12 +10,8 @@ import socket
 import sys
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
 
 from moorline.config import ConfigError, NodeConfig
-from moorline.mqtt.codec import MQTT_5, encode
-from moorline.mqtt.packets import Disconnect
-from moorline.mqtt.reasons import ReasonCode as RC
 from moorline.mqtt.topics import TopicBounds
 from moorline.node.admin.sys_topics import SysTopics
 from moorline.node.edge.auth import Authorizer
@@ -24,12 +19,7 @@ from moorline.node.edge.connection import Connection
 from moorline.node.edge.control import FailedLoginLog
 from moorline.node.edge.drain import (
     Drain,
-    Phase,
-    advertised_address,
-    announcement,
     client_address_of_live_peer,
-    close_clients,
-    hand_over,
 )
 from moorline.node.edge.listeners import BACKLOG, Listener, bind_all, close_all, configured
 from moorline.node.edge.listeners import parse_hostport as parse_hostport
@@ -167,8 +157,8 @@ class MqttServer:
         self.refused: dict[str, int] = {"rate": 0, "pending": 0}  # connections refused, by cause
         self._refusals_unlogged = 0
         self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
-        self.sys_topics: SysTopics | None = None  # $SYS subscribers of this node (serve() sets it)
-        self.drain: Drain | None = None  # set by serve(): while it drains, CONNECTs are sent elsewhere
+        self.sys_topics: SysTopics | None = None  # $SYS subscribers of this node (node/assembly.py sets it)
+        self.drain: Drain | None = None  # set by node/assembly.py: while it drains, CONNECTs are sent elsewhere
         self.failed_logins = FailedLoginLog(node.cfg.log.failed_login_interval_s, node.clock.monotonic)
         self.client_log = SourceLog(node.cfg.log.per_source_lines_per_minute)
 
@@ -200,7 +190,7 @@ class MqttServer:
                 and not limiter.allow(rate_key(host), now)):
             return self._refuse("rate", host, now)
         if len(self.pending) >= self.max_pending:
-            self.pending = {c for c in self.pending if c.live is None and not c._closing}
+            self.pending = {c for c in self.pending if c.live is None and not c.closing}
             if len(self.pending) >= self.max_pending:
                 return self._refuse("pending", host, now)
         self.pending.add(conn)
@@ -267,9 +257,11 @@ async def serve(cfg: NodeConfig, faults: Faults = NO_FAULTS) -> int:
 
 async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener], loopback: bool, http_auth: bool,
                        tls: TlsContexts | None) -> int:
+    """The real process around the node's assembly (node/assembly.py, which builds, starts and
+    stops the node and its edge): signals, the bound sockets, TLS and WebSocket listeners."""
     from aiohttp import web
 
-    from moorline.node.admin.http_api import make_app
+    from moorline.node.assembly import NodeAssembly
     from moorline.node.edge.tls import AdmittingListener
     from moorline.node.edge.ws_transport import WebSocketListeners
 
@@ -280,63 +272,45 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
         assert bound is not None
         return bound
 
-    authorizer = Authorizer(cfg.auth, loopback_only=loopback, certificate_identities=cfg.tls.use_identity_as_username)
+    asm = NodeAssembly(cfg, faults, loopback_only=loopback, http_auth=http_auth)
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
     signals: list[str] = []  # the signals that asked us to stop, for the log
 
     def on_signal(sig: signal.Signals) -> None:
         signals.append(sig.name)
-        stop.set()
+        asm.stop_asked.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # from the start: a stop during start-up is a clean exit
         try:
             loop.add_signal_handler(sig, on_signal, sig)
         except NotImplementedError:  # pragma: no cover
             pass
-    node = Node(cfg, faults)
-    if not await _open_unless_stopped(node, stop):  # a cluster node also connects to its peers and bootstraps here
+    # a cluster node also connects to its peers and bootstraps here
+    if not await asm.start(by_key["mqtt"].bound(), by_key["http"].bound()):
         log.info("stopped by %s during start-up (before the node was open): nothing to hand over, exit 0",
                  signals[0] if signals else "a signal")
-        authorizer.close()
         return 0
-    await node.start()
+    node, server, http_runner = asm.node, asm.server, asm.http_runner
+    assert http_runner is not None and http_runner.server is not None
     tune_gc(cfg.runtime)
     tune_allocator(cfg.runtime)
-    server = MqttServer(node, authorizer)
-    server.sys_topics = SysTopics(node, authorizer, cfg.sys.interval_s,
-                                  open_to_all=not authorizer.rules and authorizer.allow_anonymous and loopback,
-                                  max_filters_per_connection=cfg.session.max_subscriptions)
     handshake_s = cfg.mqtt.connect_timeout_s
     servers: list[asyncio.AbstractServer] = []
     servers.append(await loop.create_server(server.protocol_factory, sock=sock("mqtt"), backlog=BACKLOG))
     accepting: list[AdmittingListener] = []  # listeners that admit a socket before its handshake or upgrade
     if "mqtts" in by_key:
         accepting.append(AdmittingListener(server, sock("mqtts"), tls, lambda conn: conn))
-    drain = Drain(cfg.cluster.drain_timeout_s, node.clock.monotonic)
-    server.drain = drain
-    drain.on_begin.append(stop.set)
-    client_address = node.client_address = advertised_address(node, by_key["mqtt"].bound())
-    if node.link is not None:
-        link = node.link
-        http_address = advertised_address(node, by_key["http"].bound(), advertise=False)
-        link.announce_extra = lambda: announcement(node, drain, client_address, http_address)
-        drain.on_begin.append(link.announce_now)  # the peers stop sending clients here at once
-        link.on_drain_request = lambda peer: _drain_asked(drain, f"asked through {peer} (POST /v1/drain)")
-    # shutdown_timeout: open requests (a long fetch, a WebSocket) get shutdown_drain_s to finish, not aiohttp's 60 s
-    http_runner = web.AppRunner(make_app(node, authorizer, http_auth, drain), access_log=None,
-                                shutdown_timeout=cfg.shutdown_drain_s)
-    await http_runner.setup()
     await web.SockSite(http_runner, sock("http"), backlog=BACKLOG).start()
     if "https" in by_key:
-        assert tls is not None and http_runner.server is not None
+        assert tls is not None
         servers.append(await loop.create_server(http_runner.server, sock=sock("https"), ssl=tls.listening,
                                                 ssl_handshake_timeout=handshake_s, backlog=BACKLOG))
-    ws_runner: web.AppRunner | None = None
+    runners: list[web.AppRunner] = []
     if "ws" in by_key or "wss" in by_key:
         ws = WebSocketListeners(server)
         ws_runner = web.AppRunner(ws.app, access_log=None, handle_signals=False, shutdown_timeout=cfg.shutdown_drain_s)
         await ws_runner.setup()
+        runners.append(ws_runner)
         ws.handlers = ws_runner.server
         for key, ctx in (("ws", None), ("wss", tls)):
             if key in by_key:
@@ -344,123 +318,24 @@ async def _serve_bound(cfg: NodeConfig, faults: Faults, listeners: list[Listener
     for listener in accepting:
         listener.start()
     # SIGHUP re-reads the TLS certificates (if any) and the password and token files; never stops the node.
-    loop.add_signal_handler(signal.SIGHUP, _on_sighup, tls, authorizer)
+    loop.add_signal_handler(signal.SIGHUP, _on_sighup, tls, asm.authorizer)
 
-    async def watch_fatal() -> None:
-        await node.stopping.wait()
-        stop.set()
-
-    watcher = asyncio.create_task(watch_fatal())
-    node.supervisor.spawn("loop-lag-watcher", server.watch_loop_lag, critical=False)
-    node.supervisor.spawn("sys-topics", server.sys_topics.run, critical=False)
-    edge_tasks = ["loop-lag-watcher", "sys-topics"]
-    if cfg.auth.credentials_poll_s > 0 and (cfg.auth.password_file or cfg.auth.token_file):
-        node.supervisor.spawn("credentials-watcher",
-                              lambda: authorizer.watch_credentials(cfg.auth.credentials_poll_s), critical=False)
-        edge_tasks.append("credentials-watcher")
     bound = " ".join(f"{li.key}={li.bound()[0]}:{li.bound()[1]}" for li in listeners)
     print(f"moorline ready {bound}", flush=True)
     log.info("data dir %s, %d shards", cfg.data_dir, node.shard_count)
-    await stop.wait()
-    watcher.cancel()
-    await node.supervisor.stop(edge_tasks)
-    if node.fatal is None:
-        drain.request(signals[0] if signals else "stop")  # a no-op when POST /v1/drain began it
-        await _drain(node, server, drain)
-    log.info("stopping%s: closing listeners and connections", f" ({drain.reason or signals[0]})"
-             if drain.reason or signals else "")
-    for srv in servers:
-        srv.close()
-    for listener in accepting:
-        listener.close()
-    # Cluster: hand every leadership to a caught-up peer while this node's clients are still
-    # connected, so their in-flight publishes commit and are acknowledged (bounded).
-    # (After a drain: only what came back since, within the drain's time.)
-    handover_s = min(cfg.shutdown_drain_s, 3.0)
-    if drain.draining:
-        handover_s = max(0.1, min(handover_s, drain.remaining(drain.deadline) / 2))
-    if node.link is not None:
-        await hand_over(node, handover_s)
-    for conn in list(server.connections):
-        if conn.version == MQTT_5 and not conn._closing and conn.live is not None:
-            conn._write(encode(Disconnect(RC.SERVER_SHUTTING_DOWN), MQTT_5))
-        conn.abort("server shutting down")
-    await asyncio.sleep(0.05)
-    await _wait_for_session_closes(node, server, min(cfg.shutdown_drain_s, 2.0))
-    if ws_runner is not None:
-        await ws_runner.cleanup()
-    await http_runner.cleanup()
-    authorizer.close()
-    await node.stop()
+    await asm.wait_for_stop()
+
+    def close_listeners() -> None:
+        for srv in servers:
+            srv.close()
+        for listener in accepting:
+            listener.close()
+
+    await asm.shutdown(signals[0] if signals else "stop", close_listeners, runners)
     if node.fatal is not None:
         print(f"moorline: fatal: {node.fatal}", file=sys.stderr, flush=True)
         return 1
     return 0
-
-
-async def _wait_for_session_closes(node: Node, server: MqttServer, timeout_s: float) -> None:
-    """Waits, at most ``timeout_s``, for what closing the connections started: each connection's
-    session close (a committed SessionClose, then its will or the session's end) and the cleanups
-    they left running (node.background), so a restart finds those sessions disconnected as of now.
-    Not for the node's long-lived loops, which end only with ``node.stop()``."""
-    clock = node.clock
-    deadline = clock.monotonic() + timeout_s
-    # A connection proposes its close when its transport reports the loss, a loop turn after the
-    # abort (a TLS or WebSocket one after its closing handshake).
-    while any(conn.live is not None for conn in server.connections) and clock.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-    while clock.monotonic() < deadline:
-        pending: list[asyncio.Task[Any]] = [*node.lifecycle.unfinished_closes(), *node.background]
-        if not pending:
-            return
-        await asyncio.wait(pending, timeout=max(0.0, deadline - clock.monotonic()))
-
-
-def _drain_asked(drain: Drain, reason: str) -> None:
-    if drain.request(reason):
-        log.info("drain %s", reason)
-
-
-async def _drain(node: Node, server: MqttServer, drain: Drain) -> None:
-    """The drain (node/edge/drain.py): CONNECTs are refused from now on; every leadership is handed
-    over while the clients are connected; then each connection stops being read and is closed once
-    what it sent is answered (MQTT 5: DISCONNECT 0x9C naming a live peer). Within the drain's time."""
-    t0 = node.clock.monotonic()
-    in_cluster = node.link is not None
-    log.info("draining (%s): new connections are sent to other nodes; handing leaderships over, then closing "
-             "%d connections once their publishes are answered (within %.0f s, cluster.drain_timeout_s)",
-             drain.reason, len(server.connections), drain.timeout_s)
-    if in_cluster and not await hand_over(node, max(0.1, drain.remaining() / 2)):
-        log.info("drain: no peer left to take a leadership over (all down or draining)")
-    drain.advance(Phase.CLOSING_CLIENTS)
-    await close_clients(list(server.connections), drain, server.client_address_of_live_peer, in_cluster)
-    drain.advance(Phase.STOPPING)
-    log.info("drained in %.2f s: %d connections closed once answered, %d at the deadline", node.clock.monotonic() - t0,
-             drain.clients_closed, drain.clients_cut)
-
-
-async def _open_unless_stopped(node: Node, stop: asyncio.Event) -> bool:
-    """``node.open_async()``, abandoned when ``stop`` is set first (a cluster node waits up to
-    cluster.bootstrap_timeout_s for its peers): then what it opened is closed and False returned."""
-    opening = asyncio.ensure_future(node.open_async())
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({opening, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-    if opening.done():
-        # Its errors (a data dir in use, a bootstrap timeout) end start-up as before. Opened (a stop
-        # that came meanwhile is served next): the node stops the ordinary way, final snapshots taken.
-        opening.result()
-        return True
-    opening.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await opening
-    if node.link is not None:
-        await node.link.close()
-    node.wal.close()  # no-ops when prepare had not opened or acquired them
-    node.dir_lock.release()
-    return False
 
 
 def _on_sighup(tls: TlsContexts | None, authorizer: Authorizer) -> None:

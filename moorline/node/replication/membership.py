@@ -241,9 +241,8 @@ class MembershipDriver(MembershipOps):
         if entry is None or entry.member_id != tuple(self.node.member) or entry.state in GONE:
             return  # not (or no longer) this storage's entry: nothing to announce
         cluster = "{}:{}".format(*link.spec.addresses[me])
-        # (the bound address once the server has it: a configured port 0 is not where clients go)
-        client = getattr(self.node, "client_address", None) or self.node.cfg.listeners.advertise \
-            or self.node.cfg.listeners.mqtt
+        # (the bound address once the assembly has it: a configured port 0 is not where clients go)
+        client = self.node.client_address or self.node.cfg.listeners.advertise or self.node.cfg.listeners.mqtt
         if (entry.cluster, entry.client, entry.zone) == (cluster, client, self.cfg.zone):
             return
         if now - self._announced_at < ANNOUNCE_RETRY_S:

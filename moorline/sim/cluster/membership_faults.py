@@ -248,7 +248,7 @@ class MembershipPlan:
         faulty = plan.faulty()
         if len(faulty) >= minority or self.hold():
             return False
-        ok = [sn for sn in live_nodes(w) if sn.name not in faulty and sn.server is not None]
+        ok = [sn for sn in live_nodes(w) if sn.name not in faulty and sn.assembly is not None]
         if not ok:
             return False
         sn = self.rng.choice(ok)
@@ -256,8 +256,9 @@ class MembershipPlan:
         self.draining[sn.name] = self.rng.uniform(*plan.cfg.crash_down_s)
         plan._record_fault(sn.name, "drain")
         w.note(f"membership: drain {sn.name}")
-        assert sn.loop is not None and sn.node is not None and sn.server is not None
-        task = sn.loop.create_task(drain_and_stop(sn.node, sn.server))
+        assert sn.loop is not None and sn.assembly is not None
+        # What ``moorline run`` does on a drain request: the assembly's shutdown (drain, hand-over, stop).
+        task = sn.loop.create_task(sn.assembly.shutdown("simulator: drain"))
         task.add_done_callback(lambda t, name=sn.name: self.stopped.append(name))  # type: ignore[misc]
         return True
 
@@ -556,17 +557,3 @@ class Convergence:
             return [("membership_not_converged", f"{CONVERGE_BOUND_S:.0f} s after the heal: "
                      + "; ".join(self.last_why[:6]))]
         return []
-
-
-async def drain_and_stop(node: Any, server: Any) -> None:
-    """What ``moorline run`` does on a drain request: the server's drain, then the node's stop."""
-    from moorline.node.edge import server as server_mod
-    from moorline.node.edge.drain import Drain
-
-    drain = Drain(node.cfg.cluster.drain_timeout_s, node.clock.monotonic)
-    server.drain = drain
-    drain.request("simulator: drain")
-    await server_mod._drain(node, server, drain)
-    for conn in list(server.connections):
-        conn.abort("server shutting down")
-    await node.stop()

@@ -1,9 +1,10 @@
 """A simulated world of real moorline nodes: 3 or 5 ``Node`` processes in one Python process.
 
-Each node is the production code (``moorline.node.node.Node``, its MQTT server, group commit,
-cluster link and transport) on its own ``VirtualLoop`` with its seams (DESIGN: simulation seams)
-pointed at the world: virtual time (a per-node clock rate within the drift bound and a wall-clock
-offset), the in-memory network, seeded random bytes, and every fdatasync inline — or, with
+Each node is the production code, built by the production composition root
+(``moorline.node.assembly.NodeAssembly``: the node, its MQTT server, ``$SYS``, the loop-lag
+watcher, the drain, the admin HTTP app on port 8080; group commit, cluster link and transport)
+on its own ``VirtualLoop`` with its seams (DESIGN: simulation seams) pointed at the world:
+virtual time (a per-node clock rate within the drift bound and a wall-clock offset), the in-memory network, seeded random bytes, and every fdatasync inline — or, with
 ``timed_sync``, each WAL sync of group commit taking a drawn stretch of virtual time beside the
 loop, as on the production sync thread (``TimedSync``). Its disk is a real directory under the
 run's base; a ledger of synced lengths (the crash harness's instrument) lets a crash lose or tear
@@ -38,7 +39,7 @@ import msgspec
 from moorline.cluster.limits import TransportLimits
 from moorline.cluster.wire import MAGIC, PREAMBLE_BYTES, RaftMessages
 from moorline.config import NodeConfig
-from moorline.node.edge.auth import Authorizer
+from moorline.node.assembly import NodeAssembly
 from moorline.node.edge.server import MqttServer
 from moorline.node.node import Node
 from moorline.node.seams import Seams, SyncRunner
@@ -62,6 +63,7 @@ log = logging.getLogger("moorline.sim.cluster")
 
 CLUSTER_PORT = 7000
 MQTT_PORT = 1883
+HTTP_PORT = 8080  # the admin HTTP API (node/admin/http_api.py), served on the virtual network too
 EPOCH_MS = 1_790_000_000_000  # the world's wall clock at t=0 (a fixed date: traces replay exactly)
 
 
@@ -338,6 +340,7 @@ class SimNode:
     ledger: Path  # where the synced lengths are written out for tools (flip_synced_byte)
     memory_ledger: MemoryLedger = field(default_factory=MemoryLedger)
     loop: VirtualLoop | None = None
+    assembly: NodeAssembly | None = None  # the node and its edge, as ``moorline run`` builds them
     node: Node | None = None
     server: MqttServer | None = None
     boots: int = 0
@@ -353,6 +356,10 @@ class SimNode:
     @property
     def mqtt(self) -> tuple[str, int]:
         return self.host, MQTT_PORT
+
+    @property
+    def http(self) -> tuple[str, int]:
+        return self.host, HTTP_PORT
 
 
 @dataclass
@@ -461,6 +468,7 @@ class World:
         cfg.storage.wal_preallocate = False  # no preparer thread
         cfg.storage.inline_sync_max_us = 0
         cfg.listeners.mqtt = f"{sn.host}:{MQTT_PORT}"
+        cfg.listeners.http = f"{sn.host}:{HTTP_PORT}"
         cfg.queue.limited_groups = list(self.cfg.queue_limited_groups)
         cfg.queue.max_deliveries = self.cfg.queue_max_deliveries
         cfg.queue.ack_timeout_s = self.cfg.queue_ack_timeout_s
@@ -490,16 +498,20 @@ class World:
         async def boot() -> None:
             try:
                 faults = Faults(**dict.fromkeys(self.switches, True))  # type: ignore[arg-type]
-                node = Node(cfg, faults, seams)
-                sn.node = node
-                self._watch_recovery(sn, node)
-                await node.open_async()
-                await node.start()
-                server = MqttServer(node, Authorizer(cfg.auth, loopback_only=True, clock=seams.clock.monotonic))
-                sn.server = server
+                # The production composition root (node/assembly.py): the node, its authorizer on the
+                # virtual clock, $SYS, the lag watcher, the drain and link hooks, the admin HTTP app.
+                # The virtual network is closed: anonymous clients and an open HTTP API, as on loopback.
+                asm = NodeAssembly(cfg, faults, seams, loopback_only=True, http_auth=False)
+                sn.assembly, sn.node, sn.server = asm, asm.node, asm.server
+                self._watch_recovery(sn, asm.node)
+                if not await asm.start(sn.mqtt, sn.http):
+                    raise RuntimeError("stopped while opening")  # nothing asks a simulated node to stop then
+                server = asm.server
                 on_packet = self._mqtt_sent(sn, loop)
                 host_net.serve_protocol(sn.host, MQTT_PORT,
                                         lambda: _TapProtocol(server.protocol_factory(), on_packet))
+                assert asm.http_runner is not None and asm.http_runner.server is not None
+                host_net.serve_protocol(sn.host, HTTP_PORT, asm.http_runner.server)
                 sn.ready = True
                 self.note(f"{sn.name} ready (boot {sn.boots})")
             except BaseException as exc:  # noqa: BLE001 - a node that cannot start is a finding
@@ -710,7 +722,7 @@ class World:
         sn.crashed, sn.ready = True, False
         cut = sn.memory_ledger.cut_unsynced(self.crash_rng) if lose_unsynced else []
         self.note(f"{sn.name} crashed" + (f", cut {len(cut)} file(s) to their synced length" if cut else ""))
-        sn.node, sn.server = None, None
+        sn.assembly, sn.node, sn.server = None, None, None
         return cut
 
     def pause(self, sn: SimNode, seconds: float) -> None:
