@@ -209,7 +209,8 @@ async def drive(cluster: Cluster, url: str, shots: Path) -> None:
         shown = json.loads(await browser.eval(
             "JSON.stringify([...document.querySelectorAll('#sessions-table [data-client]')].map(r => r.dataset.client))"))
         assert shown == ["alice-sensor"], shown
-        assert await browser.eval("document.querySelectorAll('#nav a').length") == 1  # Sessions only
+        assert json.loads(await browser.eval("JSON.stringify([...document.querySelectorAll('#nav a')]"
+                                             ".map(a => a.dataset.page))")) == ["clients", "sessions"]
         await browser.eval("document.querySelector('[data-client=\"alice-sensor\"]').click()")
         await browser.wait_for("the session's details", "!document.getElementById('session-detail').hidden", 10)
         assert await browser.eval("document.querySelectorAll('.admin-action, [data-action]').length") == 0

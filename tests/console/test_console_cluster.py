@@ -52,7 +52,8 @@ def every_shard_led(c: Cluster) -> bool:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     base = tmp_path_factory.mktemp("console-cluster")
     write_passwords(base / "passwords")
-    c = Cluster(base / "cluster", 3, auth_config(base / "passwords", "[http]\nconsole_update_interval_s = 0.5\n"))
+    c = Cluster(base / "cluster", 3, auth_config(base / "passwords",
+                                                         "[http]\nconsole_update_interval_s = 0.5\npeer_request_timeout_s = 1.0\n"))
     try:
         c.start(wait_leaders=False)  # the harness asks without credentials: asked here as the admin
         wait_for("every shard led", lambda: every_shard_led(c) or None, 60, 0.2)
@@ -106,6 +107,37 @@ def test_clients_of_the_whole_cluster_listed_and_disconnected_through_one_node(c
     finally:
         far.close()
     print(f"clients across the cluster: {time.monotonic() - started:.1f} s")
+
+
+def timed_clients(c: Cluster) -> tuple[float, dict[str, Any]]:
+    t0 = time.monotonic()
+    body = clients_of(c, "n1", "root")
+    return time.monotonic() - t0, body
+
+
+def test_a_peer_that_does_not_answer_is_named_within_the_timeout(cluster: Cluster) -> None:
+    """The fan-out's bound on a real cluster: n3 stopped (SIGSTOP: connected, announced a moment
+    ago, silent) is asked and named within http.peer_request_timeout_s (1 s here), n2's clients
+    still listed."""
+    near = mqtt(cluster["n2"].mqtt_port, "near-sensor", "bob")
+    try:
+        wait_for("near-sensor listed", lambda: [r["client_id"] for r in clients_of(cluster, "n1", "root")["items"]]
+                 == ["near-sensor"] or None, 10, 0.2)
+        up = sorted(timed_clients(cluster)[0] for _ in range(5))
+        cluster.pause("n3")
+        try:
+            took, body = timed_clients(cluster)
+        finally:
+            cluster.resume("n3")
+        assert [r["client_id"] for r in body["items"]] == ["near-sensor"], body
+        assert [u["node"] for u in body["unreachable"]] == ["n3"], body
+        assert "no answer within 1 s" in body["unreachable"][0]["error"], body
+        assert 1.0 <= took < 2.0, took
+        print(f"GET /v1/clients on n1, 3 nodes up: median {up[2] * 1000:.1f} ms (max {up[-1] * 1000:.1f}); "
+              f"n3 stopped: {took * 1000:.0f} ms, n3 named")
+        wait_for("n3 answers again", lambda: clients_of(cluster, "n1", "root")["unreachable"] == [] or None, 15, 0.2)
+    finally:
+        near.close()
 
 
 def test_console_cluster_actions_and_shards_below_target(cluster: Cluster, tmp_path: Path) -> None:

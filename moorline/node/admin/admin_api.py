@@ -131,15 +131,20 @@ def register_admin(app: web.Application, node: Node, authorizer: Authorizer) -> 
     async def on_startup(_app: web.Application) -> None:
         sampler.start()
         # The app is built before the node opens (node/assembly.py), its runner set up after: the
-        # cluster link exists now. Peers' admin requests (the cluster-wide client list) are answered here.
-        if node.link is not None:
-            node.link.on_admin_request = answer_peer
+        # cluster link exists now. Peers' admin requests (the cluster-wide client list) are answered
+        # here. (Tests serve this app for stand-ins of a Node too: those have no link.)
+        link = node.link if isinstance(node, Node) else None
+        if link is not None:
+            link.on_admin_request = answer_peer
 
     async def on_shutdown(_app: web.Application) -> None:
         closing.set()
 
     async def on_cleanup(_app: web.Application) -> None:
         sampler.stop()
+        link = node.link if isinstance(node, Node) else None
+        if link is not None and link.on_admin_request is answer_peer:
+            link.on_admin_request = None
 
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)

@@ -98,7 +98,7 @@ def clients_list(http: Http = "127.0.0.1:8888", user: User = None, password: Pas
     for u in page.get("unreachable") or []:
         typer.echo(f"not listed: {u.get('node')}'s clients ({u.get('error')})", err=True)
     for name in page.get("partial") or []:
-        typer.echo(f"partial: {name} has more clients than http.max_admin_page", err=True)
+        typer.echo(f"partial: {name} has more clients than it sends for one page (10 x http.max_admin_page)", err=True)
 
 
 @clients_app.command("disconnect")

@@ -285,7 +285,7 @@ PAGE_PARAMS = (
 Q_PARAM = Param("q", "query", string(), "only items whose client id (group name) contains this")
 CLIENT_ID = Param("client_id", "path", string(), "the MQTT client id", required=True)
 SCOPE = Param("scope", "query", string(enum=["cluster", "node"], default="cluster"),
-              "cluster: every live node (asked over HTTP); node: this node only")
+              "cluster: every live node (asked over the cluster link); node: this node only")
 RETAINED_FILTER = Param("filter", "query", string(default="#"), "an MQTT topic filter")
 
 
@@ -316,10 +316,11 @@ CONSOLE_ROUTES: tuple[Route, ...] = (
         429: ("http.max_console_streams are open", ERROR),
     }, tags=("console",)),
     Route("get", "/v1/clients", "Clients connected to the cluster (scope=node: this node's); the admin role sees "
-          "all, others their own. Each live peer's list is fetched over HTTP with the caller's credentials",
+          "all, others their own. Every live peer is asked at once over the authenticated cluster link, each "
+          "answer within http.peer_request_timeout_s",
           CALLER, {
               200: ("a page of clients; with scope=cluster, the nodes that could not be asked (unreachable) and "
-                    "those whose list was cut at http.max_admin_page (partial)", page_of(obj({
+                    "those whose rows for this page were cut at 10 x http.max_admin_page (partial)", page_of(obj({
                   "client_id": string(), "user": nullable(string()), "node": string(), "address": string(),
                   "protocol": string(), "since_ms": integer("connected since, ms since the epoch"),
               }, ("client_id", "node", "address", "protocol", "since_ms"), more=True))),
