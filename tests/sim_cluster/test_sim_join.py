@@ -8,7 +8,14 @@ moorline/sim/cluster/membership_faults.py, docs/simulation.md).
   joined nodes ready and judged; it replays exactly.
 - --no-joins (RunConfig(joins=False)), and the plain mix: no node joins; a seed that draws no join
   runs the very same schedule with joins on or off.
-- The broken build promote_before_caught_up is caught on a joined node's promotion.
+- A deliberately broken build is caught: the member that welcomes a joining node never binds its
+  storage to the admitted entry (the MemberAnnounce is dropped), so the joined node is up but no
+  group ever gets it (membership_not_converged: it follows no replica); the default build of the
+  same seed is clean. That seed (102) as the default build first ran also showed a node bug, fixed
+  in membership_views.py: a voter a rebalance removed was never re-added as a learner once a manual
+  change of the shard came first (n1 followed no replica of shard 1).
+
+About 150 s here with the machine shared (about 90 s of CPU).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ pytestmark = pytest.mark.timeout(300)
 
 JOIN_REPLACE_SEED = 101  # n3 forgotten and replaced (t=10 s), n4 joins (t=13 s)
 NO_JOIN_SEED = 104  # draws neither a join nor a forget
+JOIN_SEED = 102  # n4 joins (t=7 s); a rebalance removal of n1 from shard 1, then a manual race there
 
 
 def test_add_node_and_wipe(tmp_path: Path) -> None:
@@ -85,3 +93,24 @@ def test_no_joins_and_the_plain_mix_join_nothing() -> None:
     on, off = run_seed(NO_JOIN_SEED, 3), run_seed(NO_JOIN_SEED, 3, cfg=RunConfig(joins=False))
     assert "join" not in on.counts and "replace" not in on.counts, on.counts
     assert (on.trace_hash, on.steps) == (off.trace_hash, off.steps)
+
+
+def test_a_join_whose_storage_is_never_bound_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moorline.broker import commands as c
+    from moorline.node.replication.membership_ops import MembershipOps
+
+    default = run_seed(JOIN_SEED, 3)
+    assert default.ok, f"{[(f.kind, f.detail) for f in default.findings[:5]]}\nreplay: {default.replay_command()}"
+    assert default.counts.get("join") == 1, default.counts
+    propose_meta = MembershipOps.propose_meta
+
+    async def unbound(self: MembershipOps, cmd: c.Command) -> object:
+        if isinstance(cmd, c.MemberAnnounce) and cmd.member.storage_id and cmd.member.node_id > 3:
+            return None  # broken: "bound", but nothing proposed
+        return await propose_meta(self, cmd)
+
+    monkeypatch.setattr(MembershipOps, "propose_meta", unbound)
+    broken = run_seed(JOIN_SEED, 3)
+    assert broken.counts.get("join") == 1 and not [f for f in broken.findings if f.kind == "join_not_completed"]
+    assert any(f.kind == "membership_not_converged" and "n4 (member 4) follows no replica" in f.detail
+               for f in broken.findings), broken.findings[:5]

@@ -67,10 +67,19 @@ class MembershipViews:
         last: dict[int, Move] = {}  # each shard's latest ended move
         me = tuple(self.node.member)
         mine: dict[int, Move] = {}  # each shard's latest done move of this node's own member
+        # Each shard's voters a rebalance removed and no done move has added back since: a manual
+        # move of the shard before the round that re-adds it as a learner (``readd``) left it out
+        # for good (sim --cluster seed 102 with joins: n1 followed no replica of shard 1).
+        unreadded: dict[int, dict[tuple[int, str], None]] = {}
         for mv in table.history:
             last[mv.shard] = mv
             if mv.outcome == "done" and (mv.node_id, mv.storage_id) == me:
                 mine[mv.shard] = mv
+            if mv.outcome == "done":
+                removed = unreadded.setdefault(mv.shard, {})
+                removed.pop((mv.node_id, mv.storage_id), None)
+                if mv.kind == "remove" and mv.origin == "rebalance":
+                    removed[(mv.node_id, mv.storage_id)] = None
         out = []
         for host in self.node.groups:
             raft = host.raft
@@ -96,10 +105,7 @@ class MembershipViews:
                                  lag=self._lag(host),
                                  rebalanced=host.shard in last and last[host.shard].origin == "rebalance"
                                  and last[host.shard].kind == "promote" and last[host.shard].outcome == "done",
-                                 readd=(last[host.shard].node_id, last[host.shard].storage_id)
-                                 if host.shard in last and last[host.shard].origin == "rebalance"
-                                 and last[host.shard].kind == "remove" and last[host.shard].outcome == "done"
-                                 else None))
+                                 readd=next(iter(unreadded.get(host.shard, {})), None)))
         return out
 
     def _leaderships(self) -> dict[str, int]:

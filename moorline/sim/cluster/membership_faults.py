@@ -42,7 +42,8 @@ Checkers:
   latest configuration in its log (``conf_not_in_force``).
 - ``Convergence``: after the faults heal, every shard reaches its target voter count on live,
   non-forgotten nodes (the target, or every such node when there are fewer), with no voter on a
-  forgotten node, within ``CONVERGE_BOUND_S`` virtual seconds (``membership_not_converged``).
+  forgotten node, and (with joins) every live active node's storage follows every group as a voter
+  or learner, within ``CONVERGE_BOUND_S`` virtual seconds (``membership_not_converged``).
 """
 
 from __future__ import annotations
@@ -449,6 +450,26 @@ class MembershipPlan:
                            + (f", a voter on a forgotten node {gone}" if gone else ""))
         return out
 
+    def not_following(self) -> list[str]:
+        """Live, active members whose storage is no member (voter or learner) of some group: every
+        node follows every group (reconcile.py), a joined or replaced one too, once the faults heal."""
+        w = self.world
+        live = live_nodes(w)
+        table = live[0].node.membership.table if live and live[0].node is not None else None
+        if table is None:
+            return []
+        confs = group_confs(w)
+        out = []
+        for sn in live:
+            m = table.members.get(sn.name)
+            if sn.node is None or m is None or m.state != "active" or sn.name in w.forgotten:
+                continue
+            me = tuple(sn.node.member)
+            missing = [g for g, conf in sorted(confs.items()) if me not in conf.voters and me not in conf.learners]
+            if missing:
+                out.append(f"{sn.name} (member {me[0]}) follows no replica of group(s) {missing}")
+        return out
+
 
 class ConfRules:
     """Raft's configuration-change rules, judged at every leader's proposal (see the module doc)."""
@@ -542,6 +563,8 @@ class Convergence:
         if self.healed_at is None or self.converged_at is not None:
             return
         self.last_why = self.members.below_target()
+        if self.members.joins:  # (with joins: the plain mix's seeds replay their verdicts as before)
+            self.last_why += self.members.not_following()
         if not self.last_why:
             self.converged_at = self.members.now
 
