@@ -114,3 +114,20 @@ def test_a_join_whose_storage_is_never_bound_is_caught(monkeypatch: pytest.Monke
     assert broken.counts.get("join") == 1 and not [f for f in broken.findings if f.kind == "join_not_completed"]
     assert any(f.kind == "membership_not_converged" and "n4 (member 4) follows no replica" in f.detail
                for f in broken.findings), broken.findings[:5]
+
+
+def test_the_planner_adds_back_a_node_left_out_of_a_shard_at_target() -> None:
+    """Seed 125 with joins, as it first ran: an operator's remove-replica took n3 out of shard 1,
+    which four nodes kept at its target of three; n3 followed no replica of it and its clients were
+    stuck (its replica never moved again). Every live active node follows every group now."""
+    from moorline.node.replication.reconcile import GroupView, NodeView, PlanSettings, plan
+
+    ns = [NodeView(f"n{i}", i, f"s{i}") for i in range(1, 5)]
+    m = {n.name: n.member_id for n in ns}
+    meta = GroupView(2, (m["n1"], m["n2"], m["n3"]), (m["n4"],), None, leader=1)
+    shard = GroupView(1, (m["n1"], m["n2"], m["n4"]), (), 3, leader=1)
+    moves = plan(ns, [shard, meta], PlanSettings("k"))
+    assert [(mv.shard, mv.kind, mv.node) for mv in moves] == [(1, "add_learner", "n3")], moves
+    # Not where the voters have no live majority: nothing could commit it.
+    down = [NodeView(n.name, n.node_id, n.storage_id, live=n.name in ("n3", "n4")) for n in ns]
+    assert plan(down, [shard, meta], PlanSettings("k")) == []

@@ -248,17 +248,27 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
             touched.add(g.shard)
             budget -= 1
 
-    # 2b. Follow: a node that joined (a live active node that is no voter of the metadata group, whose
-    #     voters are the initial members that remain) becomes a learner of every group it is not in.
+    # 2b. Follow: every live active node follows every group. A node that joined (no voter of the
+    #     metadata group, whose voters are the initial members that remain) becomes a learner of
+    #     every group it is not in, and so does any other node a change left out of a group that is
+    #     at target (an operator's remove-replica on more nodes than replicas, a rebalance's
+    #     removal): a node that follows no replica of a shard serves its sessions from a replica
+    #     that never moves again (sim --cluster seed 125 with joins: n3 removed from shard 1 by
+    #     hand, clients stuck on n3).
     meta_voters = {v for g in groups if g.target is None for v in g.voters}
     joined = [n for n in eligible if meta_voters and n.member_id not in meta_voters]
+    others = [n for n in eligible if n not in joined]
+    live_ids = {n.member_id for n in nodes if n.live}
     for g in ordered:
         if budget <= 0:
             break
         if g.busy or g.shard in touched:
             continue
         members = (*g.voters, *g.learners)
-        for n in [*joined, *(n for n in eligible if n.member_id == g.readd and n not in joined)]:
+        readd = [n for n in others if n.member_id == g.readd]
+        # (the others only where the voters have a live majority: nothing else could commit it)
+        rest = [n for n in others if n not in readd] if 2 * sum(v in live_ids for v in g.voters) > len(g.voters) else []
+        for n in [*joined, *readd, *rest]:
             if n.member_id in members or any(m[0] == n.node_id for m in members):
                 continue  # a member already (or its old storage still is: that one is removed first)
             out.append(PlannedMove(g.shard, "add_learner", n.name, n.member_id,

@@ -452,26 +452,22 @@ class MembershipPlan:
 
     def not_following(self) -> list[str]:
         """Live, active members whose storage is no member (voter or learner) of some group: every
-        node follows every group (reconcile.py), a joined or replaced one too, once the faults heal;
-        but an operator's remove-replica that was not followed by an add-replica stands."""
+        node follows every group (reconcile.py), a joined or replaced one too, once the faults heal:
+        one that follows no replica of a shard serves that shard's sessions from a replica that
+        never moves again."""
         w = self.world
         live = live_nodes(w)
         table = live[0].node.membership.table if live and live[0].node is not None else None
         if table is None:
             return []
         confs = group_confs(w)
-        removed: dict[tuple[int, tuple[int, str]], bool] = {}  # (shard, member): its last done move, a manual removal
-        for mv in table.history:
-            if mv.outcome == "done":
-                removed[(mv.shard, (mv.node_id, mv.storage_id))] = mv.kind == "remove" and mv.origin == "manual"
         out = []
         for sn in live:
             m = table.members.get(sn.name)
             if sn.node is None or m is None or m.state != "active" or sn.name in w.forgotten:
                 continue
             me = (int(sn.node.member[0]), str(sn.node.member[1]))
-            missing = [g for g, conf in sorted(confs.items()) if me not in conf.voters and me not in conf.learners
-                       and not removed.get((g, me))]  # (an operator's remove-replica is left as it is)
+            missing = [g for g, conf in sorted(confs.items()) if me not in conf.voters and me not in conf.learners]
             if missing:
                 out.append(f"{sn.name} (member {me[0]}) follows no replica of group(s) {missing}")
         return out
