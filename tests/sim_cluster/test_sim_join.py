@@ -133,3 +133,17 @@ def test_the_planner_adds_back_a_node_left_out_of_a_shard_at_target() -> None:
     # Not where the voters have no live majority: nothing could commit it.
     down = [NodeView(n.name, n.node_id, n.storage_id, live=n.name in ("n3", "n4")) for n in ns]
     assert plan(down, [shard, meta], PlanSettings("k")) == []
+
+
+def test_a_stale_view_plans_only_its_own_readdition() -> None:
+    """Seed 147 with joins, as it first ran: n1, the metadata leader, removed from shard 4 by hand,
+    planned from its frozen replica of it (2 of 3 voters, no n4) add_learner n4 every round, each
+    done at once on the real group, and never its own re-add. A stale view plans only that."""
+    from moorline.node.replication.reconcile import GroupView, NodeView, PlanSettings, plan
+
+    ns = [NodeView(f"n{i}", i, f"s{i}") for i in range(1, 5)]
+    m = {n.name: n.member_id for n in ns}
+    meta = GroupView(5, (m["n1"], m["n2"], m["n3"]), (m["n4"],), None, leader=1)
+    stale = GroupView(4, (m["n2"], m["n3"]), (), 3, None, readd=m["n1"], stale=True)
+    moves = plan(ns, [stale, meta], PlanSettings("k"))
+    assert [(mv.shard, mv.kind, mv.node) for mv in moves] == [(4, "add_learner", "n1")], moves

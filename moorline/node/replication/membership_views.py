@@ -99,6 +99,13 @@ class MembershipViews:
                 # unknown here (the planner then re-adds it as a learner, as for any other node).
                 conf = ConfState.of([v for v in conf.voters if v != me], [x for x in conf.learners if x != me])
                 pending, lead = False, None
+                # Only this node's re-add is planned from it: a stale view grew the shard onto
+                # another node, already a member, again and again (sim --cluster seed 147 with joins:
+                # n1, the metadata leader, removed from shard 4 by hand, planned add_learner n4 there
+                # every round, each done at once, and never itself).
+                out.append(GroupView(host.shard, conf.voters, conf.learners, target, None,
+                                     busy=host.shard in table.moves or host.failed is not None, readd=me, stale=True))
+                continue
             out.append(GroupView(host.shard, conf.voters, conf.learners, target,
                                  lead[0] if lead is not None else None,
                                  busy=host.shard in table.moves or pending or host.failed is not None,

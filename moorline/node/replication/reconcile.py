@@ -82,6 +82,9 @@ class GroupView:
     lag: dict[MemberId, int] | None = None  # entries each member is behind the leader; None: unknown
     rebalanced: bool = False  # its last change was a rebalance's promotion: a surplus voter is removed
     readd: MemberId | None = None  # the voter its last change (a rebalance's) removed: it follows again
+    # The planner's own replica of the group is frozen (its node was removed from it and never hears
+    # of it again): nothing is known of the group but that; only the node's re-add (readd) is planned.
+    stale: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,8 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
     budget = max(0, settings.max_moves - settings.in_progress)
     out: list[PlannedMove] = []
     touched: set[int] = set()
-    ordered = sorted(groups, key=lambda g: g.shard)
+    every = sorted(groups, key=lambda g: g.shard)
+    ordered = [g for g in every if not g.stale]  # a stale view is only followed (2b)
 
     # 1. Shrink: voters on gone nodes (their learners go last, in 3: nothing waits for them).
     for g in ordered:
@@ -259,7 +263,7 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
     joined = [n for n in eligible if meta_voters and n.member_id not in meta_voters]
     others = [n for n in eligible if n not in joined]
     live_ids = {n.member_id for n in nodes if n.live}
-    for g in ordered:
+    for g in every:
         if budget <= 0:
             break
         if g.busy or g.shard in touched:
@@ -268,7 +272,7 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
         readd = [n for n in others if n.member_id == g.readd]
         # (the others only where the voters have a live majority: nothing else could commit it)
         rest = [n for n in others if n not in readd] if 2 * sum(v in live_ids for v in g.voters) > len(g.voters) else []
-        for n in [*joined, *readd, *rest]:
+        for n in [n for n in eligible if n.member_id == g.readd] if g.stale else [*joined, *readd, *rest]:
             if n.member_id in members or any(m[0] == n.node_id for m in members):
                 continue  # a member already (or its old storage still is: that one is removed first)
             out.append(PlannedMove(g.shard, "add_learner", n.name, n.member_id,
