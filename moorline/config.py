@@ -496,6 +496,11 @@ class NodeConfig:
             raise ConfigError("shard.followups_max_per_round must be 0 (off) or more")
         if self.session.max_pending_notices < 1:
             raise ConfigError("session.max_pending_notices must be 1 or more")
+        if not self.session.owner_lease_s >= 1.5 or not 0 <= self.session.owner_lease_drift < 0.2:
+            # A client is closed 1 s before its node's lease would end unrenewed, and an open past
+            # that point is not served: a shorter lease would serve nobody.
+            raise ConfigError("session.owner_lease_s must be 1.5 or more (a client is closed 1 s before its lease "
+                              "ends), session.owner_lease_drift within 0..0.2")
         if not 0 < self.supervisor.backoff_initial_s <= self.supervisor.backoff_max_s:
             raise ConfigError("supervisor.backoff_initial_s must be above 0 and at most supervisor.backoff_max_s")
         if self.raft.max_pending_proposals < 1:

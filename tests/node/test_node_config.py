@@ -70,3 +70,13 @@ def test_moorline_run_stops_on_a_bad_value_without_a_traceback(tmp_path: Path) -
                        capture_output=True, text=True, timeout=60, cwd=str(REPO),
                        env={**os.environ, "PYTHONPATH": str(REPO), "MOORLINE_MQTT__MAX_PACKET_SIZE": "big"})
     assert r.returncode == 2 and "must be an integer" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("lease", [0.6, 1.0])
+def test_an_owner_lease_shorter_than_the_close_margin_is_refused(tmp_path: Path, lease: float) -> None:
+    # A client is closed 1 s before its node's lease would end unrenewed, and an open past that
+    # point is not served: with a lease this short no session could ever be served.
+    f = tmp_path / "c.toml"
+    f.write_text(f"[session]\nowner_lease_s = {lease}\n")
+    with pytest.raises(ConfigError, match=r"session.owner_lease_s must be 1.5 or more"):
+        load_config(f).validate()

@@ -96,7 +96,7 @@ def test_lease_loop_survives_a_full_proposal_queue(tmp_path: Path) -> None:
     """A long minority partition fills raft.max_pending_proposals: renewing a lease raises
     ShardUnavailable. The lease loop must go on (it is what closes clients whose lease lapses)."""
     async def body() -> None:
-        node = await _node(tmp_path, lambda cfg: setattr(cfg.session, "owner_lease_s", 0.6))
+        node = await _node(tmp_path, lambda cfg: setattr(cfg.session, "owner_lease_s", 1.5))
         try:
             _present, epoch, inc = await node.open_session("c1", False, 600, None, "")
             node.live["c1"] = LiveSession(node, "c1", epoch, inc, 16, lambda outs: None, lambda pid: None)
