@@ -238,6 +238,9 @@ class MembershipPlan:
         w.note(f"membership: {name} forgotten")
         if self.joins and not self.replace_drawn and self.join_rng.random() < REPLACE_P:
             self.replace_drawn = True
+            # The replacement's own tries (a node that joined earlier in the seed counted its join's):
+            # its first try wipes the data directory.
+            self.tries.pop(name, None)
             self.replace_at = (name, self.now + self.join_rng.uniform(*REPLACE_AFTER_S))
 
     def _drain(self) -> bool:
