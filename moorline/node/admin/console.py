@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -59,8 +58,8 @@ class Sampler:
         self.interval_s = interval_s
         self.samples: deque[tuple[float, int, int, int]] = deque(maxlen=max(2, int(history_s / interval_s) + 1))
         self.points: deque[dict[str, float]] = deque(maxlen=self.samples.maxlen)
-        self.started_wall = time.time()
-        self.started_mono = time.monotonic()
+        self.started_wall = node.clock.wall_ms() / 1000  # the node's clock: virtual in the simulator
+        self.started_mono = node.clock.monotonic()
         self.disk_bytes = 0
         self._handle: asyncio.TimerHandle | None = None
         self._count = 0
@@ -74,7 +73,7 @@ class Sampler:
         return sum(node.published.values()) + denied, node.stats.get("delivered", 0), refused
 
     def start(self) -> None:
-        self.started_mono = time.monotonic()
+        self.started_mono = self.node.clock.monotonic()
         self._tick()
 
     def stop(self) -> None:
@@ -90,7 +89,7 @@ class Sampler:
         self._handle = asyncio.get_running_loop().call_later(self.interval_s, self._tick)
 
     def sample(self) -> None:
-        now = time.monotonic()
+        now = self.node.clock.monotonic()
         pub, out, refused = self.counters()
         if self._count % max(1, round(DISK_EVERY_S / self.interval_s)) == 0:
             self.disk_bytes = dir_bytes(self.node.data_dir)
@@ -98,13 +97,13 @@ class Sampler:
         if self.samples:
             t0, p0, o0, r0 = self.samples[-1]
             dt = max(now - t0, 1e-6)
-            self.points.append({"t": round(time.time() * 1000), "in": round((pub - p0) / dt, 1),
+            self.points.append({"t": self.node.clock.wall_ms(), "in": round((pub - p0) / dt, 1),
                                 "out": round((out - o0) / dt, 1), "refused": round((refused - r0) / dt, 1),
                                 "accepted": round(max(0, (pub - p0) - (refused - r0)) / dt, 1)})
         self.samples.append((now, pub, out, refused))
 
     def uptime_s(self) -> float:
-        return round(time.monotonic() - self.started_mono, 1)
+        return round(self.node.clock.monotonic() - self.started_mono, 1)
 
 
 def console_snapshot(node: Node, sampler: Sampler, full: bool) -> dict[str, Any]:
@@ -130,7 +129,7 @@ def console_snapshot(node: Node, sampler: Sampler, full: bool) -> dict[str, Any]
                        **({"target": by_shard[h.shard]["target"], "health": by_shard[h.shard]["health"]}
                           if h.shard in by_shard else {"target": min(cfg.shard.replicas, len(nodes))})})
     out: dict[str, Any] = {
-        "t": round(time.time() * 1000), "node": node.node_name(node.member[0]), "uptime_s": sampler.uptime_s(),
+        "t": node.clock.wall_ms(), "node": node.node_name(node.member[0]), "uptime_s": sampler.uptime_s(),
         "started_ms": round(sampler.started_wall * 1000), "disk_bytes": sampler.disk_bytes,
         "connections": len(node.connections), "sessions_here": len(node.live),
         "rates": sampler.points[-1] if sampler.points else None,
