@@ -214,7 +214,7 @@ def lagging_replicas(node: Node, host: Any, max_lag: int) -> list[str]:
 
 def announcement(node: Node, drain: Drain, client_address: str, http_address: str | None = None) -> dict[str, Any]:
     """What this node tells its peers every announcement: where its clients connect (and its HTTP
-    listener, for the admin API's cluster-wide lists: node/admin/peer_http.py), whether it drains,
+    listener (informational; the admin API's cluster-wide lists go over the link: node/admin/peer_ask.py), whether it drains,
     which groups it leads, and which of those are not whole (lagging_replicas)."""
     max_lag = node.cfg.cluster.ready_max_lag_entries
     leads: list[int] = []
