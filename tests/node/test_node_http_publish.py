@@ -18,6 +18,7 @@ from moorline.broker.topic_state import PublishResult
 from moorline.config import AuthConfig, NodeConfig
 from moorline.hashing import shard_of
 from moorline.node.admin.http_api import make_app
+from moorline.node.clock import SystemClock
 from moorline.node.edge.auth import Authorizer
 from moorline.node.replication.shard_host import ShardUnavailable
 
@@ -40,6 +41,7 @@ class StandInNode:
         self.publish_denied = {"mqtt": 0, "http": 0, "spark": 0}
         # What the console's sampler reads (started with the app): counters, the data directory.
         self.stats: dict[str, int] = {}
+        self.clock = SystemClock()
         self.data_dir = Path(__file__).parent / "no-such-data-dir"
 
     def now_ms(self) -> int:

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from moorline.config import AuthConfig, NodeConfig
 from moorline.node.admin.http_api import make_app
 from moorline.node.admin.openapi import ROUTES, Route, Schema, openapi_document
+from moorline.node.clock import SystemClock
 from moorline.node.edge.auth import Authorizer
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,6 +29,7 @@ class StandInNode:
     """make_app reads only the configuration while it builds the routes."""
 
     cfg = NodeConfig()
+    clock = SystemClock()  # the console sampler the app builds reads it
 
 
 def app() -> web.Application:
