@@ -91,12 +91,17 @@ class MembershipViews:
             # change committed; the member table says whether the move ended (table.moves).
             pending = conf != raft.conf_state and (me in conf.voters or me in conf.learners)
             lead = raft.lead
-            if host.shard in mine and mine[host.shard].kind == "remove" and me in conf.members():
+            if me not in conf.members() or (host.shard in mine and mine[host.shard].kind == "remove"):
                 # The member table says this node's removal from the group is done, yet its replica
                 # still lists it: the removal committed while this node was down or cut off, so its
                 # log never got it, and never will (the leader sends nothing to a non-member). Its
                 # configuration is stale: the group's is this one without this node, its leader
                 # unknown here (the planner then re-adds it as a learner, as for any other node).
+                # Stale too when its replica applied its own removal (this node is in no group's
+                # configuration but after one): no later change reaches it either (sim --cluster
+                # seed 40084 with joins: n1, the metadata leader, removed from shard 0 by hand, saw
+                # 2 voters there for good and planned promote n4, already a voter, every round,
+                # never its own re-add). The history is bounded; the configuration says it alone.
                 conf = ConfState.of([v for v in conf.voters if v != me], [x for x in conf.learners if x != me])
                 pending, lead = False, None
                 # Only this node's re-add is planned from it: a stale view grew the shard onto
