@@ -340,7 +340,10 @@ class MessageStore:
                 last_valid = offset
                 p = end
                 continue
-            if last_valid + 1 < sync_point:
+            # The damaged record's offset is above the last valid one and, in this segment, at
+            # least its first offset (every segment below it may have been reclaimed, its
+            # records all released: then the segment's name is the only lower bound).
+            if max(last_valid, seg.first_offset - 1) + 1 < sync_point:
                 # The damaged record may hold an offset below the sync point: synced data.
                 raise StoreCorruption(seg.path, p, f"invalid record before the sync point {sync_point}")
             # Unsynced tail: pages may have reached the disk out of order, so valid-looking

@@ -448,3 +448,47 @@ def test_relocate_records_the_moved_files_synced_lengths_in_the_ledger(tmp_path:
     new.sync()  # later syncs record under the new names too
     assert read_ledger(ledger.path)[str(new.segment_paths()[-1])] == new.segment_paths()[-1].stat().st_size
     new.close()
+
+
+def test_a_torn_first_segment_above_the_sync_point_is_cut_when_every_segment_below_was_reclaimed(
+        tmp_path: Path) -> None:
+    """The sync point (store.meta) says 10; records 10.. were written, never synced; everything
+    below a later segment's first offset was released and its segments reclaimed (deleted). A
+    crash tears that segment, now the first: its records are all above the sync point (its name
+    says so), an unsynced tail the WAL re-applies, not corruption. (sim --cluster seed 40167: n2's
+    shard 1 store refused to open, and the node did not start.)"""
+    s = MessageStore(tmp_path, segment_bytes=256, cache_bytes=0)
+    s.open()
+    fill(s, 10)
+    s.sync()  # sync point 10
+    fill(s, 40)
+    firsts = [seg.first_offset for seg in s._segments]
+    keep_from = next(f for f in firsts if f > 10)
+    assert keep_from != firsts[-1]
+    s.release_below(keep_from)
+    s.reclaim()
+    assert s._segments[0].first_offset == keep_from
+    s.close()  # writes the buffer, no fsync: the sync point stays 10
+    seg = tmp_path / segment_name(keep_from)
+    seg.write_bytes(seg.read_bytes()[:3])  # torn: a header's first bytes
+    s2 = MessageStore(tmp_path, segment_bytes=256, cache_bytes=0)
+    s2.open()
+    assert s2.next_offset == keep_from and s2.get(keep_from) is None
+    assert [p.name for p in s2.segment_paths()] == [segment_name(keep_from)]
+    s2.truncate_from(10)  # recovery re-applies from the snapshot's next offset
+    fill(s2, 5)
+    s2.sync()
+    assert s2.get(12) == msg(12)
+    s2.close()
+    # The same damage in a segment starting below the sync point is synced data lost.
+    d = tmp_path / "below"
+    s3 = MessageStore(d, segment_bytes=256, cache_bytes=0)
+    s3.open()
+    fill(s3, 30)
+    s3.sync()
+    first = s3._segments[1].first_offset
+    s3.close()
+    seg = d / segment_name(first)
+    seg.write_bytes(seg.read_bytes()[:3])
+    with pytest.raises(StoreCorruption):
+        MessageStore(d, segment_bytes=256, cache_bytes=0).open()
