@@ -153,10 +153,11 @@ class Startup:
                 self.recover_group(host)
             present = set(state.topics.meta)
             # What the state no longer keeps goes from the store, also under its low-water mark
-            # (records released before a restart are kept again when the files are read).
+            # (records released before a restart are kept again when the files are read). Not from
+            # a damaged store: closed and empty, it keeps nothing (and its next offset is 0).
             gone = [o for o in store.kept_below(store.low_water) if o not in present]
             gone += [o for o in range(store.low_water, state.topics.next_offset) if o not in present]
-            if gone:
+            if gone and store_damage is None:
                 store.release(gone)
             if store_damage is not None:
                 host.fail(f"checksum failure in synced data: {store_damage}")
