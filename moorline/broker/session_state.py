@@ -251,9 +251,10 @@ class SessionState:
             return None
         return will if ending or due <= now_ms else None
 
-    def _owe(self, s: Session, will: WillSpec, now_ms: int) -> None:
-        self.wills_owed[(s.client_id, s.incarnation, s.epoch)] = OwedWill(s.client_id, s.incarnation, s.epoch, will,
-                                                                          now_ms)
+    def _owe(self, s: Session, will: WillSpec, now_ms: int) -> OwedWill:
+        owed = self.wills_owed[(s.client_id, s.incarnation, s.epoch)] = OwedWill(s.client_id, s.incarnation, s.epoch,
+                                                                                 will, now_ms)
+        return owed
 
     def apply_will_published(self, cmd: WillPublished, fx: Effects) -> bool:
         """The will is committed in its topic's shard: no longer owed (False: it was not)."""
@@ -395,11 +396,16 @@ class SessionState:
             return s
         return None
 
-    def apply_housekeeping(self, cmd: SessionHousekeeping, fx: Effects) -> tuple[list[tuple[Session, WillSpec]], list[Session]]:
-        """Fires due wills and ends expired sessions (both decided by the entry's time)."""
+    def apply_housekeeping(self, cmd: SessionHousekeeping, fx: Effects) -> tuple[list[tuple[OwedWill, WillSpec]], list[Session]]:
+        """Fires due wills and ends expired sessions (both decided by the entry's time). Each will
+        comes with its owed record, which names the connection (incarnation, epoch) it was due for
+        as of this entry: the session itself is mutable, and a later open applied before the
+        proposer reads the result (the same batch of entries) gives it a new epoch, so the will's
+        GUID and its WillPublished would name the wrong connection (its owed record then never
+        cleared, and published again under its own GUID by the followups: twice)."""
         now = max(self.last_ts_ms, cmd.ts_ms)
         self.last_ts_ms = now
-        wills: list[tuple[Session, WillSpec]] = []
+        wills: list[tuple[OwedWill, WillSpec]] = []
         ended: list[Session] = []
         for cid in list(self.sessions):
             s = self.sessions[cid]
@@ -417,8 +423,7 @@ class SessionState:
                     s.will_due_ms = s.disconnected_at_ms + min(s.will.delay_s, s.expiry_s) * 1000
             expired = now - s.disconnected_at_ms >= s.expiry_s * 1000
             if s.will is not None and s.will_due_ms is not None and (s.will_due_ms <= now or expired):
-                wills.append((s, s.will))
-                self._owe(s, s.will, now)
+                wills.append((self._owe(s, s.will, now), s.will))
                 s.will = None
                 s.will_due_ms = None
             if expired:

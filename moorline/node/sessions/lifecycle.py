@@ -421,13 +421,10 @@ class SessionLifecycle:
         fut = self.node.propose(shard, c.SessionHousekeeping(self.node.now_ms()))
         assert fut is not None
         wills, ended = await fut
-        for sess, will in wills:
-            await self._publish_will(sess, will)
+        for owed, _will in wills:  # named as of the entry that fired it (the session may have moved on)
+            await self.publish_owed_will(owed)
         for sess in ended:
             await self.end_session(sess, "session_expired")
-
-    async def _publish_will(self, sess: Session, will: c.WillSpec) -> None:
-        await self._publish_will_of(sess.client_id, sess.incarnation, sess.epoch, will)
 
     async def publish_owed_will(self, owed: OwedWill) -> None:
         """An owed will published again (sessions/followups.py)."""
