@@ -35,9 +35,11 @@ target, so no replacement is placed while it restarts (scenario Three of #7209).
 
 A node that **joined** (``moorline cluster join`` then ``--join``; it is no voter of the metadata
 group, whose voters are the initial members) is in no group at first: every group (the metadata
-group too) gets it as a learner (``add_learner``), one group per change, so that it follows every
-shard like the others. Then **rebalancing** gives it its share of voters: while a joined node has
-fewer than ``voters // nodes`` voters and another node has more, a shard where
+group too, and that one first) gets it as a learner (``add_learner``), one group per change, so that
+it follows every shard like the others. A shard led by a node that does not follow the metadata group
+gets no change until it does: its leader, which proposes the change, reads no member table. Then
+**rebalancing** gives it its share of voters: while a joined node has fewer than ``voters // nodes``
+voters and another node has more, a shard where
 the most loaded node votes and the joined node is a caught-up learner gets it as a voter (a
 ``promote`` whose origin is ``rebalance``), which leaves that shard one above target; the next round
 removes the voter of the most loaded node there that does not lead it (a shard above target only
@@ -167,15 +169,22 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
     live = {n.member_id for n in nodes if n.live and n.state not in GONE_STATES}
     budget = max(0, settings.max_moves - settings.in_progress)
     out: list[PlannedMove] = []
-    touched: set[int] = set()
     every = sorted(groups, key=lambda g: g.shard)
+    # A group led by a node that does not follow the metadata group gets no change for now: its
+    # leader, which alone proposes the change, never reads the move from the member table, so the
+    # move only times out, is planned again, and takes the budget round after round (sim --cluster
+    # seed 40418 with joins: n1, joined again, led shards 2 and 5 before it followed the metadata
+    # group; add_learner n4 there, planned every round, kept n4 and n1 out of the metadata group).
+    followers = {m[0] for g in groups if g.target is None for m in (*g.voters, *g.learners)}
+    touched: set[int] = {g.shard for g in groups if followers and g.leader is not None
+                         and g.leader not in followers}
     ordered = [g for g in every if not g.stale]  # a stale view is only followed (2b)
 
     # 1. Shrink: voters on gone nodes (their learners go last, in 3: nothing waits for them).
     for g in ordered:
         if budget <= 0:
             return out
-        if g.busy:
+        if g.busy or g.shard in touched:
             continue
         if settings.grow_before_shrink and g.target is not None and sum(
                 _removable(by_member.get(v), settings.auto_remove_after_s) is None for v in g.voters) < g.target:
@@ -263,7 +272,9 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
     joined = [n for n in eligible if meta_voters and n.member_id not in meta_voters]
     others = [n for n in eligible if n not in joined]
     live_ids = {n.member_id for n in nodes if n.live}
-    for g in every:
+    # (the metadata group first: a node that does not follow it cannot carry out the member
+    # table's moves of the shards it leads)
+    for g in sorted(every, key=lambda g: (g.target is not None, g.shard)):
         if budget <= 0:
             break
         if g.busy or g.shard in touched:
