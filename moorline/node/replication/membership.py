@@ -299,6 +299,15 @@ class MembershipDriver(MembershipOps):
                 if move.kind == "promote" and sum(v in keep for v in applied.voters) >= table.targets[shard]:
                     self._end(move, "not needed: the shard is at its target", now)
                     continue
+            if move.kind == "promote" and move.origin != "manual" and not self.node.faults.grow_before_shrink_on_forget:
+                # Shrink before grow also for a growth planned before a voter's node was forgotten
+                # (or left) and carried out after: ended, so the next round removes that voter first
+                # (sim --cluster seed 50054 with joins: a rebalance's promote n4 of shard 1, planned
+                # while n2 was still active, made n4 a fourth voter beside the forgotten n2).
+                gone = {m.member_id for m in table.members.values() if m.state in GONE}
+                if any(v in gone for v in applied.voters):
+                    self._end(move, "not now: a voter on a gone node is removed first (shrink before grow)", now)
+                    continue
             if move.kind == "promote":
                 pr = raft.progress.get(member)
                 if (pr is None or raft.log.last_index() - pr.match > self.cfg.promote_lag_entries) \
