@@ -738,13 +738,9 @@ class _RunCheck:
         lease_ns = int(self.cfg.owner_lease_s * 1e9)
         conns: dict[str, list[dict[str, Any]]] = defaultdict(list)  # session -> connections in CONNACK order
         open_conn: dict[tuple[str, Any], dict[str, Any]] = {}
-        pauses: dict[str, list[list[int]]] = defaultdict(list)  # node -> [start, end] (end open: END_OF_TIME)
+        pauses = self._node_pauses()
         for r in self.ev:
             if r.get("op") == "fault" and r.get("node") is not None:
-                if r.get("reason") == "pause":
-                    pauses[r["node"]].append([r["mono_ns"], END_OF_TIME])
-                elif r.get("reason") == "resume" and pauses[r["node"]]:
-                    pauses[r["node"]][-1][1] = min(pauses[r["node"]][-1][1], r["mono_ns"])
                 continue
             s = r.get("session")
             if s is None:
@@ -790,6 +786,17 @@ class _RunCheck:
                                   f"{old['process']}'s connection to {old['node']} still open "
                                   f"{(min(end, self.ev[-1]['mono_ns']) - new['start']) / 1e9:.3f} s after "
                                   f"{new['process']} got CONNACK from {new['node']}", None, s, None)
+
+    def _node_pauses(self) -> dict[str, list[list[int]]]:
+        """Each node's pauses, [start, end] in history order (end END_OF_TIME while not resumed)."""
+        pauses: dict[str, list[list[int]]] = defaultdict(list)
+        for r in self.ev:
+            if r.get("op") == "fault" and r.get("node") is not None:
+                if r.get("reason") == "pause":
+                    pauses[r["node"]].append([r["mono_ns"], END_OF_TIME])
+                elif r.get("reason") == "resume" and pauses[r["node"]]:
+                    pauses[r["node"]][-1][1] = min(pauses[r["node"]][-1][1], r["mono_ns"])
+        return pauses
 
     def _wills(self) -> None:
         """Wills owed: due (the client ended its connection without DISCONNECT) and matching a live,
@@ -873,14 +880,10 @@ class _RunCheck:
         open_by: dict[str, set[Any]] = defaultdict(set)
         last_end: dict[str, int] = {}
         served: dict[tuple[str, Any], tuple[Any, int]] = {}  # (session, process) -> (node, CONNACK time)
-        pauses: dict[str, list[list[int]]] = defaultdict(list)  # node -> [start, end] (end open: END_OF_TIME)
+        pauses = self._node_pauses()
         grace_ns = int(self.cfg.stale_owner_grace_s * 1e9)
         for r in self.ev:
             if r.get("op") == "fault" and r.get("node") is not None:
-                if r.get("reason") == "pause":
-                    pauses[r["node"]].append([r["mono_ns"], END_OF_TIME])
-                elif r.get("reason") == "resume" and pauses[r["node"]]:
-                    pauses[r["node"]][-1][1] = min(pauses[r["node"]][-1][1], r["mono_ns"])
                 continue
             s = r.get("session")
             if s is None or r.get("op") not in ("connect", "disconnect"):
