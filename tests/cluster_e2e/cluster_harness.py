@@ -402,16 +402,29 @@ class Cluster:
     def shard_of(topic: str) -> int:
         return shard_of(topic, SHARD_COUNT)
 
-    def topic_led_by(self, name: str, prefix: str, avoid_shards: Iterable[int] = ()) -> str:
-        """A topic under ``prefix`` whose shard ``name`` leads now (as ``name`` itself sees it)."""
-        leaders = self.leaders(name)
+    def topic_led_by(self, name: str, prefix: str, avoid_shards: Iterable[int] = (),
+                     timeout: float = LEADERS_TIMEOUT_S) -> str:
+        """A topic under ``prefix`` whose shard ``name`` leads now (as ``name`` itself sees it).
+
+        Waits while ``name`` leads none: a node that came up last (a slower TLS handshake, a
+        restart) gets its preferred leaderships back from the rebalancer a few per 5-s round."""
         avoid = set(avoid_shards)
-        for i in range(10_000):
-            topic = f"{prefix}/{i}"
-            shard = self.shard_of(topic)
-            if leaders.get(shard) == name and shard not in avoid:
-                return topic
-        raise ClusterError(f"{name} leads no shard: {leaders}")
+        last: dict[int, str | None] = {}
+
+        def find() -> str | None:
+            nonlocal last
+            last = self.leaders(name)
+            for i in range(10_000):
+                topic = f"{prefix}/{i}"
+                shard = self.shard_of(topic)
+                if last.get(shard) == name and shard not in avoid:
+                    return topic
+            return None
+
+        try:
+            return wait_for(f"{name} to lead a shard", find, timeout, 0.2)
+        except ClusterError:
+            raise ClusterError(f"{name} leads no shard: {last}") from None
 
     def client_id_on_shard(self, prefix: str, shard: int) -> str:
         """A client id whose session shard is ``shard``."""
