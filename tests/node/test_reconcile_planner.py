@@ -262,3 +262,35 @@ def test_leave_waits_when_no_node_can_take_its_place() -> None:
     ns = nodes(n2={"state": "leaving"}, n4={"live": False}, n5={"live": False})
     g = GroupView(0, (mid("n1"), mid("n2"), mid("n3")), (mid("n4"), mid("n5")), 3, leader=1)
     assert plan(ns, [g], PlanSettings("k")) == []
+
+
+def test_metadata_group_regrows_after_a_replace() -> None:
+    """n3 replaced: its old storage forgotten, n3 back with storage s3b, a caught-up learner of the
+    metadata group. The forgotten voter goes first, then the new n3 is promoted, back to the
+    initial members' three voters: a second failure must leave the member table a majority."""
+    ns = [n for n in nodes() if n.name in ("n1", "n2")]
+    ns += [NodeView("n3", 3, "s3", state="forgotten", live=False), NodeView("n3", 3, "s3b")]
+    new = (3, "s3b")
+    meta = GroupView(8, (mid("n1"), mid("n2"), mid("n3")), (new,), 3, leader=1, meta=True, lag={new: 0})
+    first = plan(ns, [meta], PlanSettings("k"))
+    assert [(m.kind, m.member) for m in first] == [("remove", mid("n3"))]
+    meta = GroupView(8, (mid("n1"), mid("n2")), (new,), 3, leader=1, meta=True, lag={new: 0})
+    assert [(m.kind, m.member) for m in plan(ns, [meta], PlanSettings("k"))] == [("promote", new)]
+    lagging = GroupView(8, meta.voters, meta.learners, 3, leader=1, meta=True, lag={new: 5000})
+    assert plan(ns, [lagging], PlanSettings("k", promote_lag_entries=1000)) == []
+    done = GroupView(8, (mid("n1"), mid("n2"), new), (), 3, leader=1, meta=True, lag={new: 0})
+    assert plan(ns, [done], PlanSettings("k")) == []
+
+
+def test_metadata_group_keeps_a_leaving_voter_until_it_has_left() -> None:
+    """A leaving initial member: the metadata group grows onto another node first, and its voter
+    stays (the node learns from its own replica that it has left, and stops)."""
+    ns = nodes(n2={"state": "leaving"})
+    meta = GroupView(8, (mid("n1"), mid("n2"), mid("n3")), (mid("n4"), mid("n5")), 3, leader=1, meta=True,
+                     lag={mid("n4"): 0, mid("n5"): 0})
+    moves = plan(ns, [meta], PlanSettings("k", max_moves=10))
+    assert [m.kind for m in moves] == ["promote"] and moves[0].member in (mid("n4"), mid("n5"))
+    grown = GroupView(8, (*meta.voters, moves[0].member), tuple(m for m in meta.learners if m != moves[0].member),
+                      3, leader=1, meta=True, lag={mid("n4"): 0, mid("n5"): 0})
+    assert not [m for m in plan(ns, [grown], PlanSettings("k", max_moves=10)) if m.kind == "remove"
+                and m.member == mid("n2")]

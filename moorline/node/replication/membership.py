@@ -293,10 +293,11 @@ class MembershipDriver(MembershipOps):
             if move.kind == "remove" and member == tuple(self.node.member):
                 self._hand_over(host)  # a leader cannot remove itself
                 continue
-            if move.kind != "remove" and move.origin == "reconcile" and shard < len(table.targets):
+            target = self.target_of(table, shard)
+            if move.kind != "remove" and move.origin == "reconcile" and target is not None:
                 # (the planner's count: voters that stay, i.e. not on gone or leaving nodes)
                 keep = {m.member_id for m in table.members.values() if m.state not in GONE and m.state != "leaving"}
-                if move.kind == "promote" and sum(v in keep for v in applied.voters) >= table.targets[shard]:
+                if move.kind == "promote" and sum(v in keep for v in applied.voters) >= target:
                     self._end(move, "not needed: the shard is at its target", now)
                     continue
             if move.kind == "promote" and move.origin != "manual" and not self.node.faults.grow_before_shrink_on_forget:

@@ -56,6 +56,15 @@ class MembershipViews:
                                 0.0 if up else now - self._down_since[m.name]))
         return out
 
+    def target_of(self, table: MembershipState, group: int) -> int | None:
+        """Voters wanted in ``group``: a shard's target from the member table; the metadata
+        group's, the initial members' count (the bootstrap record's); None while unknown."""
+        if group < len(table.targets):
+            return table.targets[group]
+        host = self.node.meta_host
+        record = host.state.cluster if host is not None and group == self.node.meta_group else None
+        return len(record.members) if record is not None else None
+
     def _lag(self, host: Any) -> dict[tuple[int, str], int] | None:
         raft = host.raft
         if not raft.is_leader:
@@ -85,7 +94,7 @@ class MembershipViews:
             raft = host.raft
             conf = raft.active_conf_state
             is_meta = host.shard == self.node.meta_group
-            target = None if is_meta else (table.targets[host.shard] if host.shard < len(table.targets) else None)
+            target = self.target_of(table, host.shard)
             # A change in the log, not applied here yet. Not when it removed this node from the
             # group: the leader no longer sends it anything, so its replica never learns that the
             # change committed; the member table says whether the move ended (table.moves).
@@ -108,11 +117,11 @@ class MembershipViews:
                 # another node, already a member, again and again (sim --cluster seed 147 with joins:
                 # n1, the metadata leader, removed from shard 4 by hand, planned add_learner n4 there
                 # every round, each done at once, and never itself).
-                out.append(GroupView(host.shard, conf.voters, conf.learners, target, None,
+                out.append(GroupView(host.shard, conf.voters, conf.learners, target, None, meta=is_meta,
                                      busy=host.shard in table.moves or host.failed is not None, readd=me, stale=True))
                 continue
             out.append(GroupView(host.shard, conf.voters, conf.learners, target,
-                                 lead[0] if lead is not None else None,
+                                 lead[0] if lead is not None else None, meta=is_meta,
                                  busy=host.shard in table.moves or pending or host.failed is not None,
                                  lag=self._lag(host),
                                  rebalanced=host.shard in last and last[host.shard].origin == "rebalance"

@@ -19,6 +19,11 @@ gets one voter more, on a live active node chosen by:
 
 Last, learners on gone nodes are removed (they count for no quorum: nothing waits for them).
 
+The **metadata group** is grown the same way (its target: the initial members' count, 1, 3 or 5):
+after a dead node's replacement its forgotten voter is removed, and a caught-up learner on a live
+active node takes its place, so that a second failure leaves the member table a majority. It is
+never rebalanced, and a leaving node's voter in it is not removed before the node has left.
+
 A **leaving** node (a live one going away, ``moorline cluster leave``) is the other way round —
 grow before shrink, as the node is still serving: a shard it votes in first gets a voter elsewhere
 (as if below target), and only then loses the leaving node's voter; then its learners go. Its
@@ -78,7 +83,7 @@ class GroupView:
     shard: int
     voters: tuple[MemberId, ...]
     learners: tuple[MemberId, ...] = ()
-    target: int | None = 3  # voters wanted; None: never grown (the metadata group)
+    target: int | None = 3  # voters wanted; None: unknown (never grown)
     leader: int | None = None  # node id of its leader, when known
     busy: bool = False  # a change is in progress (the member table's move, or one pending in the log)
     lag: dict[MemberId, int] | None = None  # entries each member is behind the leader; None: unknown
@@ -87,6 +92,7 @@ class GroupView:
     # The planner's own replica of the group is frozen (its node was removed from it and never hears
     # of it again): nothing is known of the group but that; only the node's re-add (readd) is planned.
     stale: bool = False
+    meta: bool = False  # the metadata group (its target: the initial members' count)
 
 
 @dataclass(frozen=True)
@@ -175,7 +181,7 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
     # move only times out, is planned again, and takes the budget round after round (sim --cluster
     # seed 40418 with joins: n1, joined again, led shards 2 and 5 before it followed the metadata
     # group; add_learner n4 there, planned every round, kept n4 and n1 out of the metadata group).
-    followers = {m[0] for g in groups if g.target is None for m in (*g.voters, *g.learners)}
+    followers = {m[0] for g in groups if g.meta for m in (*g.voters, *g.learners)}
     touched: set[int] = {g.shard for g in groups if followers and g.leader is not None
                          and g.leader not in followers}
     ordered = [g for g in every if not g.stale]  # a stale view is only followed (2b)
@@ -186,7 +192,7 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
             return out
         if g.busy or g.shard in touched:
             continue
-        if settings.grow_before_shrink and g.target is not None and sum(
+        if settings.grow_before_shrink and g.target is not None and not g.meta and sum(
                 _removable(by_member.get(v), settings.auto_remove_after_s) is None for v in g.voters) < g.target:
             continue  # the broken order: this shard grows first (2.), its gone voter goes afterwards
         for m in g.voters:
@@ -216,7 +222,8 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
     for g in ordered:
         if budget <= 0:
             return out
-        if g.busy or g.shard in touched or not g.rebalanced or g.target is None or len(g.voters) <= g.target:
+        if (g.busy or g.shard in touched or not g.rebalanced or g.target is None or g.meta
+                or len(g.voters) <= g.target):
             continue
         surplus = [by_member[v] for v in g.voters if v in by_member and v[0] != g.leader
                    and live_majority_after_removal(g.voters, v, live)]
@@ -254,7 +261,7 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
             continue  # a leaving voter goes only once its replacement votes (grow before shrink)
         # (the metadata group keeps a leaving node's voter until the node is left: the node learns
         # from its own replica that it is, and stops; then it is removed as any left node is)
-        if leaving and g.target is not None and live_majority_after_removal(g.voters, leaving[0], live):
+        if leaving and g.target is not None and not g.meta and live_majority_after_removal(g.voters, leaving[0], live):
             node = by_member[leaving[0]]
             out.append(PlannedMove(g.shard, "remove", node.name, leaving[0],
                                    f"its node {node.name} is leaving (the shard has {len(counted)} other voters)"))
@@ -268,13 +275,13 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
     #     removal): a node that follows no replica of a shard serves its sessions from a replica
     #     that never moves again (sim --cluster seed 125 with joins: n3 removed from shard 1 by
     #     hand, clients stuck on n3).
-    meta_voters = {v for g in groups if g.target is None for v in g.voters}
+    meta_voters = {v for g in groups if g.meta for v in g.voters}
     joined = [n for n in eligible if meta_voters and n.member_id not in meta_voters]
     others = [n for n in eligible if n not in joined]
     live_ids = {n.member_id for n in nodes if n.live}
     # (the metadata group first: a node that does not follow it cannot carry out the member
     # table's moves of the shards it leads)
-    for g in sorted(every, key=lambda g: (g.target is not None, g.shard)):
+    for g in sorted(every, key=lambda g: (not g.meta, g.shard)):
         if budget <= 0:
             break
         if g.busy or g.shard in touched:
@@ -300,7 +307,7 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
             while budget > 0 and voters_of.get(u.name, 0) < share:
                 best: tuple[tuple[int, bytes], GroupView, NodeView] | None = None
                 for g in ordered:
-                    if (g.busy or g.shard in touched or g.target is None or len(g.voters) != g.target
+                    if (g.busy or g.shard in touched or g.target is None or g.meta or len(g.voters) != g.target
                             or u.member_id not in g.learners):
                         continue
                     if any(_removable(by_member.get(v), settings.auto_remove_after_s) is not None

@@ -41,7 +41,8 @@ Checkers:
   add-replica may win that race and is not judged), and every leader counting the voters of the
   latest configuration in its log (``conf_not_in_force``).
 - ``Convergence``: after the faults heal, every shard reaches its target voter count on live,
-  non-forgotten nodes (the target, or every such node when there are fewer), with no voter on a
+  non-forgotten nodes (the target, or every such node when there are fewer; the metadata group's
+  target is the initial members' count: a replaced node's voter comes back), with no voter on a
   forgotten node, and (with joins) every live active node's storage follows every group as a voter
   or learner, within ``CONVERGE_BOUND_S`` virtual seconds (``membership_not_converged``).
 """
@@ -442,14 +443,20 @@ class MembershipPlan:
         up = {ids[sn.name] for sn in live if sn.name in ids and sn.name not in w.forgotten}
         active = sum(1 for m in table.members.values() if m.state == "active" and m.name not in w.forgotten)
         out = []
+        meta = live[0].node.meta_host
+        record = meta.state.cluster if meta is not None else None
         for shard, conf in sorted(group_confs(w).items()):
-            if shard >= len(table.targets):
-                continue  # the metadata group has no target
-            want = min(table.targets[shard], active)
+            if shard < len(table.targets):
+                want = min(table.targets[shard], active)
+            elif record is not None:  # the metadata group: back to the initial members' count
+                want = min(len(record.members), active)
+            else:
+                continue
             on_live = sum(1 for v in conf.voters if v in up)
             gone = [v for v in conf.voters if v in self.forgotten_ids]
             if on_live < want or gone:
-                out.append(f"shard {shard}: {on_live} of {want} voters on live nodes"
+                out.append(f"{'the metadata group' if shard >= len(table.targets) else f'shard {shard}'}: "
+                           f"{on_live} of {want} voters on live nodes"
                            + (f", a voter on a forgotten node {gone}" if gone else ""))
         return out
 
