@@ -412,6 +412,10 @@ class TopicState:
         if (reg is not None and cmd.share_group is None and reg.session_inc == cmd.session_inc
                 and cmd.sub_version < reg.sub_version and cmd.sub_version >= 0):
             return RegisterResult(reg.start_offset, ())  # overtaken by a later subscribe or unsubscribe
+        if reg is not None and cmd.share_group is None and 0 <= cmd.session_inc < reg.session_inc:
+            # Incarnations of a client id only grow (one session shard numbers them all): an ended
+            # incarnation's Register, applied after its successor's, must not replace that one.
+            return RegisterResult(reg.start_offset, ())
         if reg is not None and (reg.session_inc == cmd.session_inc or cmd.share_group is not None):
             if cmd.share_group is not None:
                 self._share_policy(reg, cmd)
