@@ -123,9 +123,13 @@ class LiveSession(AckingSession):
     def notify(self, shard: int, reg_key: str, offset: int) -> None:
         """A committed apply made ``offset`` owed to (or claimed for) this session. Wakes only:
         the message itself is read from the shard's store when it is delivered."""
-        if self.share_finished and reg_key.startswith(c.SHARE_PREFIX):
+        if self.share_finished and reg_key.startswith(c.SHARE_PREFIX) and shard not in self.unconfirmed:
             # A claim applied just now: the offset was unclaimed, so a claim of it this session
-            # finished before has ended (the offset is owed to the group again).
+            # finished before has ended (the offset is owed to the group again). Not while the
+            # shard's read barrier is pending: this replica may still be applying claims committed
+            # before the session started, among them the very claim a resend (from the session
+            # shard's delivery log, which waits for the message here, not for its claim) just
+            # finished (sim --cluster seed 60344).
             self.share_finished.pop((shard, offset), None)
         self.notify_run(shard, ((offset, reg_key),))
 
