@@ -126,7 +126,7 @@ def test_the_planner_adds_back_a_node_left_out_of_a_shard_at_target() -> None:
 
     ns = [NodeView(f"n{i}", i, f"s{i}") for i in range(1, 5)]
     m = {n.name: n.member_id for n in ns}
-    meta = GroupView(2, (m["n1"], m["n2"], m["n3"]), (m["n4"],), None, leader=1)
+    meta = GroupView(2, (m["n1"], m["n2"], m["n3"]), (m["n4"],), 3, leader=1, meta=True)
     shard = GroupView(1, (m["n1"], m["n2"], m["n4"]), (), 3, leader=1)
     moves = plan(ns, [shard, meta], PlanSettings("k"))
     assert [(mv.shard, mv.kind, mv.node) for mv in moves] == [(1, "add_learner", "n3")], moves
@@ -143,7 +143,7 @@ def test_a_stale_view_plans_only_its_own_readdition() -> None:
 
     ns = [NodeView(f"n{i}", i, f"s{i}") for i in range(1, 5)]
     m = {n.name: n.member_id for n in ns}
-    meta = GroupView(5, (m["n1"], m["n2"], m["n3"]), (m["n4"],), None, leader=1)
+    meta = GroupView(5, (m["n1"], m["n2"], m["n3"]), (m["n4"],), 3, leader=1, meta=True)
     stale = GroupView(4, (m["n2"], m["n3"]), (), 3, None, readd=m["n1"], stale=True)
     moves = plan(ns, [stale, meta], PlanSettings("k"))
     assert [(mv.shard, mv.kind, mv.node) for mv in moves] == [(4, "add_learner", "n1")], moves

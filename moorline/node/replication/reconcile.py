@@ -310,8 +310,10 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
                     if (g.busy or g.shard in touched or g.target is None or g.meta or len(g.voters) != g.target
                             or u.member_id not in g.learners):
                         continue
+                    # (every voter live too: a shard whose voter's node just went down would run with
+                    # four voters, one down, until the trim: one failure more from no majority)
                     if any(_removable(by_member.get(v), settings.auto_remove_after_s) is not None
-                           or by_member[v].state != "active" for v in g.voters):
+                           or by_member[v].state != "active" or not by_member[v].live for v in g.voters):
                         continue
                     lag = None if g.lag is None else g.lag.get(u.member_id)
                     if g.lag is not None and not settings.promote_unchecked and (
