@@ -216,7 +216,7 @@ def test_default_mix_seeds_that_found_bugs_are_clean(seed: int) -> None:
     assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:5]]}\nreplay: {r.replay_command()}"
 
 
-@pytest.mark.parametrize("seed", [40020, 40084, 40087, 40101, 40167, 40179, 40418, 50054, 50083, 50085])
+@pytest.mark.parametrize("seed", [40020, 40084, 40087, 40101, 40167, 40179, 40418, 50054, 50083, 50085, 60344, 60351])
 def test_default_mix_with_joins_seeds_that_found_bugs_are_clean(seed: int) -> None:
     # The whole default mix, joins and replaces included (a 2,000-seed run from 40000 on ab9b510:
     # 13 failing seeds in its first 359). 40020, 40084, 40101, 40179: a metadata leader removed from
@@ -229,6 +229,8 @@ def test_default_mix_with_joins_seeds_that_found_bugs_are_clean(seed: int) -> No
     # whole move budget every round (f82405a; 50083 too); 50054: a rebalance promote planned just
     # before a forget committed was carried out beside the forgotten voter (a0c9278); 50085: an
     # ended incarnation's unacknowledged QoS 2 claim went back to its group because the group's
-    # registration QoS was that of a QoS 1 member (4ae045d).
+    # registration QoS was that of a QoS 1 member (4ae045d); 60344: a resent $share claim sent again
+    # when the lagging replica the member resumed on applied the claim (0655c11); 60351: an ended
+    # incarnation's late Register replaced its successor's, which then missed two wills (76e8f23).
     r = run_seed(seed, nodes=3, cfg=RunConfig(draw_config=True, timed_sync=True, aimed_crashes=True, joins=True))
     assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:5]]}\nreplay: {r.replay_command()}"
