@@ -233,6 +233,12 @@ def test_join_then_replace_a_wiped_node_under_load(cluster_factory: ClusterFacto
     voters, leaders, by_shard = spread(cluster, "n1")
     print(f"n3 replaced: voters at {times3['voters_s']:.1f} s after the kill; voters {voters}, leaders {leaders}")
     assert "n3@3" not in voters
+    # The metadata group is grown back to the initial members' three voters (the forgotten n3's
+    # voter removed, a caught-up learner promoted): a second failure leaves the member table a majority.
+    meta_voters = wait_for("the metadata group back at 3 voters", lambda: (
+        v if len(v := cluster["n1"].get("/v1/cluster")["metadata"]["voters"]) == 3 else None), 60, interval=0.5)
+    assert "n3@3" not in meta_voters, meta_voters
+    print(f"metadata group voters after the replace: {meta_voters}")
 
     # The joined nodes serve clients (their clocks are compared with every member's: a node no member
     # answered would refuse clients and leadership once its start-up grace is over).
