@@ -178,10 +178,13 @@ async def drive(cluster: Cluster, url: str, shots: Path) -> None:
         assert browser.errors == [], browser.errors
 
         # SIGKILL a node that leads shards (not the one serving the console).
+        # (n2 may lead nothing for a moment after start: the rebalancer hands preferred leaderships
+        # back a few per 5-s round, so the grid is read once it shows n2 leading some shard)
         await browser.eval("location.hash = '#shards'")
-        led = json.loads(await browser.eval(
-            "JSON.stringify([...document.querySelectorAll('#shards-table tr[data-shard]')]"
-            ".filter(r => r.dataset.leader === 'n2').map(r => r.dataset.shard))"))
+        led = json.loads(await browser.wait_for("n2 leading a shard in the grid", (
+            "(() => { const s = [...document.querySelectorAll('#shards-table tr[data-shard]')]"
+            ".filter(r => r.dataset.leader === 'n2').map(r => r.dataset.shard);"
+            " return s.length ? JSON.stringify(s) : ''; })()"), 40))
         assert led, "n2 leads no shard"
         killed_at = time.monotonic()
         cluster.kill9("n2")
