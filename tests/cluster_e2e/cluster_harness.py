@@ -402,6 +402,11 @@ class Cluster:
     def shard_of(topic: str) -> int:
         return shard_of(topic, SHARD_COUNT)
 
+    def shard_led_by(self, name: str, timeout: float = LEADERS_TIMEOUT_S) -> int:
+        """A shard ``name`` leads (as ``name`` sees it), waiting while it leads none (see topic_led_by)."""
+        return wait_for(f"{name} to lead a shard", lambda: next(
+            (s for s, ld in self.leaders(name).items() if ld == name), None), timeout, 0.2)
+
     def topic_led_by(self, name: str, prefix: str, avoid_shards: Iterable[int] = (),
                      timeout: float = LEADERS_TIMEOUT_S) -> str:
         """A topic under ``prefix`` whose shard ``name`` leads now (as ``name`` itself sees it).

@@ -138,7 +138,7 @@ class Reader:
 def test_partitioned_session_owner_closes_before_new_owner_serves(cluster_factory: ClusterFactory) -> None:
     cluster = cluster_factory(3, CONFIG + f"[session]\nowner_lease_s = {OWNER_LEASE_S}\n")
     # The session shard is led on the majority side (n2); its owner, n1, is cut off from it.
-    session_shard = next(s for s, ld in cluster.leaders("n2").items() if ld == "n2")
+    session_shard = cluster.shard_led_by("n2")
     cid = cluster.client_id_on_shard("owner-part", session_shard)
     topic = cluster.topic_led_by("n3", "owner-part/t")
     old = connect(cluster["n1"], cid, expect_present=False, receive_maximum=2)

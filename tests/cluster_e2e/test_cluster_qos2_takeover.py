@@ -24,7 +24,7 @@ def test_qos2_method_b_subscriber_resumes_on_another_node(cluster_factory: Clust
     cluster = cluster_factory(3)
     rng = random.Random(SEED)
     # The session lives on n2 and its shard is led by n2: the kill takes both away.
-    session_shard = next(s for s, ld in cluster.leaders("n2").items() if ld == "n2")
+    session_shard = cluster.shard_led_by("n2")
     cid = cluster.client_id_on_shard("q2-sub", session_shard)
     topics = [cluster.topic_led_by(name, f"q2/{name}") for name in ("n1", "n2", "n3")]
     sub = connect(cluster["n2"], cid, expect_present=False)
