@@ -20,10 +20,11 @@ class Effects:
     owed_new: list[tuple[int, str]] = field(default_factory=list)
     owed_regs: set[str] = field(default_factory=set)  # registrations whose owed set changed (dispatch, caps)
     claims: list[tuple[str, str, tuple[int, ...]]] = field(default_factory=list)  # (share reg, member, offsets)
-    # (registration, its retained messages) of each Register applied that asked for them: the host
-    # hands them to the session in apply order with the live messages, so none of them can
-    # overtake a retained message of its topic.
-    retained_new: list[tuple[str, tuple[StoredMessage, ...]]] = field(default_factory=list)
+    # (registration, its retained messages, the shard's next offset when the Register applied) of
+    # each Register applied that asked for them: the host hands them to the session in apply order
+    # with the live messages (offsets below the third element before them, the rest after), so
+    # neither overtakes the other on a topic.
+    retained_new: list[tuple[str, tuple[StoredMessage, ...], int]] = field(default_factory=list)
 
     def store_release(self, offsets: list[int]) -> None:
         self.releases.extend(offsets)

@@ -447,7 +447,7 @@ class TopicState:
                 if not (cmd.no_local and m.origin == cmd.client_id)
             )
             if retained:
-                fx.retained_new.append((cmd.reg_key, retained))
+                fx.retained_new.append((cmd.reg_key, retained, self.next_offset))
         return RegisterResult(reg.start_offset, retained)
 
     @staticmethod

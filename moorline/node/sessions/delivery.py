@@ -223,10 +223,11 @@ class LiveSession(AckingSession):
         taken_share: set[tuple[int, int]] = set()  # $share (shard, offset) put in this batch
         msgs: list[StoredMessage] = []
         more = False
-        held: set[int] = set()
+        held: dict[int, int] = {}  # shard -> the offset its live deliveries stop at (retained ones wait)
         if self.retained_first:
             room, batch_bytes, held = self._take_retained(items, msgs, room, batch_max, byte_budget)
             more = len(items) >= batch_max or batch_bytes >= byte_budget
+        behind_live = [s for s in held if not self._retained_ready(s)]
         now_ms = self.node.clock.wall_ms()
         read_filter = self.read_filter
         recent = self.node.recent
@@ -236,7 +237,10 @@ class LiveSession(AckingSession):
         for shard, dq in self.pending.items():
             if more:
                 break
-            if not dq or shard in held or shard in unconfirmed:
+            if not dq or shard in unconfirmed:
+                continue
+            stop_at = held.get(shard)
+            if stop_at is not None and dq[0][0] >= stop_at:
                 continue
             host = self.node.hosts[shard]
             topics = host.state.topics
@@ -250,6 +254,8 @@ class LiveSession(AckingSession):
             plain: dict[str, tuple[Registration, int, tuple[int, ...], bool, tuple[str, ...]] | None] = {}
             while dq:
                 offset, reg_key = dq[0]
+                if stop_at is not None and offset >= stop_at:
+                    break  # a retained message the shard applied before this offset goes first
                 n = 1
                 if len(dq) > 1 and dq[1][0] == offset:
                     while n < len(dq) and dq[n][0] == offset:
@@ -329,11 +335,13 @@ class LiveSession(AckingSession):
                 break
         recent.count_hits(hits)
         if not items:
-            return False
+            # Live offsets a retained message waited behind may all have been skipped (not owed,
+            # expired, denied): the retained ones can go now.
+            return any(self._retained_ready(s) for s in behind_live)
         await self._commit_and_send(items, msgs)
         # A shard whose notices were dropped and whose reloaded part is now taken has more to read
         # from its state: nobody would wake the pump for it (its notices are not kept).
-        return more or any(not self.pending.get(s) for s in self.overflowed)
+        return more or bool(held) or any(not self.pending.get(s) for s in self.overflowed)
 
     def _plain_registration(
         self, topics: TopicState, subs: dict[str, SubscriptionState], reg_key: str
@@ -391,9 +399,10 @@ class LiveSession(AckingSession):
             reg_keys += (reg_key,)
         return qos, sub_ids, reg_keys, rap, share
 
-    def add_retained(self, shard: int, reg_key: str, retained: tuple[StoredMessage, ...]) -> bool:
-        """A Register of this session applied in ``shard`` with these retained messages; False when
-        it is not this session's (an older incarnation's, or the session is closing)."""
+    def add_retained(self, shard: int, reg_key: str, retained: tuple[StoredMessage, ...], live_before: int) -> bool:
+        """A Register of this session applied in ``shard`` with these retained messages, when the
+        shard's next offset was ``live_before``; False when it is not this session's (an older
+        incarnation's, or the session is closing)."""
         reg = registration(self.node.hosts[shard].state.topics, reg_key)
         sess = self.session()
         if self.closed or reg is None or reg.session_inc != self.incarnation or sess is None:
@@ -403,7 +412,7 @@ class LiveSession(AckingSession):
         sub_ids = (sub.sub_id,) if sub is not None and sub.sub_id else ()
         can_read = self.read_filter.can_read if self.read_filter is not None else None
         dq = self.retained_first.setdefault(shard, deque())
-        dq.extend(c.DeliveryItem(-1, -1, min(qos, m.qos), True, sub_ids, (), m)
+        dq.extend((live_before, c.DeliveryItem(-1, -1, min(qos, m.qos), True, sub_ids, (), m))
                   for m in retained if can_read is None or can_read(m.topic))
         if not dq:
             del self.retained_first[shard]
@@ -412,16 +421,18 @@ class LiveSession(AckingSession):
 
     def _take_retained(
         self, items: list[c.DeliveryItem], msgs: list[StoredMessage], room: int, batch_max: int, byte_budget: int,
-    ) -> tuple[int, int, set[int]]:
+    ) -> tuple[int, int, dict[int, int]]:
         """Retained messages first, within the same bounds as any delivery (packet ids, the
-        client's window, the batch's bytes); returns (room left, bytes, shards still holding
-        retained ones, whose live offsets wait behind them)."""
+        client's window, the batch's bytes), except behind the live offsets their shard applied
+        before their Register; returns (room left, bytes, shard -> the offset its live deliveries
+        stop at, for shards still holding retained ones)."""
         batch_bytes = 0
-        held: set[int] = set()
+        held: dict[int, int] = {}
         for shard in list(self.retained_first):
             dq = self.retained_first[shard]
-            while dq and len(items) < batch_max and batch_bytes < byte_budget and (dq[0].qos == 0 or room > 0):
-                it = dq.popleft()
+            while (dq and self._retained_ready(shard) and len(items) < batch_max and batch_bytes < byte_budget
+                   and (dq[0][1].qos == 0 or room > 0)):
+                it = dq.popleft()[1]
                 msg = it.embedded
                 assert msg is not None
                 items.append(it)
@@ -429,10 +440,19 @@ class LiveSession(AckingSession):
                 room -= it.qos > 0
                 batch_bytes += len(msg.payload) + len(msg.topic)
             if dq:
-                held.add(shard)
+                held[shard] = dq[0][0]
             else:
                 del self.retained_first[shard]
         return room, batch_bytes, held
+
+    def _retained_ready(self, shard: int) -> bool:
+        """The shard's next retained message goes before any live offset it still owes: none of
+        its pending offsets is one the shard applied before that message's Register."""
+        dq = self.retained_first.get(shard)
+        if not dq:
+            return False
+        pend = self.pending.get(shard)
+        return not pend or pend[0][0] >= dq[0][0]
 
     async def _commit_and_send(self, items: list[c.DeliveryItem], msgs: list[StoredMessage]) -> None:
         first = self.next_seq

@@ -88,9 +88,11 @@ class ResumingSession:
         # state, at most that many at a time, once the pump has taken what it had.
         self.overflowed: set[int] = set()
         self.max_pending = node.cfg.session.max_pending_notices
-        # shard -> retained messages of a registration just applied there (embedded deliveries):
-        # served before that shard's pending offsets, all of which the shard applied after them.
-        self.retained_first: dict[int, deque[c.DeliveryItem]] = {}
+        # shard -> (the shard's next offset when the Register applied, one of its retained
+        # messages: an embedded delivery): served after that shard's pending offsets below that
+        # offset (applied before the Register, e.g. earlier in the same batch of effects) and
+        # before the rest, so a retained copy neither overtakes nor follows a live one of its topic.
+        self.retained_first: dict[int, deque[tuple[int, c.DeliveryItem]]] = {}
         # Shards whose replica here is not yet known to hold everything the group had committed
         # when the session started here (a read barrier each): what they owe is not delivered
         # before, since a replica that was down or cut off may not have applied the acks,

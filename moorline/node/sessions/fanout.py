@@ -35,11 +35,11 @@ class Fanout:
         # A dict, not a set: sessions wake in a deterministic order (a set of objects iterates in
         # address order, which differs run to run and breaks a simulator seed's replay).
         woken: dict[LiveSession, None] = {}
-        # Retained messages of a new registration go before anything the shard owes the session
-        # from now on (the delivery pump serves them first).
-        for reg_key, retained in fx.retained_new:
+        # Retained messages of a new registration go after what the shard applied before the
+        # Register and before anything it owes the session from then on (the pump keeps to that).
+        for reg_key, retained, live_before in fx.retained_new:
             live = self.node.live.get(reg_key.partition("\x00")[0])
-            if live is not None and live.add_retained(shard, reg_key, retained):
+            if live is not None and live.add_retained(shard, reg_key, retained, live_before):
                 woken[live] = None
         # Runs of one registration (one subscriber's messages, in apply order) go to its session at once.
         for reg_key, run in groupby(fx.owed_new, key=itemgetter(1)):
