@@ -209,9 +209,12 @@ def test_drawn_config_seeds_that_found_bugs_are_clean(seed: int) -> None:
     assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:5]]}\nreplay: {r.replay_command()}"
 
 
-@pytest.mark.parametrize("seed", [20048, 20116, 20211, 30106, 30456, 30574, 30575, 30722, 30762, 31081, 31187, 31214])
+@pytest.mark.parametrize("seed", [20048, 20116, 20211, 30106, 30456, 30574, 30575, 30722, 30762, 31081, 31187, 31214,
+                                  70463])
 def test_default_mix_seeds_that_found_bugs_are_clean(seed: int) -> None:
     # Drawn configuration, timed syncs and aimed crashes (the default mix since 3fc6a26), spelled out.
+    # 70463 (found with joins, fails without them too): a retained copy for a new SUBSCRIBE was sent
+    # before a live message of its topic the shard applied before the Register (515d86f).
     r = run_seed(seed, nodes=3, cfg=RunConfig(draw_config=True, timed_sync=True, aimed_crashes=True, joins=False))
     assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:5]]}\nreplay: {r.replay_command()}"
 
