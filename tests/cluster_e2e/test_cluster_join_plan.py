@@ -115,3 +115,21 @@ def test_rebalance_skips_a_shard_whose_voter_is_down() -> None:
     moves = plan(nodes, groups, PlanSettings("k", max_moves=100))
     assert {g.shard for g in groups if mid("n2") in g.voters} >= set(range(SHARDS))  # (n2 votes in every shard)
     assert not [m for m in moves if m.origin == "rebalance"], moves
+
+
+def test_a_replacement_in_the_metadata_group_still_gets_its_share_of_voters() -> None:
+    """n3 replaced (new storage s3b) and already promoted into the metadata group (grown back to
+    three voters after the forget): it is still a node that joined, not an initial member, so the
+    rebalance gives it voters (test_cluster_join: n3 stayed at 2 voters of 16 shards when "joined"
+    meant "no voter of the metadata group")."""
+    new = (3, "s3b")
+    nodes = [NodeView("n1", *mid("n1")), NodeView("n2", *mid("n2")), NodeView("n3", *new),
+             NodeView("n3@3", 3, "s3", state="forgotten", live=False)]
+    # (each shard at a target of two, so that only the rebalance moves anything)
+    groups = [GroupView(s, (mid("n1"), mid("n2")), (new,), 2, leader=1) for s in range(SHARDS)]
+    meta = GroupView(SHARDS, (mid("n1"), mid("n2"), new), (), 3, leader=1, meta=True)
+    initial = (mid("n1"), mid("n2"), mid("n3"))
+    # Without the initial members (the metadata group's voters stand for them): n3 counts as initial.
+    assert [m for m in plan(nodes, [*groups, meta], PlanSettings("k", max_moves=100)) if m.origin == "rebalance"] == []
+    moves = plan(nodes, [*groups, meta], PlanSettings("k", max_moves=100, initial_members=initial))
+    assert moves and all(m.kind == "promote" and m.member == new and m.origin == "rebalance" for m in moves), moves

@@ -65,6 +65,12 @@ class MembershipViews:
         record = host.state.cluster if host is not None and group == self.node.meta_group else None
         return len(record.members) if record is not None else None
 
+    def _initial_members(self) -> tuple[tuple[int, str], ...] | None:
+        """The bootstrap record's members as (node id, storage id); None while it is not known."""
+        host = self.node.meta_host
+        record = host.state.cluster if host is not None else None
+        return None if record is None else tuple((node_id, sid) for _, node_id, sid in record.members)
+
     def _lag(self, host: Any) -> dict[tuple[int, str], int] | None:
         raft = host.raft
         if not raft.is_leader:

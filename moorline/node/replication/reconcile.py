@@ -38,8 +38,8 @@ all first becomes a learner (``add_learner``), and is promoted in a later round 
 A node that is down but not forgotten keeps its memberships: its voter still counts towards the
 target, so no replacement is placed while it restarts (scenario Three of #7209).
 
-A node that **joined** (``moorline cluster join`` then ``--join``; it is no voter of the metadata
-group, whose voters are the initial members) is in no group at first: every group (the metadata
+A node that **joined** (``moorline cluster join`` then ``--join``; not one of the initial members
+of the bootstrap record) is in no group at first: every group (the metadata
 group too, and that one first) gets it as a learner (``add_learner``), one group per change, so that
 it follows every shard like the others. A shard led by a node that does not follow the metadata group
 gets no change until it does: its leader, which proposes the change, reads no member table. Then
@@ -113,6 +113,10 @@ class PlanSettings:
     auto_remove_after_s: float = 0.0  # 0: never remove a down node's memberships by itself
     in_progress: int = 0  # moves already under way (count against max_moves)
     leaderships: dict[str, int] = field(default_factory=dict)  # node name -> groups it leads
+    # The cluster's initial members (the bootstrap record's (node id, storage id)): the others joined
+    # and get their share of voters by rebalancing. None: the metadata group's voters stand for them
+    # (they are the same while the metadata group has never been grown).
+    initial_members: tuple[MemberId, ...] | None = None
     # Bug switches (testing/faults.py; the simulator's harness sets them, never production).
     grow_before_shrink: bool = False  # grow_before_shrink_on_forget: a gone voter goes after the growth
     promote_unchecked: bool = False  # promote_before_caught_up: a learner's lag is not looked at
@@ -268,15 +272,18 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
             touched.add(g.shard)
             budget -= 1
 
-    # 2b. Follow: every live active node follows every group. A node that joined (no voter of the
-    #     metadata group, whose voters are the initial members that remain) becomes a learner of
+    # 2b. Follow: every live active node follows every group. A node that joined (not an initial
+    #     member: settings.initial_members) becomes a learner of
     #     every group it is not in, and so does any other node a change left out of a group that is
     #     at target (an operator's remove-replica on more nodes than replicas, a rebalance's
     #     removal): a node that follows no replica of a shard serves its sessions from a replica
     #     that never moves again (sim --cluster seed 125 with joins: n3 removed from shard 1 by
     #     hand, clients stuck on n3).
-    meta_voters = {v for g in groups if g.meta for v in g.voters}
-    joined = [n for n in eligible if meta_voters and n.member_id not in meta_voters]
+    # (not "no voter of the metadata group": that group is grown back after a replace, maybe onto
+    # the replacement itself, which must still get its share of voters: test_cluster_join)
+    initial = (set(settings.initial_members) if settings.initial_members is not None
+               else {v for g in groups if g.meta for v in g.voters})
+    joined = [n for n in eligible if initial and n.member_id not in initial]
     others = [n for n in eligible if n not in joined]
     live_ids = {n.member_id for n in nodes if n.live}
     # (the metadata group first: a node that does not follow it cannot carry out the member
