@@ -177,6 +177,7 @@ class _Proto(asyncio.Protocol):
         self.decoder = decoder
         self.lost = asyncio.get_running_loop().create_future()
         self.transport: asyncio.Transport | None = None
+        self.server = ""  # "host:port", set before CONNECT is sent
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -613,6 +614,8 @@ class Client:
         elif isinstance(pk, P.Connack):
             w = self._connack_waiter
             if w is not None and not w.done():
+                if pk.reason_code == 0:
+                    self._connection_up(proto, pk)
                 w.set_result(pk)
 
     def _answered(self, m: OutMessage, rc: int, props: P.Properties) -> None:
@@ -789,6 +792,7 @@ class Client:
         except TimeoutError:
             raise TimeoutError(f"no TCP connection within {self.connect_timeout} s") from None
         self._proto = proto
+        proto.server = f"{host}:{port}"
         props = P.NO_PROPERTIES
         if self.protocol == 5:
             props = P.Properties(session_expiry_interval=self.session_expiry or None,
@@ -816,9 +820,15 @@ class Client:
             raise
         finally:
             self._connack_waiter = None
+        # Success: _connection_up ran as the CONNACK was read (see there).
+
+    def _connection_up(self, proto: _Proto, ack: P.Connack) -> None:
+        """A successful CONNACK, handled as it is read: the broker may send PUBLISHes (a resumed
+        session's resends) right behind it, in the same read, and they belong to this connection
+        (its generation, its transport), so their acks are sent."""
         self._first = False
-        self._transport = transport  # type: ignore[assignment]
-        self.server = f"{host}:{port}"
+        self._transport = proto.transport
+        self.server = proto.server
         self.session_present = ack.session_present
         self._server_rm = ack.properties.receive_maximum or 65535
         self._max_qos = 2 if ack.properties.maximum_qos is None else ack.properties.maximum_qos
