@@ -55,6 +55,7 @@ class AckSlot:
     done: bool = False  # completed: the entry is synced (or the answer was known at once)
     result: Any = None  # the proposal's result (PublishResult, a group's list of them, a release's bool)
     error: BaseException | None = None  # the proposal failed: outcome unknown
+    refused_shard: int | None = None  # a refusal of that shard, decided before any proposal (untold)
 
     def reason_props(self) -> p.Properties:
         """The acknowledgement's reason string, when the slot carries one."""
@@ -105,6 +106,9 @@ class InboundPublishes:
         self.waiting = 0  # PUBLISHes whose acknowledgement is queued (a group slot counts each)
         self.q2_inprogress: set[int] = set()
         self.paused = False  # reading paused because too many acknowledgements are pending
+        # shard -> refusals of PUBLISHes to it queued here and not written yet: later PUBLISHes to
+        # that shard are refused too until the client has been told (see propose_publish).
+        self.untold: dict[int, int] = {}
 
     def oldest_since(self, none_queued: float) -> float:
         """When the PUBLISH of the oldest queued acknowledgement was read; ``none_queued`` if none."""
@@ -179,6 +183,15 @@ class InboundPublishes:
             except ShardUnavailable as exc:
                 self.refuse_unavailable([], kind, exc)
             return
+        if shard in self.untold:
+            # An earlier PUBLISH to this shard was refused and the client has not been told yet
+            # (its 0x80 waits in the queue behind older acknowledgements). Should the connection
+            # end before it is written, the client resends that one; had this one committed, the
+            # resend would commit behind it (moorline sim --cluster seed 71213: out_of_order). So
+            # this one is refused too, and the client resends them in their order.
+            self.refuse_unavailable([pk.packet_id], kind, self._refused_before(shard), resent=pk.dup,  # type: ignore[list-item]
+                                    shard=shard)
+            return
         done = self.queue_ack(kind, pk.packet_id)  # type: ignore[arg-type]
         try:
             self.node.propose_cb(shard, cmd, done)
@@ -189,9 +202,15 @@ class InboundPublishes:
             # behind them (moorline sim --cluster seed 140, drawn configuration: out_of_order).
             self.acks.pop()
             self.waiting -= 1
-            self.refuse_unavailable([pk.packet_id], kind, exc, resent=pk.dup)  # type: ignore[list-item]
+            self.refuse_unavailable([pk.packet_id], kind, exc, resent=pk.dup, shard=shard)  # type: ignore[list-item]
 
-    def refuse_unavailable(self, pids: list[int], kind: AckKind, exc: ShardUnavailable, resent: bool = False) -> None:
+    @staticmethod
+    def _refused_before(shard: int) -> ShardUnavailable:
+        return ShardUnavailable(f"shard {shard}: refused, as an earlier PUBLISH of this connection to it was "
+                                f"(its refusal is not sent yet)")
+
+    def refuse_unavailable(self, pids: list[int], kind: AckKind, exc: ShardUnavailable, resent: bool = False,
+                           shard: int | None = None) -> None:
         """The shard refused before anything entered its log, so a refusal is true (promise 6):
         5.0 gets 0x80 per message and keeps the connection for the other shards; 3.1.1, which
         cannot refuse, is closed (the client resends later). QoS 0 is dropped, counted.
@@ -199,7 +218,10 @@ class InboundPublishes:
         Not so for a resend (DUP=1): its earlier copy may be in a log already (its connection was
         lost with the outcome unknown), so a refusal could be a lie (moorline sim --cluster seed
         123, drawn configuration: refused, then delivered). The outcome stays unknown: the
-        connection is closed (0x89) and the client resends again."""
+        connection is closed (0x89) and the client resends again.
+
+        ``shard``: the refusing shard, which refuses this connection's later PUBLISHes too until
+        these refusals are written (``untold``)."""
         self.node.stats["refused"] += max(1, len(pids))
         if not pids:
             return
@@ -212,7 +234,10 @@ class InboundPublishes:
         self.server.log_client(log, logging.INFO, self.conn.peer_host(), "%r: publish refused: %s",
                                self.conn.client_id, exc)
         for pid in pids:
-            self.queue_ack(kind, pid, RC.UNSPECIFIED_ERROR, str(exc)[:200])(None, None)
+            slot = AckSlot(kind, pid, RC.UNSPECIFIED_ERROR, str(exc)[:200], self.conn.read_at(), refused_shard=shard)
+            if shard is not None:
+                self.untold[shard] = self.untold.get(shard, 0) + 1
+            self._queue(slot)(None, None)
 
     def queue_ack(self, kind: AckKind, packet_id: int, reason: int = 0,
                   reason_string: str | None = None) -> AckCallback:
@@ -251,6 +276,8 @@ class InboundPublishes:
             slot = acks.popleft()
             kind, pid, result, exc, since = slot.kind, slot.packet_id, slot.result, slot.error, slot.since
             self.waiting -= slot.count
+            if slot.refused_shard is not None:
+                self._told(slot.refused_shard)
             if self.conn.closing:
                 continue
             reason = slot.reason
@@ -288,6 +315,13 @@ class InboundPublishes:
         if self.paused and self.waiting < self.cfg.receive_maximum // 2 and not self.conn.closing:
             self.paused = False
             self.conn.ack_room_again()
+
+    def _told(self, shard: int) -> None:
+        left = self.untold[shard] - 1
+        if left:
+            self.untold[shard] = left
+        else:
+            del self.untold[shard]
 
     def send_group_pubacks(self, pids: list[int], results: list[PublishResult]) -> bool:
         """PUBACKs of a committed group, in order, written together. A refused message (shard
@@ -362,11 +396,14 @@ class InboundPublishes:
             size += len(pk.payload)
             i += 1
         node.published["mqtt"] += len(cmds)
+        if shard in self.untold:  # refused, as an earlier PUBLISH to this shard was (propose_publish)
+            self.refuse_unavailable(pids, AckKind.PUBACK, self._refused_before(shard), resent=resent, shard=shard)
+            return i
         try:
             node.propose_group(shard, cmds, self.queue_group_ack(pids))
         except ShardUnavailable as exc:
             self.acks.pop()  # the group's slot, queued just above: its PUBLISHes are refused one by one
             self.waiting -= len(pids)
-            self.refuse_unavailable(pids, AckKind.PUBACK, exc, resent=resent)
+            self.refuse_unavailable(pids, AckKind.PUBACK, exc, resent=resent, shard=shard)
         return i
 
