@@ -216,11 +216,10 @@ class MembershipDriver(MembershipOps):
         configurations only, so every node that sees the same ones prefers the same leaders (a
         leader never hands a shard to a node that would hand it on); before any join the bootstrap
         placement's choice stays untouched."""
-        meta = self.node.meta_host
-        record = meta.state.cluster if meta is not None else None
-        if record is None:
+        members = self._initial_members()
+        if members is None:
             return
-        initial = {(nid, sid) for _, nid, sid in record.members}
+        initial = set(members)
         confs = [h.raft.active_conf_state.voters for h in self.node.hosts]
         nodes = {v for voters in confs for v in voters}
         if not confs or any(not v for v in confs) or all(v in initial for v in nodes):

@@ -61,9 +61,8 @@ class MembershipViews:
         group's, the initial members' count (the bootstrap record's); None while unknown."""
         if group < len(table.targets):
             return table.targets[group]
-        host = self.node.meta_host
-        record = host.state.cluster if host is not None and group == self.node.meta_group else None
-        return len(record.members) if record is not None else None
+        initial = self._initial_members() if group == self.node.meta_group else None
+        return len(initial) if initial is not None else None
 
     def _initial_members(self) -> tuple[tuple[int, str], ...] | None:
         """The bootstrap record's members as (node id, storage id); None while it is not known."""
