@@ -377,6 +377,9 @@ class ConnectionControl:
         if self.conn.transport is None or self.conn.transport.is_closing():
             return
         log.warning("%r: after its DISCONNECT: %s; its will may still be published", self.conn.client_id, why)
+        # The disconnect log line (and the simulator's judge) must not read this close as the
+        # answer to the DISCONNECT: the will was not discarded for certain.
+        self.conn.close_reason = f"will discard unknown after DISCONNECT: {why}"
         if self.conn.version == MQTT_5:
             self.conn.write(encode(p.Disconnect(RC.UNSPECIFIED_ERROR, p.Properties(
                 reason_string="will discard not committed: the will may still be published")), MQTT_5))

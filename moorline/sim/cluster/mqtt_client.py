@@ -16,6 +16,9 @@ from moorline.sim.cluster.vnet import HostNetwork, SimStream
 MAX_PACKET_BYTES = 1 << 20
 
 
+CLOSED_BY_BROKER = "closed by the broker"  # the broker closed the connection in order (EOF), no reset
+
+
 class ClientClosed(Exception):
     """The connection ended (broken, closed by the broker, or unusable)."""
 
@@ -104,7 +107,7 @@ class ClientConnection:
                 return None  # timed out
             if not chunk:
                 self.closed = True
-                raise ClientClosed("closed by the broker")
+                raise ClientClosed(CLOSED_BY_BROKER)
             try:
                 self._packets.extend(self._decoder.feed(chunk))
             except ProtocolError as exc:

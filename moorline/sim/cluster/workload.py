@@ -67,7 +67,7 @@ from moorline.mqtt.packets import (
     Will,
 )
 from moorline.mqtt.topics import matches
-from moorline.sim.cluster.mqtt_client import Changed, ClientClosed, ClientConnection
+from moorline.sim.cluster.mqtt_client import CLOSED_BY_BROKER, Changed, ClientClosed, ClientConnection
 from moorline.sim.cluster.vloop import VirtualLoop
 from moorline.sim.cluster.vnet import HostNetwork
 from moorline.sim.cluster.world import EPOCH_MS, SimNode, World, WorldConfig
@@ -1196,7 +1196,11 @@ class WillClient(ModelClient):
         deadline = self.now() + 2.0
         while self.ended is not conn and self.now() < deadline:
             await self.wait_changed(deadline - self.now())
-        ended_by_broker = self.ended is conn and self.end_reason not in ("closed", "reader stopped")
+        # Only an orderly close (EOF) is the broker's answer to the DISCONNECT: a connection the
+        # network reset meanwhile may have ended before the session close committed (seed 72633:
+        # a 3.1.1 client's node, cut from its followers, had not committed the close when a
+        # reset ended the connection; the majority then published the will, as it must).
+        ended_by_broker = self.ended is conn and self.end_reason == CLOSED_BY_BROKER
         self.awaiting_end = None
         conn.close()
         # A draining node (membership_faults.py) reads nothing more and closes each connection
