@@ -222,7 +222,7 @@ def test_default_mix_seeds_that_found_bugs_are_clean(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", [40020, 40084, 40087, 40101, 40167, 40179, 40418, 50054, 50083, 50085, 60344, 60351,
-                                  71703, 72633])
+                                  71703, 72633, 74186])
 def test_default_mix_with_joins_seeds_that_found_bugs_are_clean(seed: int) -> None:
     # The whole default mix, joins and replaces included (a 2,000-seed run from 40000 on ab9b510:
     # 13 failing seeds in its first 359). 40020, 40084, 40101, 40179: a metadata leader removed from
@@ -242,6 +242,8 @@ def test_default_mix_with_joins_seeds_that_found_bugs_are_clean(seed: int) -> No
     # that found a newer incarnation (an earlier clean-start CONNECT committed in between). 72633:
     # a harness false positive: the will client took a reset of its connection, after a DISCONNECT
     # whose session close its node (cut from its followers) had not committed, for the broker's
-    # close; the client's takeover elsewhere then rightly made the will due.
+    # close; the client's takeover elsewhere then rightly made the will due. 74186: a simulator
+    # gap: its transport had no half-close, so a draining node's FIN (write_eof) never reached a
+    # 3.1.1 client, whose connection then looked open 4.3 s after its session moved (stale_owner).
     r = run_seed(seed, nodes=3, cfg=RunConfig(draw_config=True, timed_sync=True, aimed_crashes=True, joins=True))
     assert r.ok, f"{[(f.kind, f.detail) for f in r.findings[:5]]}\nreplay: {r.replay_command()}"

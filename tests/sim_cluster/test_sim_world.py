@@ -105,6 +105,47 @@ def test_reset_and_crash_break_the_stream() -> None:
     assert received2 == [b"<eof>"]
 
 
+def test_a_protocol_listener_half_closes_as_tcp_does() -> None:
+    # A draining node shuts its side for writing (Connection.close_after_goodbye): the client reads
+    # what was written, then EOF, and the node still reads until the client closes (seed 74186).
+    s = Scheduler(random.Random(0))
+    net = SimNetwork(s, random.Random(0), LinkDelay(0.001, 0.01))
+    a, b = s.new_loop("a"), s.new_loop("b")
+    events: list[str] = []
+
+    class Server(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            assert isinstance(transport, asyncio.Transport) and transport.can_write_eof()
+            transport.write(b"bye")
+            transport.write_eof()
+            transport.write(b"ignored after the FIN")
+
+        def data_received(self, data: bytes) -> None:
+            events.append(f"server read {data.decode()}")
+
+        def eof_received(self) -> bool | None:
+            events.append("server eof")
+            return None
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            events.append(f"server lost {exc}")
+
+    net.for_host("h2", b).serve_protocol("h2", 1, Server)
+    client = s.run_task(a, net.for_host("h1", a).connect("h2", 1, None), 5.0)
+
+    async def talk() -> None:
+        got = b""
+        while chunk := await client.read(1 << 16):
+            got += chunk
+        events.append(f"client read {got.decode()} then eof")
+        client.write(b"late")
+        client.close()
+
+    a.create_task(talk())
+    s.run_until(s.now + 2)
+    assert events == ["client read bye then eof", "server read late", "server eof", "server lost None"]
+
+
 @pytest.mark.timeout(120)
 def test_real_nodes_form_a_cluster_survive_a_crash_and_converge(tmp_path: Path) -> None:
     world = World(7, tmp_path)

@@ -368,6 +368,7 @@ class SimTransport(_End, asyncio.Transport):
         self._paused = False
         self._pending: deque[bytes] = deque()
         self._lost = False
+        self._eof_written = False
 
     # network side
     def _deliver(self, data: bytes) -> None:
@@ -412,8 +413,20 @@ class SimTransport(_End, asyncio.Transport):
             self.loop.call_soon(self._lose, None)
 
     def write(self, data: Any) -> None:
-        if not self.closed:
+        if not self.closed and not self._eof_written:
             self.conn.send(self, bytes(data))
+
+    # A half-close, as TCP's shutdown(SHUT_WR): the peer reads what was written, then EOF; this
+    # side still reads (a draining node closes connections so: Connection.close_after_goodbye).
+    # Without it a drained 3.1.1 client saw no end until the node closed the socket for good
+    # (seed 74186: 4.3 s later, a stale_owner production's FIN would not have shown).
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        if not self.closed and not self._eof_written:
+            self._eof_written = True
+            self.conn.send(self, None)
 
     def writelines(self, list_of_data: Any) -> None:
         self.write(b"".join(bytes(d) for d in list_of_data))
