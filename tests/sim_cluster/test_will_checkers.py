@@ -1,5 +1,6 @@
 """Wills owed (docs/verification.md, "Wills"): the simulator's checkers report a due will that a
-durable subscription was owed and never got (``will_lost``, reported, not failing)."""
+durable subscription was owed and never got (``will_lost``, reported), and fail it
+(``will_not_published``) where nothing excuses it."""
 
 from __future__ import annotations
 
@@ -58,3 +59,57 @@ def test_no_will_owed_when_delivered_discarded_unknown_or_at_qos0() -> None:
     assert _wills_lost(history("clean", end="clean")) == set()  # DISCONNECT: never published
     assert _wills_lost(history("lost", end="lost")) == set()  # the client cannot tell who ended it
     assert _wills_lost(history("qos0", granted=0)) == set()
+
+
+def simulator_history(run: str, *, end: str, crash_at_s: float, end_after_s: float,
+                      healed_at_s: float | None = None) -> list[dict[str, Any]]:
+    """A simulator's history (fault records present): ``will1``'s connection ends as ``end`` says
+    while its node crashes ``crash_at_s`` after that; the history goes on ``end_after_s``."""
+    rows = [r for r in history(run, end=end) if not (r["session"] == "s1" and r["op"] == "disconnect")]
+    t_end = rows[-1]["mono_ns"]
+
+    def fault(at_ns: int, reason: str) -> dict[str, Any]:
+        return {"run": run, "index": 0, "type": "fault", "op": "fault", "process": "harness", "node": "n1",
+                "reason": reason, "mono_ns": at_ns}
+
+    rows.append(fault(t_end + int(crash_at_s * 1e9), "crash"))
+    if healed_at_s is not None:
+        rows.append(fault(t_end + int(healed_at_s * 1e9), "healed"))
+    rows.append({"run": run, "index": 0, "type": "ok", "op": "disconnect", "session": "s1", "process": "s1",
+                 "mono_ns": t_end + int(end_after_s * 1e9)})
+    for i, r in enumerate(rows):
+        r["index"] = i
+    return rows
+
+
+def _kinds(rows: list[dict[str, Any]]) -> set[str]:
+    return {v.kind for v in analyze_history(rows).violations}
+
+
+def test_in_a_simulator_history_a_lost_connection_owes_its_will_once_there_was_time() -> None:
+    # The connection was lost (its node crashed, say): no DISCONNECT was processed, so the will is
+    # owed; the session shard's leader publishes it once the owner's lease ran out, whatever node
+    # leads it, so with the faults healed long before the end nothing excuses it.
+    rows = simulator_history("lost-late", end="lost", crash_at_s=0.001, healed_at_s=2.0, end_after_s=30.0)
+    assert _kinds(rows) == {"will_not_published"}
+    assert "will_not_published" in {v.kind for v in check_history(rows)}
+    # Near the end, before the lease could have run out: reported, not failed.
+    rows = simulator_history("lost-near-end", end="lost", crash_at_s=0.001, healed_at_s=2.0, end_after_s=5.0)
+    assert _kinds(rows) == {"will_lost"}
+    assert check_history(rows) == []
+
+
+def test_in_a_simulator_history_an_abrupt_end_beside_a_crash_owes_its_will_too() -> None:
+    # Formerly excused (a crash 1 ms after the end): a will whose node dies before its close
+    # committed is published from the lease lapse, so only a history ending too soon excuses it.
+    rows = simulator_history("abrupt", end="abrupt", crash_at_s=0.001, healed_at_s=3.0, end_after_s=25.0)
+    assert _kinds(rows) == {"will_not_published"}
+    rows = simulator_history("abrupt-soon", end="abrupt", crash_at_s=0.001, healed_at_s=3.0, end_after_s=10.0)
+    assert _kinds(rows) == {"will_lost"}
+    # Delivered: nothing owed.
+    rows = simulator_history("delivered", end="abrupt", crash_at_s=0.001, healed_at_s=3.0, end_after_s=25.0)
+    rows.insert(-1, {"run": "delivered", "index": 0, "type": "ok", "op": "deliver", "session": "s1", "process": "s1",
+                     "guid": W1, "topic": "w/will1", "qos": 1, "packet_id": 1, "mono_ns": rows[-2]["mono_ns"] + 1})
+    for i, r in enumerate(rows):
+        r["index"] = i
+    assert "will_not_published" not in _kinds(rows) and "will_lost" not in _kinds(rows)

@@ -46,11 +46,12 @@ Beyond verify (``EXTRA_KINDS``):
 
 Reported, not failing (``EXTRA_REPORTED_KINDS``):
 - *will_lost*: a will that was due (its client ended the connection without DISCONNECT, recorded
-  ``info disconnect`` with a reason starting "ended without DISCONNECT") and was owed to a durable
-  subscription (SUBACK before that end, filter matching, QoS > 0 on both sides; one delivery per
-  ``$share`` group), never delivered to it. Reported only: the history does not record node
-  crashes, and a will whose node crashed before the connection's end was committed is not
-  published (docs/verification.md, "Wills").
+  ``info disconnect`` with a reason starting "ended without DISCONNECT"; in a simulator history,
+  any connection lost without a DISCONNECT processed) and was owed to a durable subscription
+  (SUBACK before that end, filter matching, QoS > 0 on both sides; one delivery per ``$share``
+  group), never delivered to it. Failing as *will_not_published* when nothing excuses it: no fault
+  near it, or it was due (or the faults healed) ``WILL_OWED_WITHIN_S`` before the history ends
+  (docs/verification.md, "Wills").
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ HEALED = "healed"
 WILL_FAULT_BEFORE_S = 16.0  # a fault this long before a will was due may still be in force (pause 14 s)
 WILL_FAULT_AFTER_S = 5.0  # ... and one this soon after may hold up its close (the client reconnects in 1-3 s)
 WILL_SETTLE_S = 3.0  # after HEALED: elections and resends settle
+# A will owed however its connection ended (its node crashed, paused or cut off included) is
+# published within this long of its end or of the final heal, whichever is later: the session
+# shard's leader ends a session whose owner's lease ran out (session.owner_lease_s, 10 s at most
+# in the simulator, plus LEASE_LAPSE_GRACE_MS and a housekeeping round) and publishes what it owes.
+WILL_OWED_WITHIN_S = 14.0
+WILL_DELAYED = "closed without DISCONNECT, will delayed"  # info disconnect: resumed within the will delay
 EXTRA_KINDS: tuple[str, ...] = ("double_owner", "stale_owner", "session_lost", "resend_without_dup", "stuck",
                                  "delivery_limit_exceeded", "dead_letter_lost", "will_not_published")
 EXTRA_REPORTED_KINDS: tuple[str, ...] = ("will_lost",)
@@ -799,9 +806,16 @@ class _RunCheck:
         return pauses
 
     def _wills(self) -> None:
-        """Wills owed: due (the client ended its connection without DISCONNECT) and matching a live,
-        drained subscription subscribed before that end (docs/verification.md, "Wills")."""
+        """Wills owed: due (the connection ended without a DISCONNECT the node processed) and
+        matching a live, drained subscription subscribed before that end (docs/verification.md,
+        "Wills")."""
         pending: dict[tuple[str, Any], dict[str, Any]] = {}  # (session, process) -> will of its connection
+        faults = [r["mono_ns"] for r in self.ev if r.get("op") == "fault" and r.get("reason") in WILL_FAULTS]
+        healed = [r["mono_ns"] for r in self.ev if r.get("op") == "fault" and r.get("reason") == HEALED]
+        # Judged (failing when lost) only with fault records to judge by; a history without any
+        # (a real cluster's) keeps will_lost reported only, and there a lost connection owes
+        # nothing: the client cannot tell whether the node had read a DISCONNECT it sent.
+        judge = bool(faults or healed)
         due: list[tuple[dict[str, Any], int]] = []
         for r in self.ev:
             s = r.get("session")
@@ -815,25 +829,30 @@ class _RunCheck:
                 pending.pop(key, None)  # the CONNECT carrying the will was refused
             elif op == "disconnect" and key in pending:
                 will = pending.pop(key)
-                if typ == "info" and (r.get("reason") or "").startswith(WILL_DUE):
+                reason = r.get("reason") or ""
+                if typ != "info" or reason.startswith(WILL_DELAYED):
+                    continue  # a DISCONNECT sent (its will discarded, or unknown), or a delayed will
+                if reason.startswith(WILL_DUE) or judge:
+                    # The client's abrupt end, or (simulator) its connection lost: a reset, its
+                    # node's crash, the node's own close. No DISCONNECT was processed either way.
                     due.append((will, r["mono_ns"]))
         delivered_by: dict[str, set[str]] = defaultdict(set)
         for e in self.first:
             if e.get("guid") is not None:
                 delivered_by[e.get("guid")].add(e.sub)
                 delivered_by[e.get("guid")].add(e.session)
-        faults = [r["mono_ns"] for r in self.ev if r.get("op") == "fault" and r.get("reason") in WILL_FAULTS]
-        healed = [r["mono_ns"] for r in self.ev if r.get("op") == "fault" and r.get("reason") == HEALED]
         calm_from = healed[-1] + int(WILL_SETTLE_S * 1e9) if healed else END_OF_TIME
         before_ns, after_ns = int(WILL_FAULT_BEFORE_S * 1e9), int(WILL_FAULT_AFTER_S * 1e9)
-        # Judged (failing when lost) only with fault records to judge by (a history without any,
-        # e.g. a real cluster's, keeps will_lost reported only): due in a stretch no fault touched,
-        # or once everything healed.
-        judge = bool(faults or healed)
+        end_ns = self.ev[-1]["mono_ns"] if self.ev else 0
+        heal_ns = healed[-1] if healed else END_OF_TIME
+        within_ns = int(WILL_OWED_WITHIN_S * 1e9)
         lost = 0
         for will, due_ns in due:
+            # Due in a stretch no fault touched, or once everything healed; or, whatever faults
+            # came near it, with time left for the session shard to end the session and publish.
             calm = judge and (due_ns >= calm_from or not any(
                 due_ns - before_ns <= t <= due_ns + after_ns for t in faults))
+            owed_by_now = judge and max(due_ns, heal_ns) + within_ns <= end_ns
             g, topic, qos = will["guid"], will.get("topic"), will.get("qos") or 0
             owed: dict[str, _SubRow] = {}
             for row in self.subs:
@@ -851,10 +870,12 @@ class _RunCheck:
                     got = bool(delivered_by.get(g, set()) & self.members[(row.share_group, row.filter)])
                 if not got:
                     lost += 1
-                    self.flag("will_not_published" if calm else "will_lost",
+                    why = ", no fault near it" if calm else (", the faults healed long before the end"
+                                                             if owed_by_now else "")
+                    self.flag("will_not_published" if calm or owed_by_now else "will_lost",
                               f"will of {will.get('session')} due at its connection's end "
-                              f"({(due_ns - self.ev[0]['mono_ns']) / 1e9:.3f} s"
-                              f"{', no fault near it' if calm else ''}), never delivered", g, who, topic)
+                              f"({(due_ns - self.ev[0]['mono_ns']) / 1e9:.3f} s{why}), never delivered",
+                              g, who, topic)
         self.counts["wills_due"] += len(due)
         self.counts["wills_lost"] += lost
 

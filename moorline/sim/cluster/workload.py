@@ -67,6 +67,7 @@ from moorline.mqtt.packets import (
     Will,
 )
 from moorline.mqtt.topics import matches
+from moorline.sim.cluster.checkers import WILL_DELAYED
 from moorline.sim.cluster.mqtt_client import CLOSED_BY_BROKER, Changed, ClientClosed, ClientConnection
 from moorline.sim.cluster.vloop import VirtualLoop
 from moorline.sim.cluster.vnet import HostNetwork
@@ -84,7 +85,6 @@ WILL_DISCARDED = "will discarded: clean DISCONNECT processed"
 # and resumes the session (clean start 0) well within the delay, so the will must never be
 # published (MQTT 5 3.1.3.2.2: the session resumed before the delay ran out). The end is not
 # "will due" (checkers.WILL_DUE): the will is owed only if nothing resumes the session in time.
-WILL_DELAYED = "closed without DISCONNECT, will delayed"
 WILL_CANCELLED = "will cancelled: session resumed within its will delay"
 WILL_DELAY_S = 4  # the delayed wills' will delay interval (s)
 WILL_SESSION_EXPIRY_S = 30  # their session's expiry: the session outlives the delay
