@@ -83,8 +83,9 @@ NO_GUID = "no_guid"  # detail of a publish sent without a guid user property
 WILL_DISCARDED = "will discarded: clean DISCONNECT processed"
 # A delayed will (MQTT 5 will delay interval): the client ends its connection without DISCONNECT
 # and resumes the session (clean start 0) well within the delay, so the will must never be
-# published (MQTT 5 3.1.3.2.2: the session resumed before the delay ran out). The end is not
-# "will due" (checkers.WILL_DUE): the will is owed only if nothing resumes the session in time.
+# published (MQTT 5 3.1.3.2.2: the session resumed before the delay ran out). The end, recorded
+# with reason checkers.WILL_DELAYED, is not "will due" (checkers.WILL_DUE): the will is owed only
+# if nothing resumes the session in time.
 WILL_CANCELLED = "will cancelled: session resumed within its will delay"
 WILL_DELAY_S = 4  # the delayed wills' will delay interval (s)
 WILL_SESSION_EXPIRY_S = 30  # their session's expiry: the session outlives the delay
