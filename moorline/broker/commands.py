@@ -1,18 +1,21 @@
 """Replicated commands: what a shard's Raft log carries. One log entry holds a batch of them.
 
-Every command is a tagged msgspec struct; the entry is ``EntryBatch(version, commands)`` so the
-format can evolve behind a feature level (docs/design.md, "Determinism"). Times inside commands are
-stamped by the leader's host (a forwarded entry is restamped, ``restamp_entry``); apply never
+Every command is a tagged msgspec struct; the entry is a fixed head (version, stamp) and
+``EntryBatch(version, commands)`` so the format can evolve behind a feature level (docs/design.md,
+"Determinism"). Times inside commands are stamped by the leader's host (a forwarded entry is
+restamped in its head, ``restamp_entry``, and decoding gives its commands that time); apply never
 reads a clock.
 """
 
 from __future__ import annotations
 
+import typing
+
 import msgspec
 
 from moorline.broker.messages import StoredMessage
 
-ENTRY_VERSION = 1
+ENTRY_VERSION = 2  # an entry starts with a head (ENTRY_HEAD_BYTES); version 1, without one, still decodes
 SHARE_PREFIX = "$share\x00"  # registration keys of $share groups: "$share\0GROUP\0FILTER"
 
 
@@ -440,37 +443,108 @@ class EntryBatch(msgspec.Struct, array_like=True, frozen=True):
     seq: int = 0
 
 
+class EntryHead(msgspec.Struct, array_like=True, frozen=True):
+    """An entry's proposal id, decoded without its commands (msgspec.Raw is not parsed)."""
+
+    version: int
+    commands: msgspec.Raw
+    origin: int = 0
+    boot: int = 0
+    seq: int = 0
+
+
+# An entry of version 2 is a fixed head, then the msgpack EntryBatch (its version 2 too):
+#   byte 0      ENTRY_VERSION
+#   bytes 1-8   the leader's stamp, unsigned big-endian: the time every command of the entry is
+#               applied with (``Publish.msg.ts_ms``, every other command's ``ts_ms``), or
+#               UNSTAMPED: the commands keep the times they carry (a leader's own proposal).
+# A leader restamps a forwarded entry by copying it with those 8 bytes replaced (``restamp_entry``),
+# never decoding it; decoding gives every command the stamp. An entry of version 1 (written before)
+# is the EntryBatch alone: its first byte is a msgpack array's, never ENTRY_VERSION.
+ENTRY_HEAD_BYTES = 9
+UNSTAMPED = (1 << 64) - 1
+_MAX_STAMP = UNSTAMPED - 1
+_UNSTAMPED_HEAD = bytes([ENTRY_VERSION]) + UNSTAMPED.to_bytes(8, "big")
+_ARRAY_HEADS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}  # msgpack fixarray, array 16, array 32
+LEGACY_ENTRY_VERSION = 1
+# The commands a stamp sets the time of (Publish: its message's ts_ms).
+_TIMED = frozenset(t for t in typing.get_args(Command) if "ts_ms" in t.__struct_fields__)
+
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(EntryBatch)
+_head_dec = msgspec.msgpack.Decoder(EntryHead)
+_force_setattr = msgspec.structs.force_setattr
 
 
 def encode_entry(commands: list[Command], origin: int = 0, boot: int = 0, seq: int = 0) -> bytes:
-    return _enc.encode(EntryBatch(ENTRY_VERSION, commands, origin, boot, seq))
+    """A proposal, unstamped: its commands keep their times (a leader's own, or restamped when forwarded)."""
+    return _UNSTAMPED_HEAD + _enc.encode(EntryBatch(ENTRY_VERSION, commands, origin, boot, seq))
 
 
 def restamp_entry(data: bytes, now_ms: int) -> bytes:
     """A forwarded entry with every time in it replaced by ``now_ms``, the leader's: replicated
     time (lease ends, expiry, de-duplication windows, message times) moves only with the leaders'
-    clocks, never with a forwarding node's, which may be skewed."""
-    batch = decode_batch(data)
-    for cmd in batch.commands:
-        if type(cmd) is Publish:
-            if cmd.msg.ts_ms != now_ms:
-                cmd.msg = msgspec.structs.replace(cmd.msg, ts_ms=now_ms)
-        elif hasattr(cmd, "ts_ms"):
+    clocks, never with a forwarding node's, which may be skewed. A copy with the stamp replaced;
+    an entry of version 1 (a node of an earlier version forwarded it) is decoded, restamped and
+    encoded again as version 1."""
+    if not 0 <= now_ms <= _MAX_STAMP:
+        raise ValueError(f"a stamp of {now_ms} ms is out of range")
+    if data[:1] == _UNSTAMPED_HEAD[:1]:
+        if len(data) < ENTRY_HEAD_BYTES:
+            raise ValueError(f"an entry of {len(data)} bytes is shorter than its head")
+        return b"".join((data[:1], now_ms.to_bytes(8, "big"), data[ENTRY_HEAD_BYTES:]))
+    batch = decode_batch(data)  # version 1 (or a clear error)
+    _stamp(batch.commands, now_ms)
+    return _enc.encode(EntryBatch(LEGACY_ENTRY_VERSION, batch.commands, batch.origin, batch.boot, batch.seq))
+
+
+def _stamp(commands: list[Command], now_ms: int) -> None:
+    """Every time in ``commands`` set to ``now_ms``; they were just decoded, so nothing else holds
+    them yet (a StoredMessage is frozen once it leaves here)."""
+    timed = _TIMED
+    for cmd in commands:
+        t = type(cmd)
+        if t is Publish:
+            _force_setattr(cmd.msg, "ts_ms", now_ms)  # type: ignore[union-attr]
+        elif t in timed:
             cmd.ts_ms = now_ms  # type: ignore[union-attr]
-    return encode_entry(batch.commands, batch.origin, batch.boot, batch.seq)
+
+
+def _body(data: bytes) -> tuple[memoryview | bytes, int, int]:
+    """An entry's msgpack EntryBatch, its stamp (UNSTAMPED for version 1) and the version it must name."""
+    if not data:
+        raise ValueError("an empty entry")
+    first = data[0]
+    if first == ENTRY_VERSION:
+        if len(data) < ENTRY_HEAD_BYTES:
+            raise ValueError(f"an entry of {len(data)} bytes is shorter than its head")
+        return memoryview(data)[ENTRY_HEAD_BYTES:], int.from_bytes(data[1:ENTRY_HEAD_BYTES], "big"), ENTRY_VERSION
+    if first in _ARRAY_HEADS:
+        return data, UNSTAMPED, LEGACY_ENTRY_VERSION
+    raise ValueError(f"unsupported entry version {first}")
 
 
 def decode_batch(data: bytes) -> EntryBatch:
-    batch = _dec.decode(data)
-    if batch.version != ENTRY_VERSION:
+    """An entry of version 2 or 1, every time in it the leader's stamp when it has one."""
+    body, stamp, version = _body(data)
+    batch = _dec.decode(body)
+    if batch.version != version:
         raise ValueError(f"unsupported entry version {batch.version}")
+    if stamp != UNSTAMPED:
+        _stamp(batch.commands, stamp)
     return batch
 
 
 def decode_entry(data: bytes) -> list[Command]:
-    batch = _dec.decode(data)
-    if batch.version != ENTRY_VERSION:
-        raise ValueError(f"unsupported entry version {batch.version}")
-    return batch.commands
+    return decode_batch(data).commands
+
+
+def decode_head(data: bytes) -> EntryHead:
+    """An entry's proposal id (origin, boot, seq), its commands not decoded."""
+    return _head_dec.decode(_body(data)[0])
+
+
+def entry_stamp(data: bytes) -> int | None:
+    """The leader's stamp of an entry, None when its commands keep their own times."""
+    stamp = _body(data)[1]
+    return None if stamp == UNSTAMPED else stamp

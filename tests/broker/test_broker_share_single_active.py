@@ -85,7 +85,7 @@ def test_version_4_snapshots_still_restore() -> None:
 
 
 def test_old_log_entries_decode_with_the_defaults() -> None:
-    old = c._enc.encode(c.EntryBatch(c.ENTRY_VERSION, [c.ShareClaim(KEY, "a", (1,), 1)]))
+    old = c._enc.encode(c.EntryBatch(c.LEGACY_ENTRY_VERSION, [c.ShareClaim(KEY, "a", (1,), 1)]))
     # an entry written before ts_ms existed: the same array one element shorter
     import msgspec
 
@@ -93,7 +93,7 @@ def test_old_log_entries_decode_with_the_defaults() -> None:
     raw[1][0] = raw[1][0][:-1]
     (cmd,) = c.decode_entry(msgspec.msgpack.encode(raw))
     assert isinstance(cmd, c.ShareClaim) and cmd.ts_ms == 0
-    raw_reg = msgspec.msgpack.decode(c._enc.encode(c.EntryBatch(c.ENTRY_VERSION, [
+    raw_reg = msgspec.msgpack.decode(c._enc.encode(c.EntryBatch(c.LEGACY_ENTRY_VERSION, [
         c.Register(0, KEY, "", 1, "jobs/#", 1, share_group="g")])))
     raw_reg[1][0] = raw_reg[1][0][:-3]
     (reg,) = c.decode_entry(msgspec.msgpack.encode(raw_reg))

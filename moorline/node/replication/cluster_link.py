@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from moorline.broker.commands import decode_head
 from moorline.cluster import (
     ClusterTransport,
     Heartbeats,
@@ -70,19 +71,6 @@ REFUSAL_LOG_INTERVAL_S = 60.0  # a peer's refused frames are logged at most this
 _fwd_enc = msgspec.msgpack.Encoder()
 _fwd_dec = msgspec.msgpack.Decoder(tuple[int, list[bytes]])
 _member_dec = msgspec.msgpack.Decoder(dict[str, Any])
-
-
-class _EntryOrigin(msgspec.Struct, array_like=True, frozen=True):
-    """A forwarded entry's proposal id (commands.EntryBatch), read without its commands."""
-
-    version: int
-    commands: msgspec.Raw
-    origin: int = 0
-    boot: int = 0
-    seq: int = 0
-
-
-_origin_dec = msgspec.msgpack.Decoder(_EntryOrigin)
 
 
 class ForgedSender(ValueError):
@@ -384,7 +372,7 @@ class ClusterLink:
                     # Only a node's own proposals are forwarded (ShardHost.check_leader): an entry
                     # naming another origin would move that node's admission (ShardState.admit).
                     for data in entries:
-                        origin = _origin_dec.decode(data).origin
+                        origin = decode_head(data).origin  # its commands not decoded
                         if origin != peer_id:
                             raise ForgedSender(f"a forwarded entry of origin {origin!r}")
                     if self.on_forward is not None:

@@ -11,8 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from moorline import coverage
 from moorline.broker import commands as c
 from moorline.broker.shard import MAX_BOOT_JUMP
@@ -104,19 +102,6 @@ class _Own:
     sent_tick: int = 0
 
 
-class EntryHead(msgspec.Struct, array_like=True, frozen=True):
-    """An entry's proposal id, decoded without its commands (msgspec.Raw is not parsed)."""
-
-    version: int
-    commands: msgspec.Raw
-    origin: int = 0
-    boot: int = 0
-    seq: int = 0
-
-
-head_decoder = msgspec.msgpack.Decoder(EntryHead)
-
-
 class Proposer:
     """The proposals of this node to one shard (``ShardHost.proposer``)."""
 
@@ -139,6 +124,10 @@ class Proposer:
         # in order, until the log takes them (propose_held) or another leader is handed them all.
         self.held_from: int | None = None
         self._stamp_ms = 0  # the latest time this replica stamped forwarded entries with, as leader
+        # Forwarded entries this leader put into its log, as it decoded them (checking them) for
+        # its own apply: (origin, boot, seq) -> (entry, commands). At most max_pending_proposals
+        # (the oldest go; an entry not found here is decoded at apply like anywhere else).
+        self._forwarded: dict[tuple[int, int, int], tuple[bytes, list[c.Command]]] = {}
         self._forgotten: dict[int, _Own] = {}  # Faults.forwarder_drops_on_leader_change: never resent
 
     def propose(self, cmd: c.Command, want_result: bool = True) -> asyncio.Future[Any] | None:
@@ -236,14 +225,33 @@ class Proposer:
         proposes it). Returns how many, from the first, the log took."""
         if not self.host.raft.is_leader or self.host.failed is not None:
             return 0
-        # The leader's time, never decreasing, replaces the proposer's in every command.
+        # The leader's time, never decreasing, replaces the proposer's in every command: in the
+        # entry's head (a copy, nothing re-encoded), which every replica's decode gives its commands.
         self._stamp_ms = stamp = max(self._stamp_ms, self.host.hooks.now_ms())
+        forwarded = self._forwarded
         for i, data in enumerate(entries):
+            stamped = c.restamp_entry(data, stamp)
+            # Decoded once, as every replica will: an entry no replica could decode never enters the
+            # log (the error refuses the peer's frame), and this replica's apply takes the commands.
+            batch = c.decode_batch(stamped)
             try:
-                self.host.raft.propose(c.restamp_entry(data, stamp))
+                self.host.raft.propose(stamped)
             except ProposalDropped:
                 return i  # the origin resends after resend_after_ticks
+            if len(forwarded) >= self.max_pending_proposals:
+                del forwarded[next(iter(forwarded))]
+            forwarded[(batch.origin, batch.boot, batch.seq)] = (stamped, batch.commands)
         return len(entries)
+
+    def take_forwarded(self, head: c.EntryHead, data: bytes) -> list[c.Command] | None:
+        """The commands of a forwarded entry this leader decoded when it put ``data`` into its log
+        (None: not one of those, or another copy of its proposal)."""
+        if not self._forwarded:
+            return None
+        kept = self._forwarded.pop((head.origin, head.boot, head.seq), None)
+        if kept is None or not (kept[0] is data or kept[0] == data):
+            return None
+        return kept[1]
 
     def propose_held(self) -> None:
         """Our proposals from the one our log refused: into it, in order, as far as it takes them."""
@@ -351,7 +359,7 @@ class Proposer:
         for e in entries:
             if e.type != EntryType.NORMAL or not e.data:
                 continue
-            head = head_decoder.decode(e.data)
+            head = c.decode_head(e.data)
             own = self._own.get(head.seq) if (head.origin, head.boot) == (self.node_id, self.boot) else None
             if own is None:
                 continue
@@ -389,7 +397,7 @@ class Proposer:
                 size += est
             self._propose_entry(cmds[start:], futs[start:])
 
-    def take_own(self, head: EntryHead) -> _Own | None:
+    def take_own(self, head: c.EntryHead) -> _Own | None:
         """Our proposal an entry of the log carries, taken for its apply (None: not ours, or not of this boot)."""
         return (self._own.pop(head.seq, None) or self._forgotten.pop(head.seq, None)
                 if head.origin == self.node_id and head.boot == self.boot else None)

@@ -37,7 +37,6 @@ from moorline.node.replication.proposer import (
     GroupEnd,
     Proposer,
     Waiter,
-    head_decoder,
     resolve_waiter,
 )
 from moorline.node.replication.proposer import Callback as Callback
@@ -279,7 +278,8 @@ class ShardHost:
         if e.type != EntryType.NORMAL or not e.data:  # a configuration change, a leader's no-op
             self.state.applied_index = e.index
             return
-        head = head_decoder.decode(e.data)
+        head = c.decode_head(e.data)
+        forwarded = self.proposer.take_forwarded(head, e.data)  # decoded when this leader logged it
         if not self.state.admit(head.origin, head.boot, head.seq):
             self.state.applied_index = e.index  # a proposal resent to a new leader, applied before
             if head.origin == self.node_id:
@@ -294,7 +294,7 @@ class ShardHost:
             cmds = own.commands if e.data is own.data or e.data == own.data else c.decode_entry(e.data)
             self._apply_commands(e.index, cmds, own.futures)
             return
-        cmds = c.decode_entry(e.data)  # recovery, or an entry another member proposed
+        cmds = forwarded if forwarded is not None else c.decode_entry(e.data)  # recovery, or another member's
         none: list[Waiter] = [None] * len(cmds)
         self._apply_commands(e.index, cmds, none)
 
