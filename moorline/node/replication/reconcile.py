@@ -50,6 +50,14 @@ the most loaded node votes and the joined node is a caught-up learner gets it as
 removes the voter of the most loaded node there that does not lead it (a shard above target only
 because of a rebalance: one an operator grew by hand is left as it is), and the round after adds it
 back as a learner (the Raft core has no demotion: a voter is removed, then added as a learner).
+A rebalance never leaves two of a shard's voters in one zone: a joined node whose zone has a voter
+there takes that voter's place (the trim removes the zone's second voter first), or none.
+
+**Zone repair** (the bootstrap placement knows no zones; a node's zone reaches the member table when
+it announces it): a shard at target two of whose voters share a zone, all of them live, gets a
+caught-up learner of a zone it has no voter in (a promotion with origin ``rebalance``), and the trim
+then removes one of the two. Each repair takes one duplicate away, so it ends; with too few zones
+nothing moves.
 """
 
 from __future__ import annotations
@@ -174,6 +182,42 @@ def _grow(g: GroupView, counted: list[MemberId], by_member: dict[MemberId, NodeV
                        f"shard {g.shard} has {len(counted)} of {g.target} voters")
 
 
+def _shares_zone(node: NodeView, voters: tuple[MemberId, ...], by_member: dict[MemberId, NodeView]) -> bool:
+    """Whether another of ``voters`` is in ``node``'s zone (never for a node without a zone)."""
+    return bool(node.zone) and any(v != node.member_id and v in by_member and by_member[v].zone == node.zone
+                                   for v in voters)
+
+
+def _zone_repair(g: GroupView, by_member: dict[MemberId, NodeView], eligible: list[NodeView],
+                 voters_of: dict[str, int], touched: set[int], settings: PlanSettings) -> PlannedMove | None:
+    """A voter in an unused zone for ``g`` when two of its voters share one (2d), or None."""
+    if g.busy or g.shard in touched or g.target is None or g.meta or g.stale or len(g.voters) != g.target:
+        return None
+    if any(v not in by_member or by_member[v].state != "active" or not by_member[v].live for v in g.voters):
+        return None  # (as a rebalance: never a voter more while one of them is down or going)
+    voters = [by_member[v] for v in g.voters]
+    if not any(_shares_zone(n, g.voters, by_member) for n in voters):
+        return None
+    zones_used = {n.zone for n in voters}
+    candidates = []
+    for n in eligible:
+        if not n.zone or n.zone in zones_used or n.member_id not in g.learners:
+            continue
+        lag = None if g.lag is None else g.lag.get(n.member_id)
+        if g.lag is not None and not settings.promote_unchecked and (lag is None or lag > settings.promote_lag_entries):
+            continue
+        key = (voters_of.get(n.name, 0), settings.leaderships.get(n.name, 0),
+               guid128("zone", settings.cluster_key, g.shard, n.name), n.name)
+        candidates.append((key, n))
+    if not candidates:
+        return None
+    _, best = min(candidates, key=lambda kv: kv[0])
+    dup = sorted({n.zone for n in voters if _shares_zone(n, g.voters, by_member)})
+    return PlannedMove(g.shard, "promote", best.name, best.member_id,
+                       f"two voters of shard {g.shard} are in zone {dup[0]}; {best.name} is in zone {best.zone}, "
+                       "which has none", "rebalance")
+
+
 def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings) -> list[PlannedMove]:
     by_member = {n.member_id: n for n in nodes}
     live = {n.member_id for n in nodes if n.live and n.state not in GONE_STATES}
@@ -233,7 +277,8 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
                    and live_majority_after_removal(g.voters, v, live)]
         if not surplus:
             continue
-        drop = min(surplus, key=lambda n: (-voters_of.get(n.name, 0), n.name))
+        # (a voter sharing its zone with another goes first: a zone repair's surplus is its duplicate)
+        drop = min(surplus, key=lambda n: (not _shares_zone(n, g.voters, by_member), -voters_of.get(n.name, 0), n.name))
         out.append(PlannedMove(g.shard, "remove", drop.name, drop.member_id,
                                f"shard {g.shard} is above target after a rebalance; {drop.name} votes in "
                                f"{voters_of.get(drop.name, 0)} shards", "rebalance"))
@@ -327,9 +372,14 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
                             lag is None or lag > settings.promote_lag_entries):
                         continue
                     # the node that would give the voter up: the most loaded that does not lead the shard
-                    # (the trim after the promotion removes no leader)
-                    heavy = max((by_member[v] for v in g.voters if v[0] != g.leader),
-                                key=lambda n: (voters_of.get(n.name, 0), n.name), default=None)
+                    # (the trim after the promotion removes no leader), or the one voter in u's zone
+                    # (the trim removes the one of a zone's two that votes in more shards: that one)
+                    same_zone = [by_member[v] for v in g.voters if u.zone and by_member[v].zone == u.zone]
+                    if len(same_zone) > 1 or (same_zone and same_zone[0].node_id == g.leader):
+                        continue  # it would leave two of the shard's voters in one zone
+                    heavy = same_zone[0] if same_zone else max(
+                        (by_member[v] for v in g.voters if v[0] != g.leader),
+                        key=lambda n: (voters_of.get(n.name, 0), n.name), default=None)
                     if heavy is None:
                         continue
                     if voters_of.get(heavy.name, 0) <= share:
@@ -347,6 +397,20 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
                 voters_of[heavy.name] -= 1
                 touched.add(g.shard)
                 budget -= 1
+
+    # 2d. Zone repair: a shard two of whose voters share a zone, while a caught-up learner on a live
+    #     node of a zone none of its voters is in exists, gets that learner as a voter (a promotion
+    #     with origin "rebalance"); the trim (1b) then removes one of the two. Initial placement
+    #     knows no zones, and a node's zone reaches the member table only once it announces it.
+    for g in ordered:
+        if budget <= 0:
+            break
+        move = _zone_repair(g, by_member, eligible, voters_of, touched, settings)
+        if move is not None:
+            out.append(move)
+            voters_of[move.node] = voters_of.get(move.node, 0) + 1
+            touched.add(g.shard)
+            budget -= 1
 
     # 3. Clean up: learners on gone or leaving nodes.
     for g in ordered:
