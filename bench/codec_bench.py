@@ -1,7 +1,9 @@
-"""Micro-benchmark of the MQTT codec hot paths: µs per PUBLISH decoded / encoded.
+"""Micro-benchmark of the MQTT codec hot paths: µs per PUBLISH decoded / encoded; and of the
+replicated entry codec: µs per forwarded entry restamped by a leader, decoded by a replica.
 
-Run: ``python -m bench.codec_bench`` (or ``python bench/codec_bench.py``). Prints one line per
-case: the best of several repeats, so a busy shared machine inflates numbers less.
+Run: ``python -m bench.codec_bench`` (or ``python bench/codec_bench.py``); ``python -m
+bench.codec_bench restamp`` runs only the entry cases. Prints one line per case: the best of
+several repeats, so a busy shared machine inflates numbers less.
 """
 
 from __future__ import annotations
@@ -11,8 +13,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from moorline.broker import commands as c  # noqa: E402
+from moorline.broker.messages import StoredMessage  # noqa: E402
 from moorline.mqtt.codec import (  # noqa: E402
     Decoder,
     encode,
@@ -70,7 +76,66 @@ def bench_publish(version: int, qos: int, props: Properties) -> None:
         lambda: state.encode_publish(TOPIC, tb, PAYLOAD, qos, False, False, pid, body), 1, calls=20000))
 
 
+# --- replicated entries: a leader's restamp of a forwarded entry ------------------------------
+
+_v1_dec = msgspec.msgpack.Decoder(c.EntryBatch)
+_v1_enc = msgspec.msgpack.Encoder()
+
+
+def _old_decode(data: bytes) -> list[c.Command]:
+    """d8cc58a's decode_entry (version 1, no head)."""
+    batch = _v1_dec.decode(data)
+    if batch.version != 1:
+        raise ValueError(f"unsupported entry version {batch.version}")
+    return batch.commands
+
+
+def _old_restamp(data: bytes, now_ms: int) -> bytes:
+    """d8cc58a's restamp_entry: the whole batch decoded, every time rewritten, encoded again."""
+    batch = _v1_dec.decode(data)
+    if batch.version != 1:
+        raise ValueError(f"unsupported entry version {batch.version}")
+    for cmd in batch.commands:
+        if type(cmd) is c.Publish:
+            if cmd.msg.ts_ms != now_ms:
+                cmd.msg = msgspec.structs.replace(cmd.msg, ts_ms=now_ms)
+        elif hasattr(cmd, "ts_ms"):
+            cmd.ts_ms = now_ms  # type: ignore[union-attr]
+    return _v1_enc.encode(c.EntryBatch(1, batch.commands, batch.origin, batch.boot, batch.seq))
+
+
+def bench_restamp(count: int = 16, payload: int = 100) -> None:
+    """A typical forwarded entry: ``count`` QoS 1 PUBLISHes of ``payload`` bytes (one client's read)."""
+    now = 1_700_000_000_000
+    cmds: list[c.Command] = [
+        c.Publish(StoredMessage(f"bench/sensor/{i:04d}/temperature", bytes([i]) * payload, 1, False,
+                                i.to_bytes(16, "big"), now + 3_600_000, origin="client-0042"), principal="user")
+        for i in range(count)]
+    old = _v1_enc.encode(c.EntryBatch(1, cmds, 2, 1, 7))  # d8cc58a's encode_entry
+    new = c.encode_entry(cmds, 2, 1, 7)
+    old_logged, new_logged = _old_restamp(old, now), c.restamp_entry(new, now)
+    assert _old_decode(old_logged) == c.decode_entry(new_logged)
+    label = f"{count} QoS1 x {payload} B, {len(new)} B"
+    report(f"restamp forwarded entry, old: decode+encode ({label})",
+           best_us_per_item(lambda: _old_restamp(old, now), 1, calls=5000))
+    report(f"restamp forwarded entry, new: head copy ({label})",
+           best_us_per_item(lambda: c.restamp_entry(new, now), 1, calls=50000))
+    # The leader's whole cost of a forwarded entry: old, restamp then its apply's decode; new,
+    # restamp and one decode (checks the body; its apply takes those commands).
+    report("leader per forwarded entry, old: restamp + apply decode",
+           best_us_per_item(lambda: _old_decode(_old_restamp(old, now)), 1, calls=5000))
+    report("leader per forwarded entry, new: restamp + one decode",
+           best_us_per_item(lambda: c.decode_entry(c.restamp_entry(new, now)), 1, calls=5000))
+    report("replica decode of the logged entry, old (version 1)",
+           best_us_per_item(lambda: _old_decode(old_logged), 1, calls=5000))
+    report("replica decode of the logged entry, new (stamp applied)",
+           best_us_per_item(lambda: c.decode_entry(new_logged), 1, calls=5000))
+
+
 def main() -> None:
+    if sys.argv[1:] == ["restamp"]:
+        bench_restamp()
+        return
     guid_props = Properties(user_properties=(("guid", "0123456789abcdef0123456789abcdef"),))
     for version in (4, 5):
         for qos in (0, 1):
@@ -91,6 +156,7 @@ def main() -> None:
         trie.insert("bench/+/0042/+", 30_000 + i, 1)
     trie.insert("#", 99_999, 1)
     report("SubscriptionTrie.match (10.2k filters, 102 matches)", best_us_per_item(lambda: trie.match(TOPIC), 1, calls=2000))
+    bench_restamp()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ reads a clock.
 
 from __future__ import annotations
 
+import struct
 import typing
 
 import msgspec
@@ -463,8 +464,9 @@ class EntryHead(msgspec.Struct, array_like=True, frozen=True):
 # is the EntryBatch alone: its first byte is a msgpack array's, never ENTRY_VERSION.
 ENTRY_HEAD_BYTES = 9
 UNSTAMPED = (1 << 64) - 1
-_MAX_STAMP = UNSTAMPED - 1
-_UNSTAMPED_HEAD = bytes([ENTRY_VERSION]) + UNSTAMPED.to_bytes(8, "big")
+_HEAD = struct.Struct(">BQ")
+_UNSTAMPED_HEAD = _HEAD.pack(ENTRY_VERSION, UNSTAMPED)
+_VERSION_BYTE = _UNSTAMPED_HEAD[:1]
 _ARRAY_HEADS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}  # msgpack fixarray, array 16, array 32
 LEGACY_ENTRY_VERSION = 1
 # The commands a stamp sets the time of (Publish: its message's ts_ms).
@@ -487,12 +489,13 @@ def restamp_entry(data: bytes, now_ms: int) -> bytes:
     clocks, never with a forwarding node's, which may be skewed. A copy with the stamp replaced;
     an entry of version 1 (a node of an earlier version forwarded it) is decoded, restamped and
     encoded again as version 1."""
-    if not 0 <= now_ms <= _MAX_STAMP:
+    if now_ms == UNSTAMPED:
         raise ValueError(f"a stamp of {now_ms} ms is out of range")
-    if data[:1] == _UNSTAMPED_HEAD[:1]:
-        if len(data) < ENTRY_HEAD_BYTES:
-            raise ValueError(f"an entry of {len(data)} bytes is shorter than its head")
-        return b"".join((data[:1], now_ms.to_bytes(8, "big"), data[ENTRY_HEAD_BYTES:]))
+    if data[:1] == _VERSION_BYTE and len(data) >= ENTRY_HEAD_BYTES:
+        try:
+            return _HEAD.pack(ENTRY_VERSION, now_ms) + data[ENTRY_HEAD_BYTES:]
+        except struct.error:
+            raise ValueError(f"a stamp of {now_ms} ms is out of range") from None
     batch = decode_batch(data)  # version 1 (or a clear error)
     _stamp(batch.commands, now_ms)
     return _enc.encode(EntryBatch(LEGACY_ENTRY_VERSION, batch.commands, batch.origin, batch.boot, batch.seq))
@@ -512,16 +515,17 @@ def _stamp(commands: list[Command], now_ms: int) -> None:
 
 def _body(data: bytes) -> tuple[memoryview | bytes, int, int]:
     """An entry's msgpack EntryBatch, its stamp (UNSTAMPED for version 1) and the version it must name."""
+    if len(data) >= ENTRY_HEAD_BYTES:
+        version, stamp = _HEAD.unpack_from(data)
+        if version == ENTRY_VERSION:
+            return memoryview(data)[ENTRY_HEAD_BYTES:], stamp, ENTRY_VERSION
     if not data:
         raise ValueError("an empty entry")
-    first = data[0]
-    if first == ENTRY_VERSION:
-        if len(data) < ENTRY_HEAD_BYTES:
-            raise ValueError(f"an entry of {len(data)} bytes is shorter than its head")
-        return memoryview(data)[ENTRY_HEAD_BYTES:], int.from_bytes(data[1:ENTRY_HEAD_BYTES], "big"), ENTRY_VERSION
-    if first in _ARRAY_HEADS:
+    if data[0] in _ARRAY_HEADS:
         return data, UNSTAMPED, LEGACY_ENTRY_VERSION
-    raise ValueError(f"unsupported entry version {first}")
+    if data[0] == ENTRY_VERSION:
+        raise ValueError(f"an entry of {len(data)} bytes is shorter than its head")
+    raise ValueError(f"unsupported entry version {data[0]}")
 
 
 def decode_batch(data: bytes) -> EntryBatch:
