@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from moorline.broker import commands as c
@@ -24,7 +25,10 @@ def test_an_undecodable_forwarded_entry_never_enters_the_log(tmp_path: Path) -> 
     async def body() -> None:
         host = leader_host(tmp_path)
         last = host.raft_log.last_index()
-        poisoned = forwarded(1)[:c.ENTRY_HEAD_BYTES] + b"\x95\x02\x91\xc1"  # a valid head, a damaged body
+        # Its proposal id reads well (as the cluster link checks it), its commands do not: a command
+        # no replica knows (a flipped bit in a tag, a newer node's command).
+        poisoned = forwarded(1)[:c.ENTRY_HEAD_BYTES] + msgspec.msgpack.encode([c.ENTRY_VERSION, [["pub?", 1]], 2, 1, 1])
+        assert c.decode_head(poisoned).origin == 2
         with pytest.raises(ValueError):
             host.propose_forwarded([poisoned])
         assert host.take_ready() is None and host.raft_log.last_index() == last
