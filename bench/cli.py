@@ -14,7 +14,7 @@ from rich.console import Console
 from bench import cluster, machine, runner
 from bench import report as report_mod
 
-CLUSTER_SIZES = (3,)  # node addresses 127.0.0.11-13; the issue's cluster benchmark is three nodes
+CLUSTER_SIZES = (3, 5)  # node addresses 127.0.0.11-15; three replicas of the topic in both
 
 
 def bench(
@@ -23,27 +23,42 @@ def bench(
     quick: bool = False,
     json_out: Path | None = None,
     cluster_nodes: int = typer.Option(0, "--cluster", help="N: W1 and W2 against N-node clusters (moorline, "
-                                      "NATS JetStream RN, RabbitMQ quorum queue) instead of single nodes"),
+                                      "NATS JetStream R3, RabbitMQ quorum queue of 3) instead of single nodes"),
+    scale: bool = typer.Option(False, "--scale", help="moorline's W1 on 1, 3 and 5 nodes (3 replicas): summed "
+                               "CPU-s/10k, each node's share, and the 5-node / 3-node ratio (issue 32)"),
 ) -> None:
     """Side-by-side benchmark: W1 (QoS 1, 100 B x 20,000), W2 (64 KiB x 2,000), a saturation sweep with a lean
     load generator, a shallow pipeline (one pair, 16 in flight), and the cost of moorline's strict packet ids. Each broker is started fresh on loopback and
-    stopped after. --quick: few messages, one repetition (smoke test). --cluster 3: W1 and W2 against 3-node
-    clusters of moorline, NATS JetStream and RabbitMQ (default brokers moorline,nats,rabbitmq)."""
+    stopped after. --quick: few messages, one repetition (smoke test). --cluster 3 (or 5): W1 and W2 against 3-node
+    (5-node) clusters of moorline, NATS JetStream and RabbitMQ (default brokers moorline,nats,rabbitmq). --scale:
+    moorline's W1 on 1, 3 and 5 nodes, the scale table."""
     console = Console()
     if not console.is_terminal:
         console = Console(width=140)  # keep the tables readable in logs
     if cluster_nodes and cluster_nodes not in CLUSTER_SIZES:
         raise typer.BadParameter(f"--cluster must be one of {CLUSTER_SIZES}, not {cluster_nodes}")
+    if scale and (cluster_nodes or brokers):
+        raise typer.BadParameter("--scale measures moorline alone on 1, 3 and 5 nodes: no --cluster or --brokers")
     default_brokers = cluster.DEFAULT_CLUSTER_BROKERS if cluster_nodes else "moorline,mosquitto,amqtt"
     names = tuple(name.strip() for name in (brokers or default_brokers).split(",") if name.strip())
     if json_out is None:
-        json_out = Path("bench-cluster-results.json" if cluster_nodes else "bench-results.json")
+        json_out = Path("bench-scale-results.json" if scale
+                        else "bench-cluster-results.json" if cluster_nodes else "bench-results.json")
     started = time.time()
     load_at_start = os.getloadavg()
     speed = machine.probe()
     console.print(f"machine: 10M Python loop iterations {speed['python_loop_10m_s']:.3f} s, "
                   f"one system call from Python {speed['syscall_us']:.2f} µs, "
                   f"load average {load_at_start[0]:.2f} / {load_at_start[1]:.2f} / {load_at_start[2]:.2f}")
+    if scale:
+        scale_report = cluster.run_scale(cluster.scale_config(max(1, reps), quick), log=console.print)
+        scale_report["meta"] = _meta(started, quick, load_at_start, speed)
+        if quick:
+            cluster.mark_quick(scale_report["comparison"])
+        cluster.print_scale(console, scale_report)
+        json_out.write_text(json.dumps(scale_report, indent=2) + "\n")
+        console.print(f"wrote {json_out}")
+        return
     if cluster_nodes:
         cluster_config = (cluster.quick_config(names, cluster_nodes) if quick
                           else cluster.full_config(names, cluster_nodes, max(1, reps)))

@@ -8,7 +8,20 @@ with 3 replicas), publisher on node 1, subscriber on node 2. RabbitMQ: a three-n
 whose leader is node 3 (declared there with the client-local locator), AMQP publisher with confirms on node 1,
 consumer with manual acks on node 2.
 
-Every figure is per cluster: broker CPU-seconds are summed over all nodes' process trees, peak RSS too.
+``python -m bench --cluster 5``: five nodes (127.0.0.11-15) and three replicas of each shard / stream / queue
+(moorline ``shard.replicas = 3``, NATS ``stream_replicas: 3``, RabbitMQ ``x-quorum-initial-group-size: 3``).
+Once the cluster says where the topic's replicas are, the publisher and the subscriber connect to the two
+nodes that hold no voting replica of it (moorline: not a voter of the topic's shard; NATS: not a peer of
+the ``$MQTT_msgs`` stream; RabbitMQ: not a member of the quorum queue), so every message is forwarded to the
+leader by the publisher's node and reaches the subscriber's node from outside the quorum. With three nodes
+every node is a voter and the placement above is kept.
+
+``python -m bench --scale``: moorline's W1 on one node, three nodes and five nodes (three replicas), each
+node's share of the summed CPU, and the 5-node / 3-node ratio of the summed CPU per message (issue 32).
+
+Every figure is per cluster: broker CPU-seconds are summed over all nodes' process trees, peak RSS too; the
+JSON also holds each node's CPU and its role in the run (``node_roles``: pub / sub, leader / follower /
+non-voter), and the table prints the CPU per node by role.
 Each run starts a fresh cluster in a temporary directory and stops every process of it afterwards.
 """
 
@@ -92,6 +105,19 @@ class RunningCluster(RunningBroker):
 
     def cpu_seconds_by_member(self) -> dict[str, float]:
         return {member.name: member.cpu_seconds() for member in self.members}
+
+    def member_names(self) -> list[str]:
+        return [member.name for member in self.members if member.name != "epmd"]
+
+    def place(self, placement: Placement) -> None:
+        """The clients go to the placement's nodes; the JSON keeps where everything was at the start."""
+        ports = {member.name: member.port for member in self.members}
+        self.publish_port = ports[placement.publish_node]
+        self.subscribe_port = ports[placement.subscribe_node]
+        self.notes.update({
+            "publish_node": placement.publish_node, "subscribe_node": placement.subscribe_node,
+            "topic_voters": list(placement.voters), "node_roles": placement.roles(self.member_names()),
+        })
 
     def cpu_seconds(self) -> float:
         return sum(self.cpu_seconds_by_member().values())
@@ -203,6 +229,131 @@ def _get_json(url: str, timeout_s: float = 5.0) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Where a run's traffic goes: the topic's (stream's, queue's) replicas and the clients' nodes. Pure.
+
+CLUSTER_REPLICAS = 3  # replicas of the topic's shard / stream / queue in every cluster run (all nodes if fewer)
+
+
+@dataclass(frozen=True)
+class Placement:
+    topic: str
+    leader: str
+    voters: tuple[str, ...]  # the leader included
+    publish_node: str
+    subscribe_node: str
+    shard: int | None = None
+
+    def roles(self, names: list[str]) -> dict[str, str]:
+        return node_roles(names, self.leader, self.voters, self.publish_node, self.subscribe_node)
+
+
+def node_roles(names: list[str], leader: str | None, voters: tuple[str, ...] | list[str], publish_node: str,
+               subscribe_node: str) -> dict[str, str]:
+    """Each node's part in a run: ``pub`` / ``sub`` (the clients' nodes) and ``leader`` / ``follower`` (a voter
+    of the topic's shard, a peer of the stream, a member of the queue) / ``non-voter`` (none of these)."""
+    out = {}
+    for name in names:
+        parts = [part for part, node in (("pub", publish_node), ("sub", subscribe_node)) if node == name]
+        parts.append("leader" if name == leader else "follower" if name in voters else "non-voter")
+        out[name] = "+".join(parts)
+    return out
+
+
+def spread_clients(names: list[str], voters: tuple[str, ...] | list[str], default_pub: str,
+                   default_sub: str) -> tuple[str, str]:
+    """The publisher's and the subscriber's nodes: the first two nodes (in ``names`` order) that are not voters,
+    when there are two (5 nodes, 3 replicas), else the defaults (3 nodes: every node votes)."""
+    outside = [name for name in names if name not in voters]
+    if len(outside) >= 2:
+        return outside[0], outside[1]
+    return default_pub, default_sub
+
+
+def pick_moorline_topic(base: str, names: list[str], shard_count: int, shards: Mapping[int, Mapping[str, Any]],
+                        leader_node: str, shard_of: Callable[[str, int], int]) -> Placement:
+    """The workload's topic and the clients' nodes, from each shard's Raft view (``GET /v1/shards``).
+
+    Every node a voter of every shard (3 nodes): a topic whose shard ``leader_node`` leads, the publisher on
+    ``names[0]``, the subscriber on ``names[1]`` (the first cluster run's layout, kept). More nodes than voters:
+    a topic whose shard is led by its preferred leader (the rebalancer would move any other), the publisher and
+    the subscriber on two nodes that are not voters of it."""
+    spread = any(set(names) - set(view["voters"]) for view in shards.values() if view.get("voters"))
+    for index in range(100_000):
+        topic = f"{base}/{index}"
+        shard = shard_of(topic, shard_count)
+        view = shards.get(shard)
+        if not view or not view.get("leader"):
+            continue
+        leader, voters = str(view["leader"]), tuple(view.get("voters") or ())
+        if not spread:
+            if leader == leader_node:
+                return Placement(topic, leader, voters, names[0], names[1], shard)
+            continue
+        if leader != view.get("preferred_leader", leader):
+            continue
+        pub, sub = spread_clients(names, voters, names[0], names[1])
+        if pub not in voters and sub not in voters:
+            return Placement(topic, leader, voters, pub, sub, shard)
+    wanted = f"led by {leader_node}" if not spread else "led by its preferred leader with two non-voters"
+    raise RuntimeError(f"no shard {wanted}: {dict(shards)}")
+
+
+def cpu_by_role(cpu_by_member: Mapping[str, float], roles: Mapping[str, str], received: int) -> dict[str, Any]:
+    """CPU-s per 10k messages of a node in each role (the mean over the nodes of a role: two followers), and
+    the role's nodes' share of the summed CPU."""
+    total = sum(cpu_by_member.values())
+    out: dict[str, Any] = {}
+    for member, cpu in cpu_by_member.items():
+        role = roles.get(member, member)
+        entry = out.setdefault(role, {"nodes": 0, "cpu_s": 0.0})
+        entry["nodes"] += 1
+        entry["cpu_s"] += cpu
+    for entry in out.values():
+        entry["cpu_s_per_10k_per_node"] = entry["cpu_s"] / entry["nodes"] / received * 10_000 if received else None
+        entry["share"] = entry["cpu_s"] / total if total > 0 else None
+    return out
+
+
+def median_by_role(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per role, the median over the repetitions that had it of its CPU-s/10k per node and its share."""
+    import statistics
+
+    out: dict[str, Any] = {}
+    roles: list[str] = []
+    for rep in reps:
+        roles.extend(role for role in rep.get("cpu_by_role", {}) if role not in roles)
+    for role in roles:
+        entries = [rep["cpu_by_role"][role] for rep in reps if role in rep.get("cpu_by_role", {})]
+        per_node = [e["cpu_s_per_10k_per_node"] for e in entries if e.get("cpu_s_per_10k_per_node") is not None]
+        shares = [e["share"] for e in entries if e.get("share") is not None]
+        out[role] = {"nodes": entries[0]["nodes"], "reps": len(entries),
+                     "cpu_s_per_10k_per_node": statistics.median(per_node) if per_node else None,
+                     "share": statistics.median(shares) if shares else None}
+    return out
+
+
+def _role_order(role: str) -> tuple[int, str]:
+    """pub's node, sub's node, the leader, followers, the rest (epmd)."""
+    for rank, word in enumerate(("pub", "sub", "leader", "follower", "non-voter")):
+        if role.startswith(word) or role.endswith(word):
+            return rank, role
+    return 9, role
+
+
+def format_roles(by_role: Mapping[str, Any]) -> str:
+    """``pub+non-voter 0.21 (17%), leader 0.40 (32%), follower x2 0.30 (24%)``: CPU-s/10k of one node in the
+    role and the role's nodes' share of the summed CPU."""
+    parts = []
+    for role in sorted(by_role, key=_role_order):
+        entry = by_role[role]
+        count = f" x{entry['nodes']}" if entry.get("nodes", 1) > 1 else ""
+        value = _num(entry.get("cpu_s_per_10k_per_node"), ".3f")
+        share = entry.get("share")
+        parts.append(f"{role}{count} {value}" + (f" ({share * 100:.0f}%)" if isinstance(share, float) else ""))
+    return ", ".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # moorline
 
 
@@ -216,44 +367,58 @@ class RunningMoorlineCluster(RunningCluster):
         result: dict[str, Any] = _get_json(f"http://127.0.0.1:{self.http_ports[node]}/v1/shards")
         return result
 
+    def shard_views(self) -> tuple[int, dict[int, dict[str, Any]]]:
+        """Each shard's Raft view from the first node that knows its leader and voters."""
+        views: dict[int, dict[str, Any]] = {}
+        shard_count = 0
+        for node in range(len(self.http_ports)):
+            report = self.shards(node)
+            shard_count = report["shard_count"]
+            for entry in report["shards"]:
+                if entry.get("leader") and entry.get("voters") and entry["shard"] not in views:
+                    views[entry["shard"]] = entry
+        return shard_count, views
+
     def topic_for(self, base: str) -> str:
-        """A topic whose shard ``leader_node`` leads now (leaders are read after every shard has one)."""
+        """The topic (and the clients' nodes): see ``pick_moorline_topic``."""
         from moorline.hashing import shard_of
 
-        report = self.shards()
-        leaders = {entry["shard"]: entry.get("leader") for entry in report["shards"]}
-        for index in range(100_000):
-            topic = f"{base}/{index}"
-            shard = shard_of(topic, report["shard_count"])
-            if leaders.get(shard) == self.leader_node:
-                self._chosen.append((topic, shard))
-                self.notes.update({"topic": topic, "topic_shard": shard, "topic_leader_at_start": self.leader_node})
-                return topic
-        raise RuntimeError(f"no shard is led by {self.leader_node}: {leaders}")
+        shard_count, views = self.shard_views()
+        placement = pick_moorline_topic(base, self.member_names(), shard_count, views, self.leader_node, shard_of)
+        self.place(placement)
+        self._chosen.append((placement.topic, placement.shard or 0))
+        self.notes.update({"topic": placement.topic, "topic_shard": placement.shard,
+                           "topic_leader_at_start": placement.leader})
+        return placement.topic
 
     def before_stop(self) -> None:
         if not self._chosen:
             return
         _, shard = self._chosen[-1]
-        entry = next(e for e in self.shards()["shards"] if e["shard"] == shard)
+        entry = self.shard_views()[1].get(shard, {})
         self.notes["topic_leader_at_end"] = entry.get("leader")
         self.notes["topic_shard_term_at_end"] = entry.get("term")
 
 
 class MoorlineCluster(Broker):
-    """``python -m moorline run`` three times, each a member of one static cluster (--initial-cluster)."""
+    """``python -m moorline run`` once per node, each a member of one static cluster (--initial-cluster), with
+    ``shard.replicas = 3`` in a config file of the run."""
 
     name = "moorline"
 
-    def __init__(self, nodes: int = 3) -> None:
+    def __init__(self, nodes: int = 3, replicas: int = CLUSTER_REPLICAS) -> None:
         self.nodes = nodes
+        self.replicas = replicas
         self.single = Moorline()
+
+    def config_text(self) -> str:
+        return f"[shard]\nreplicas = {self.replicas}\n"
 
     def prepare(self, log: Log) -> str:
         why = hosts_bindable(self.nodes)
         if why is not None:
             raise BrokerUnavailable(f"the nodes' cluster addresses are not usable here: {why}")
-        return f"{self.single.prepare(log)}, {self.nodes} nodes"
+        return f"{self.single.prepare(log)}, {self.nodes} nodes, shard.replicas = {self.replicas}"
 
     def start(self, workdir: Path, env: Mapping[str, str] | None = None) -> RunningBroker:
         names = [f"n{i + 1}" for i in range(self.nodes)]
@@ -262,12 +427,15 @@ class MoorlineCluster(Broker):
         initial = ",".join(f"{name}={addr}" for name, addr in zip(names, cluster_addrs, strict=True))
         procs: list[tuple[str, Path, subprocess.Popen[bytes]]] = []
         members: list[RunningBroker] = []
+        config = workdir / "moorline.toml"
+        config.write_text(self.config_text())
         try:
             for name, addr in zip(names, cluster_addrs, strict=True):
                 node_dir = workdir / name
                 (node_dir / "data").mkdir(parents=True)
                 argv = [*self.single._argv(), "--node-id", name, "--cluster", addr, "--initial-cluster", initial,
-                        "--data-dir", str(node_dir / "data"), "--mqtt", "127.0.0.1:0", "--http", "127.0.0.1:0"]
+                        "--data-dir", str(node_dir / "data"), "--mqtt", "127.0.0.1:0", "--http", "127.0.0.1:0",
+                        "--config", str(config)]
                 procs.append((name, node_dir, _spawn(argv, node_dir, Moorline._checkout_env(env), stdout_pipe=True)))
             http_ports = []
             for name, node_dir, proc in procs:
@@ -328,22 +496,50 @@ def _wait_for_moorline_leaders(cluster: RunningMoorlineCluster, timeout_s: float
 class RunningNatsCluster(RunningCluster):
     monitor_ports: list[int] = field(default_factory=list)
 
+    def stream_placement(self) -> tuple[str | None, list[str]]:
+        """The MQTT message stream's leader and peers (NATS places it itself), from the first node that hosts it
+        (a node lists the streams it hosts, each with its leader and the *other* peers as ``replicas``)."""
+        for name, port in zip(self.member_names(), self.monitor_ports, strict=True):
+            found = stream_placement(name, _get_json(f"http://127.0.0.1:{port}/jsz?accounts=true&streams=true"))
+            if found is not None:
+                return found
+        return None, []
+
+    def topic_for(self, base: str) -> str:
+        """The clients on the two nodes that are no peer of the ``$MQTT_msgs`` stream when there are two."""
+        names = self.member_names()
+        leader, peers = self.stream_placement()
+        pub, sub = spread_clients(names, peers, names[0], names[1]) if leader else (names[0], names[1])
+        self.place(Placement(base, leader or "", tuple(peers), pub, sub))
+        self.notes["mqtt_msgs_stream_leader_at_start"] = leader
+        return base
+
     def before_stop(self) -> None:
-        """Where JetStream put the MQTT message stream's leader (NATS places it itself)."""
-        report = _get_json(f"http://127.0.0.1:{self.monitor_ports[0]}/jsz?streams=true")
-        for account in report.get("account_details", []):
-            for stream in account.get("stream_detail", []):
-                if stream.get("name") == "$MQTT_msgs":
-                    self.notes["mqtt_msgs_stream_leader"] = stream.get("cluster", {}).get("leader")
+        """Where the MQTT message stream's leader is at the end."""
+        self.notes["mqtt_msgs_stream_leader"] = self.stream_placement()[0]
+
+
+def stream_placement(host: str, report: Mapping[str, Any], stream_name: str = "$MQTT_msgs"
+                     ) -> tuple[str, list[str]] | None:
+    """A stream's leader and peers from ``host``'s ``/jsz?accounts=true&streams=true`` (None: ``host`` does not
+    host it or knows no leader); a node lists each stream it hosts with the *other* peers as ``replicas``."""
+    for account in report.get("account_details") or []:
+        for stream in account.get("stream_detail") or []:
+            placed = stream.get("cluster") or {}
+            if stream.get("name") == stream_name and placed.get("leader"):
+                peers = [host, *(str(r["name"]) for r in placed.get("replicas") or [] if r.get("name"))]
+                return str(placed["leader"]), sorted(set(peers))
+    return None
 
 
 class NatsCluster(Broker):
-    """Three nats-server processes with JetStream, clustered, MQTT listener on with 3 stream replicas."""
+    """nats-server processes with JetStream, clustered, MQTT listener on with 3 stream replicas."""
 
     name = "nats"
 
     def __init__(self, nodes: int = 3) -> None:
         self.nodes = nodes
+        self.replicas = min(CLUSTER_REPLICAS, nodes)
         self.binary: str | None = None
 
     def _find(self) -> str | None:
@@ -358,7 +554,22 @@ class NatsCluster(Broker):
         self.binary = self._find() or _apt_install("nats-server", self._find, log)
         out = subprocess.run([self.binary, "--version"], capture_output=True, timeout=30)
         match = re.search(r"v?(\d+\.\d+\.\d+)", (out.stdout + out.stderr).decode())
-        return f"{match.group(1) if match else 'unknown'}, {self.nodes} nodes, R{self.nodes}"
+        return f"{match.group(1) if match else 'unknown'}, {self.nodes} nodes, R{self.replicas}"
+
+    def config_text(self, name: str, node_dir: Path, route: str, routes: list[str], client_port: int,
+                    monitor_port: int, mqtt_port: int) -> str:
+        return (
+            f"server_name: {name}\n"
+            f"listen: 127.0.0.1:{client_port}\n"
+            f"http: 127.0.0.1:{monitor_port}\n"
+            f'jetstream {{\n  store_dir: "{node_dir / "js"}"\n}}\n'
+            "cluster {\n  name: bench\n"
+            f"  listen: {route.removeprefix('nats://')}\n"
+            f"  routes: [{', '.join(routes)}]\n}}\n"
+            # R3 for the MQTT sessions and messages streams; 256 consumer-side credit, like every peer.
+            f"mqtt {{\n  listen: 127.0.0.1:{mqtt_port}\n  stream_replicas: {self.replicas}\n"
+            "  max_ack_pending: 256\n}\n"
+        )
 
     def start(self, workdir: Path, env: Mapping[str, str] | None = None) -> RunningBroker:
         assert self.binary is not None, "prepare() first"
@@ -373,18 +584,8 @@ class NatsCluster(Broker):
                 node_dir.mkdir()
                 client_port, mqtt_port, monitor_port = free_port(), free_port(), free_port()
                 conf = node_dir / "nats.conf"
-                conf.write_text(
-                    f"server_name: {name}\n"
-                    f"listen: 127.0.0.1:{client_port}\n"
-                    f"http: 127.0.0.1:{monitor_port}\n"
-                    f'jetstream {{\n  store_dir: "{node_dir / "js"}"\n}}\n'
-                    "cluster {\n  name: bench\n"
-                    f"  listen: {route.removeprefix('nats://')}\n"
-                    f"  routes: [{', '.join(routes)}]\n}}\n"
-                    # R3 for the MQTT sessions and messages streams; 256 consumer-side credit, like every peer.
-                    f"mqtt {{\n  listen: 127.0.0.1:{mqtt_port}\n  stream_replicas: {self.nodes}\n"
-                    "  max_ack_pending: 256\n}\n"
-                )
+                conf.write_text(self.config_text(name, node_dir, route, routes, client_port, monitor_port,
+                                                 mqtt_port))
                 proc = _spawn([self.binary, "-c", str(conf)], node_dir, env, stdout_pipe=False)
                 members.append(RunningBroker(name, proc, mqtt_port, protocol=4, workdir=node_dir))
                 monitor_ports.append(monitor_port)
@@ -469,20 +670,46 @@ class RunningRabbitCluster(RunningCluster):
         rows = json.loads(self.ctl("list_queues", "name", "leader", "--formatter", "json", "--quiet"))
         return {row["name"]: row.get("leader", "") for row in rows}
 
+    def queue_members(self, queue: str) -> list[str]:
+        rows = json.loads(self.ctl("list_queues", "name", "members", "--formatter", "json", "--quiet"))
+        return next((list(row.get("members") or []) for row in rows if row["name"] == queue), [])
+
     def topic_for(self, base: str) -> str:
-        """A quorum queue declared through the last node (client-local leader locator: it leads it)."""
+        """A quorum queue of 3 members declared through the last node (client-local leader locator: it leads
+        it); the clients on node 1 and node 2, or on the two nodes that are no member of it when there are two."""
         queue = base.replace("/", ".")
-        amqp_clients.declare_quorum_queue(self.amqp_ports[-1], queue, str(PIKA_DIR))
+        declare_quorum_queue(self.amqp_ports[-1], queue, min(CLUSTER_REPLICAS, len(self.node_names)))
         leader = self.queue_leaders().get(queue)
         self.notes.update({"queue": queue, "queue_leader_at_start": leader})
         if leader != self.node_names[-1]:
             raise RuntimeError(f"quorum queue {queue} is led by {leader}, not {self.node_names[-1]}")
+        short = dict(zip(self.node_names, self.member_names()[: len(self.node_names)], strict=True))
+        voters = tuple(short.get(member, member) for member in self.queue_members(queue))
+        names = [short[node] for node in self.node_names]
+        pub, sub = spread_clients(names, voters, names[0], names[1])
+        self.place(Placement(queue, short[leader], voters, pub, sub))
         return queue
 
     def before_stop(self) -> None:
         queue = self.notes.get("queue")
         if queue:
             self.notes["queue_leader_at_end"] = self.queue_leaders().get(queue)
+
+
+def quorum_queue_arguments(group_size: int) -> dict[str, Any]:
+    return {"x-queue-type": "quorum", "x-queue-leader-locator": "client-local",
+            "x-quorum-initial-group-size": group_size}
+
+
+def declare_quorum_queue(port: int, queue: str, group_size: int) -> None:
+    """A durable quorum queue of ``group_size`` members declared through the node on ``port``: with the
+    client-local leader locator its leader is that node; RabbitMQ picks the other members."""
+    pika = amqp_clients._pika(str(PIKA_DIR))
+    connection = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
+    try:
+        connection.channel().queue_declare(queue, durable=True, arguments=quorum_queue_arguments(group_size))
+    finally:
+        connection.close()
 
 
 class RabbitCluster(Broker):
@@ -709,10 +936,11 @@ def quick_config(brokers: tuple[str, ...], nodes: int) -> ClusterBenchConfig:
     )
 
 
-def _reps(kind: Broker, workload: runner.PahoWorkload, config: ClusterBenchConfig, log: Log) -> dict[str, Any]:
+def _reps(kind: Broker, workload: runner.PahoWorkload, config: ClusterBenchConfig, log: Log,
+          what: str = "cluster", first_rep: int = 0, of: int | None = None) -> dict[str, Any]:
     reps: list[dict[str, Any]] = []
     for rep in range(config.reps):
-        label = f"{kind.name} cluster {workload.name} rep {rep + 1}"
+        label = f"{kind.name} {what} {workload.name} rep {first_rep + rep + 1}"
 
         def once() -> dict[str, Any]:
             if isinstance(kind, RabbitCluster):
@@ -722,19 +950,32 @@ def _reps(kind: Broker, workload: runner.PahoWorkload, config: ClusterBenchConfi
         result = runner._guarded(log, label, once)
         if "error" in result:
             return {"error": result["error"], "reps": reps}
+        add_roles(result)
         where = ", ".join(f"{k} {v}" for k, v in result.items()
-                          if k in ("topic_leader_at_start", "topic_leader_at_end", "queue_leader_at_end",
-                                   "mqtt_msgs_stream_leader"))
+                          if k in ("publish_node", "subscribe_node", "topic_voters", "topic_leader_at_start",
+                                   "topic_leader_at_end", "queue_leader_at_end", "mqtt_msgs_stream_leader"))
         log(
-            f"{label}/{config.reps}: {result['msgs_per_s']:,.0f} msgs/s, p50 {result['latency_p50_ms']:.1f} ms, "
+            f"{label}/{of or config.reps}: {result['msgs_per_s']:,.0f} msgs/s, p50 {result['latency_p50_ms']:.1f} ms, "
             f"p99 {result['latency_p99_ms']:.1f} ms, {result['cpu_s_per_10k'] or 0:.3f} CPU-s/10k summed"
             + (f" ({where})" if where else "")
             + (f" [yellow]{result['log_errors']} errors, {result['log_warnings']} warnings in node logs "
                f"(kept in {result.get('logs_kept')})[/yellow]"
                if result.get("log_errors") or result.get("log_warnings") else "")
         )
+        if result.get("cpu_by_role"):
+            log(f"  CPU-s/10k per node: {format_roles(result['cpu_by_role'])}")
         reps.append(result)
-    return {"median": runner.median_of(reps), "reps": reps}
+    return {"median": runner.median_of(reps), "median_by_role": median_by_role(reps), "reps": reps}
+
+
+def add_roles(result: dict[str, Any]) -> None:
+    """``cpu_by_role`` from the run's CPU per node and the nodes' roles (every node its name when unknown)."""
+    by_member = result.get("cpu_s_by_member")
+    if not by_member and isinstance(result.get("cpu_s"), int | float):  # one node: it does everything
+        by_member = {"n1": result["cpu_s"]}
+        result["node_roles"] = {"n1": "pub+sub+leader"}
+    if by_member:
+        result["cpu_by_role"] = cpu_by_role(by_member, result.get("node_roles") or {}, result.get("received") or 0)
 
 
 def run(config: ClusterBenchConfig, log: Log) -> dict[str, Any]:
@@ -795,19 +1036,22 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
     for workload in ("w1", "w2"):
         spec = config[workload]
         size = f"{spec['payload_bytes']} B" if spec["payload_bytes"] < 1024 else f"{spec['payload_bytes'] // 1024} KiB"
+        clients = ("pub -> node 1, sub -> node 2" if nodes <= CLUSTER_REPLICAS
+                   else f"pub and sub on the two nodes outside the topic's {CLUSTER_REPLICAS} replicas")
         table = Table(
             title=f"{workload.upper()} on {nodes}-node clusters: QoS 1 / confirms, {size} x {spec['messages']:,}, "
-                  f"pub -> node 1, sub -> node 2, median of {config['reps']}; CPU and RSS summed over all nodes",
+                  f"{clients}, median of {config['reps']}; CPU and RSS summed over all nodes",
             title_justify="left",
         )
-        for column in ("broker", "msgs/s", "p50 ms", "p99 ms", "max ms", "CPU-s/10k", "peak RSS MB", "notes"):
-            table.add_column(column, justify="left" if column in ("broker", "notes") else "right")
+        for column in ("broker", "msgs/s", "p50 ms", "p99 ms", "max ms", "CPU-s/10k", "peak RSS MB",
+                       "CPU-s/10k per node (role, share)", "notes"):
+            table.add_column(column, justify="left" if column in ("broker", "notes") or "role" in column else "right")
         for broker, per in report["results"].items():
             block = per.get(workload, {})
             figures = block.get("median")
             if figures is None:
                 error = str(block.get("error", "no result"))
-                table.add_row(broker, *["-"] * 6, f"[red]{error[:150]}[/red]")
+                table.add_row(broker, *["-"] * 7, f"[red]{error[:150]}[/red]")
                 continue
             notes = []
             if not figures.get("complete", True):
@@ -830,13 +1074,15 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
                 _num(figures.get("latency_max_ms"), ".1f"),
                 _num(figures.get("cpu_s_per_10k"), ".3f"),
                 _num(figures.get("peak_rss_mb"), ".0f"),
+                format_roles(block.get("median_by_role") or {}),
                 " ".join(notes),
             )
         console.print(table)
     comparison = report["comparison"]
     quick = bool(report.get("meta", {}).get("quick"))
     if comparison["targets"]:
-        table = Table(title=f"moorline targets ({nodes} replicas)", title_justify="left")
+        table = Table(title=f"moorline targets ({nodes} nodes, {min(nodes, CLUSTER_REPLICAS)} replicas)",
+                      title_justify="left")
         for column in ("target", "moorline", "bound", "met"):
             table.add_column(column)
         for row in comparison["targets"]:
@@ -867,3 +1113,131 @@ def mark_quick(comparison: dict[str, Any]) -> None:
     for row in comparison["targets"]:
         row["met"] = None
         row["comparable"] = False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The scale table (issue 32): moorline's W1 on 1, 3 and 5 nodes.
+
+SCALE_SIZES = (1, 3, 5)
+SCALE_TARGET_5_OVER_3 = 1.1  # issue 32: W1 summed CPU-s/10k at 5 nodes <= 1.1 x the 3-node figure
+
+
+@dataclass(frozen=True)
+class ScaleConfig:
+    reps: int
+    w1: runner.PahoWorkload
+    sizes: tuple[int, ...] = SCALE_SIZES
+    client_timeout_s: float = 180.0
+    target_5_over_3: float = SCALE_TARGET_5_OVER_3
+
+
+def scale_config(reps: int, quick: bool) -> ScaleConfig:
+    source = quick_config(("moorline",), 3) if quick else full_config(("moorline",), 3, reps)
+    return ScaleConfig(reps=source.reps, w1=source.w1, client_timeout_s=source.client_timeout_s)
+
+
+def scale_broker(nodes: int) -> Broker:
+    """One node: ``moorline run`` without cluster flags (replicas 1, as the single-node bench runs it);
+    more: a static cluster with ``shard.replicas = 3``."""
+    return Moorline() if nodes == 1 else MoorlineCluster(nodes)
+
+
+def run_scale(config: ScaleConfig, log: Log) -> dict[str, Any]:
+    """The sizes interleaved (1, 3, 5, 1, 3, 5, ...: load that drifts over the run shifts every size alike), a
+    fresh node or cluster for every run, medians per size."""
+    rows: dict[str, Any] = {}
+    once = ClusterBenchConfig(brokers=("moorline",), nodes=0, reps=1, w1=config.w1, w2=config.w1,
+                              client_timeout_s=config.client_timeout_s)
+    kinds: dict[int, Broker] = {}
+    for nodes in config.sizes:
+        kind = scale_broker(nodes)
+        try:
+            log(f"[bold]moorline, {nodes} node(s)[/bold] {kind.prepare(log)}")
+            kinds[nodes] = kind
+        except (BrokerUnavailable, OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            rows[str(nodes)] = {"error": f"skipped: {exc}", "reps": []}
+            log(f"[yellow]skipping {nodes} node(s): {exc}[/yellow]")
+    reps: dict[int, list[dict[str, Any]]] = {nodes: [] for nodes in kinds}
+    errors: dict[int, str] = {}
+    for rep in range(config.reps):
+        for nodes, kind in kinds.items():
+            if nodes in errors:
+                continue
+            block = _reps(kind, config.w1, once, log, what=f"{nodes}-node", first_rep=rep, of=config.reps)
+            reps[nodes].extend(block["reps"])
+            if "error" in block:
+                errors[nodes] = block["error"]
+    for nodes, done in reps.items():
+        if nodes in errors:
+            rows[str(nodes)] = {"error": errors[nodes], "reps": done}
+        else:
+            rows[str(nodes)] = {"median": runner.median_of(done), "median_by_role": median_by_role(done),
+                                "reps": done}
+    return {"config": asdict(config), "rows": rows, "comparison": compare_scale(rows, config)}
+
+
+def _row_fig(rows: Mapping[str, Any], nodes: int, key: str) -> float | None:
+    value = (rows.get(str(nodes), {}).get("median") or {}).get(key)
+    return float(value) if isinstance(value, int | float) else None
+
+
+def compare_scale(rows: Mapping[str, Any], config: ScaleConfig) -> dict[str, Any]:
+    """Each size's summed CPU-s/10k over the 1-node and the 3-node figure, and the issue's target on 5 / 3."""
+    one, three, five = (_row_fig(rows, n, "cpu_s_per_10k") for n in (1, 3, 5))
+    ratios = {}
+    for nodes in config.sizes:
+        mine = _row_fig(rows, nodes, "cpu_s_per_10k")
+        ratios[str(nodes)] = {"over_1_node": mine / one if mine is not None and one else None,
+                              "over_3_nodes": mine / three if mine is not None and three else None}
+    ratio = five / three if five is not None and three else None
+    bound = config.target_5_over_3
+    target = {"target": "W1 summed CPU-s/10k, 5 nodes / 3 nodes", "moorline": ratio, "op": "<=", "bound": bound,
+              "met": target_met(ratio, "<=", bound, ".2f")}
+    return {"ratios": ratios, "targets": [target]}
+
+
+def print_scale(console: Console, report: dict[str, Any]) -> None:
+    config = report["config"]
+    spec = config["w1"]
+    table = Table(
+        title=f"moorline W1 by cluster size: QoS 1, {spec['payload_bytes']} B x {spec['messages']:,}, median of "
+              f"{config['reps']}; CPU summed over all nodes; per node: CPU-s/10k of one node in the role and the "
+              "role's share of the sum",
+        title_justify="left",
+    )
+    for column in ("nodes", "shard.replicas", "clients", "msgs/s", "p50 ms", "p99 ms", "CPU-s/10k summed",
+                   "x 1 node", "x 3 nodes", "per node (role, share)"):
+        table.add_column(column, justify="left" if column in ("clients", "per node (role, share)") else "right")
+    ratios = report["comparison"]["ratios"]
+    for nodes in config["sizes"]:
+        block = report["rows"].get(str(nodes), {})
+        replicas = str(min(nodes, CLUSTER_REPLICAS))
+        clients = ("one node" if nodes == 1 else "pub n1, sub n2, leader n3" if nodes <= CLUSTER_REPLICAS
+                   else "pub, sub on the 2 non-voters")
+        figures = block.get("median")
+        if figures is None:
+            table.add_row(str(nodes), replicas, clients, *["-"] * 6,
+                          f"[red]{str(block.get('error', 'no result'))[:150]}[/red]")
+            continue
+        row_ratios = ratios.get(str(nodes), {})
+        table.add_row(
+            str(nodes), replicas, clients,
+            _num(figures.get("msgs_per_s"), ",.0f"),
+            _num(figures.get("latency_p50_ms"), ".1f"),
+            _num(figures.get("latency_p99_ms"), ".1f"),
+            _num(figures.get("cpu_s_per_10k"), ".3f"),
+            _num(row_ratios.get("over_1_node"), ".2f"),
+            _num(row_ratios.get("over_3_nodes"), ".2f"),
+            format_roles(block.get("median_by_role") or {}),
+        )
+    console.print(table)
+    quick = bool(report.get("meta", {}).get("quick"))
+    targets = Table(title="moorline scale target (issue 32)", title_justify="left")
+    for column in ("target", "moorline", "bound", "met"):
+        targets.add_column(column)
+    for row in report["comparison"]["targets"]:
+        met = (f"[yellow]{QUICK_LABEL}[/yellow]" if quick
+               else {True: "[green]yes[/green]", False: "[red]no[/red]", None: "-"}[row["met"]])
+        targets.add_row(row["target"], _num(row["moorline"], ".2f") + ("x" if row["moorline"] is not None else ""),
+                        f"{row['op']} {_num(row['bound'], '.2f')}x", met)
+    console.print(targets)
