@@ -58,3 +58,17 @@ def test_the_leader_applies_a_forwarded_entry_without_decoding_it_again(tmp_path
         assert [m.ts_ms for m in stored if m is not None] == [LEADER_NOW, LEADER_NOW]
 
     asyncio.run(body())
+
+
+def test_a_replica_that_stops_leading_keeps_none_of_its_decodes(tmp_path: Path) -> None:
+    """What it logged as leader and has not applied may never commit (a new leader truncates it):
+    nothing of it is kept past the leadership (if it commits, its apply decodes it)."""
+    async def body() -> None:
+        host = leader_host(tmp_path)
+        assert host.propose_forwarded([forwarded(1)]) == 1
+        assert len(host.proposer._forwarded) == 1
+        host.raft._become_follower(host.raft.term + 1, None)
+        host.check_leader()
+        assert host.proposer._forwarded == {}
+
+    asyncio.run(body())

@@ -301,6 +301,8 @@ class Proposer:
         """Hands every proposal not applied yet, in original order, to a new leader; or again to
         the same one when the oldest waited ``resend_after_ticks`` (it, or a frame carrying it, may
         have been dropped, and then nothing after it applies either)."""
+        if self._forwarded and not self.host.raft.is_leader:
+            self._forwarded.clear()  # no longer leading: what it logged and has not applied decodes at apply
         if not self._own:
             self._lead_seen = self.host.raft.lead
             return

@@ -291,7 +291,8 @@ class ShardHost:
         if own is not None:
             # Our commands as proposed, unless a leader restamped them (forwarded): then what the
             # log holds, as every other replica applies it.
-            cmds = own.commands if e.data is own.data or e.data == own.data else c.decode_entry(e.data)
+            cmds = (own.commands if e.data is own.data or e.data == own.data
+                    else forwarded if forwarded is not None else c.decode_entry(e.data))
             self._apply_commands(e.index, cmds, own.futures)
             return
         cmds = forwarded if forwarded is not None else c.decode_entry(e.data)  # recovery, or another member's
