@@ -465,6 +465,7 @@ class EntryHead(msgspec.Struct, array_like=True, frozen=True):
 ENTRY_HEAD_BYTES = 9
 UNSTAMPED = (1 << 64) - 1
 _HEAD = struct.Struct(">BQ")
+_STAMP = struct.Struct(">Q")
 _UNSTAMPED_HEAD = _HEAD.pack(ENTRY_VERSION, UNSTAMPED)
 _VERSION_BYTE = _UNSTAMPED_HEAD[:1]
 _ARRAY_HEADS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}  # msgpack fixarray, array 16, array 32
@@ -530,7 +531,12 @@ def _body(data: bytes) -> tuple[memoryview | bytes, int, int]:
 
 def decode_batch(data: bytes) -> EntryBatch:
     """An entry of version 2 or 1, every time in it the leader's stamp when it has one."""
-    body, stamp, version = _body(data)
+    body: memoryview | bytes
+    if data[:1] == _VERSION_BYTE and len(data) >= ENTRY_HEAD_BYTES:  # _body's common case, inline
+        stamp, = _STAMP.unpack_from(data, 1)
+        body, version = memoryview(data)[ENTRY_HEAD_BYTES:], ENTRY_VERSION
+    else:
+        body, stamp, version = _body(data)
     batch = _dec.decode(body)
     if batch.version != version:
         raise ValueError(f"unsupported entry version {batch.version}")
