@@ -605,9 +605,16 @@ class TopicState:
         if reg is None or current is None or not same_incarnation(current, cmd.session_inc):
             return ()  # not a member, or claimed for an incarnation that is no longer the member
         q = reg.queue
-        if q is not None and q.single_active and q.active != cmd.member:
-            return ()  # a single-active group's standby members receive nothing
         holder = (cmd.member, cmd.session_inc)
+        if q is not None and q.single_active:
+            if q.active != cmd.member:
+                return ()  # a single-active group's standby members receive nothing
+            if any(h != holder for h in reg.claims.values()):
+                # Another holder still has claims: a member that left (the leave made this one
+                # active at once) or an ended incarnation whose claims the leader's follow-ups have
+                # not returned yet. One holder at a time, so that the group's order holds (sim
+                # --cluster seed 148: sa3's ended incarnation held claims when sa2 was given more).
+                return ()
         granted = []
         claim_ts = q.claim_ts if q is not None and q.ack_timeout_ms > 0 and cmd.ts_ms > 0 else None
         dead = q.dead if q is not None else None
@@ -708,8 +715,11 @@ class TopicState:
         if (reg is None or q is None or not q.single_active or q.active != cmd.prev or cmd.member not in reg.members
                 or cmd.member == cmd.prev):
             return False
-        if cmd.prev and any(m == cmd.prev for m, _ in reg.claims.values()):
-            return False  # what the active member holds comes back first: the order holds
+        if reg.claims:
+            # What the active member holds comes back first, and so does what any other holder
+            # still holds (an ended incarnation's claims, returned by the leader's follow-ups):
+            # the order holds (sim --cluster seed 148).
+            return False
         q.active = cmd.member
         fx.owed(cmd.reg_key)
         return True

@@ -98,3 +98,22 @@ def test_old_log_entries_decode_with_the_defaults() -> None:
     raw_reg[1][0] = raw_reg[1][0][:-3]
     (reg,) = c.decode_entry(msgspec.msgpack.encode(raw_reg))
     assert isinstance(reg, c.Register) and not reg.single_active and reg.max_deliveries == 0
+
+
+def test_no_claim_and_no_handover_while_an_ended_incarnation_still_holds_claims() -> None:
+    """a's first session holds a claim when a's next session (which joined in its place) leaves:
+    the leave makes b active at once, but b is granted nothing, and no ShareActivate moves the
+    group on, until the old incarnation's claim comes back (the leader's follow-ups return it):
+    one holder at a time (sim --cluster seed 148: sa2 claimed while sa3's ended incarnation held)."""
+    s = group("a", "b", "c", single_active=True)
+    offs = publish(s, 3)
+    assert s.apply(c.ShareClaim(KEY, "a", (offs[0],), 1), Effects()) == (offs[0],)
+    s.apply(c.ShareMember(KEY, "a", True, 7), Effects())  # a reconnected: its new session joined
+    s.apply(c.ShareMember(KEY, "a", False, 7), Effects())  # ... and ended cleanly
+    assert queue_of(s).active == "b"
+    assert s.topics.regs[KEY].claims == {offs[0]: ("a", 1)}
+    assert s.apply(c.ShareClaim(KEY, "b", (offs[1],), 2), Effects()) == ()
+    assert s.apply(c.ShareActivate(KEY, "c", "b"), Effects()) is False
+    s.apply(c.ShareReturn(KEY, "a", (), 1), Effects())  # the follow-ups return the ended claims
+    assert s.apply(c.ShareClaim(KEY, "b", (offs[0], offs[1]), 2), Effects()) == (offs[0], offs[1])
+    same_after_restore(s)

@@ -93,13 +93,13 @@ class ShareDispatch:
         if not online:
             return
         if q is not None and q.single_active:
-            # One member receives: the active one (replicated). Offline, and holding nothing (what
-            # it holds comes back when its session ends), it hands over to the first member
-            # online in join order; the apply re-checks both and re-runs this dispatcher.
+            # One member receives: the active one (replicated). Offline, and nothing held by anyone
+            # (what it holds comes back when its session ends, an ended incarnation's through the
+            # follow-ups), it hands over to the first member online in join order; the apply
+            # re-checks both and re-runs this dispatcher.
             active = q.active
             if active not in online:
-                if (online[0] != active and (reg_key, active) not in self._activating
-                        and not any(m == active for m, _ in claims_of(reg).values())):
+                if online[0] != active and (reg_key, active) not in self._activating and not claims_of(reg):
                     self._activating.add((reg_key, active))
                     coverage.hit("share_single_active_handover")
                     try:
