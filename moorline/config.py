@@ -328,6 +328,11 @@ class ClusterConfig:
     # GET /v1/health?ready=cluster counts a replica caught up when its shard's leader knows it holds
     # the log to within this many entries of the commit index (and heard from it recently).
     ready_max_lag_entries: int = 100
+    # The log-entry format this node proposes in: 2 (a fixed head the leader restamps in place) or 1
+    # (what nodes before format 2 write and read). Every node reads both. A rolling upgrade from a
+    # version before format 2 runs every node at 1 first, then raises it to 2 in a second round
+    # (docs/operations.md, "Upgrade").
+    entry_format: int = 2
     # Membership (docs/operations.md, "Change a cluster"). The metadata group's leader compares every
     # shard with its target (shard.replicas) every reconcile_interval_s (+-20 % jitter) and
     # reconcile_after_event_s after a membership event: members on forgotten or left nodes go first,
@@ -545,6 +550,8 @@ class NodeConfig:
             raise ConfigError("cluster.snapshot_chunk_bytes must be within 4 KiB..16 MiB")
         if not 1 <= cl.snapshot_window_chunks <= 64 or cl.max_snapshot_transfers < 1:
             raise ConfigError("cluster.snapshot_window_chunks must be 1..64, cluster.max_snapshot_transfers 1 or more")
+        if cl.entry_format not in (1, 2):
+            raise ConfigError(f"cluster.entry_format must be 1 or 2, not {cl.entry_format!r}")
         if not 1.0 <= cl.drain_timeout_s <= 3600 or cl.ready_max_lag_entries < 0:
             raise ConfigError("cluster.drain_timeout_s must be within 1..3600, cluster.ready_max_lag_entries 0 or more")
         if not cl.snapshot_stall_timeout_s > 0:

@@ -479,8 +479,13 @@ _head_dec = msgspec.msgpack.Decoder(EntryHead)
 _force_setattr = msgspec.structs.force_setattr
 
 
-def encode_entry(commands: list[Command], origin: int = 0, boot: int = 0, seq: int = 0) -> bytes:
-    """A proposal, unstamped: its commands keep their times (a leader's own, or restamped when forwarded)."""
+def encode_entry(commands: list[Command], origin: int = 0, boot: int = 0, seq: int = 0,
+                 version: int = ENTRY_VERSION) -> bytes:
+    """A proposal, unstamped: its commands keep their times (a leader's own, or restamped when
+    forwarded). ``version`` 1 (cluster.entry_format, during a rolling upgrade from nodes that read
+    only that): the batch alone, restamped by decoding and encoding it again."""
+    if version == LEGACY_ENTRY_VERSION:
+        return _enc.encode(EntryBatch(LEGACY_ENTRY_VERSION, commands, origin, boot, seq))
     return _UNSTAMPED_HEAD + _enc.encode(EntryBatch(ENTRY_VERSION, commands, origin, boot, seq))
 
 

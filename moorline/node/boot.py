@@ -137,6 +137,7 @@ class Startup:
             host.node_id, host.boot = self.node.member[0], self.node.boot
             host.check_admission()  # a snapshot whose admission of this node is past this boot
             host.max_pending_proposals = self.node.cfg.raft.max_pending_proposals
+            host.proposer.entry_format = self.node.cfg.cluster.entry_format
             host.snapshot_settings = self.node.snapshot_settings
             host.faults = self.node.faults
             self.node.groups.append(host)

@@ -131,3 +131,11 @@ def test_unknown_or_damaged_entries_get_a_clear_error() -> None:
             c.decode_entry(data)
     with pytest.raises(ValueError, match="unsupported entry version 3"):
         c.restamp_entry(bytes([3]) + bytes(8) + body, LEADER_NOW)
+
+
+def test_format_1_for_a_rolling_upgrade_is_what_nodes_before_format_2_wrote() -> None:
+    """cluster.entry_format = 1: the proposal is byte for byte the entry d8cc58a's encoder made,
+    which nodes before format 2 read; restamped as they did it."""
+    entry = c.encode_entry(commands(FORWARDER_NOW), 2, 1, 5, version=c.LEGACY_ENTRY_VERSION)
+    assert entry == OLD_ENTRY
+    assert c.restamp_entry(entry, LEADER_NOW) == OLD_RESTAMPED

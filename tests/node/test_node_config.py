@@ -80,3 +80,11 @@ def test_an_owner_lease_shorter_than_the_close_margin_is_refused(tmp_path: Path,
     f.write_text(f"[session]\nowner_lease_s = {lease}\n")
     with pytest.raises(ConfigError, match=r"session.owner_lease_s must be 1.5 or more"):
         load_config(f).validate()
+
+
+@pytest.mark.parametrize("value", [0, 3])
+def test_an_entry_format_other_than_1_or_2_is_refused(tmp_path: Path, value: int) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text(f"[cluster]\nentry_format = {value}\n")
+    with pytest.raises(ConfigError, match=rf"cluster.entry_format must be 1 or 2, not {value}"):
+        load_config(f).validate()

@@ -72,3 +72,22 @@ def test_a_replica_that_stops_leading_keeps_none_of_its_decodes(tmp_path: Path) 
         assert host.proposer._forwarded == {}
 
     asyncio.run(body())
+
+
+def test_a_node_at_entry_format_1_proposes_what_nodes_before_format_2_read(tmp_path: Path) -> None:
+    """cluster.entry_format = 1 (a rolling upgrade's first round): this node's own proposals are
+    plain version-1 batches, with no head, and apply with their own times."""
+    async def body() -> None:
+        host = leader_host(tmp_path)
+        host.proposer.entry_format = c.LEGACY_ENTRY_VERSION
+        msg = StoredMessage("t/a", b"x", 1, False, bytes(16), LEADER_NOW)
+        host.propose(c.Publish(msg), want_result=False)
+        rd = host.seal()
+        assert rd is not None
+        data = [e.data for e in rd.entries if e.data][-1]
+        assert data[0] != c.ENTRY_VERSION and msgspec.msgpack.decode(data)[0] == c.LEGACY_ENTRY_VERSION
+        synced(host)
+        stored = host.message(0)
+        assert stored is not None and stored.ts_ms == LEADER_NOW
+
+    asyncio.run(body())

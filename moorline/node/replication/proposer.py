@@ -116,6 +116,7 @@ class Proposer:
         self._seq = 0
         self._own: dict[int, _Own] = {}  # seq -> proposal not applied here yet, in seq order
         self.max_pending_proposals = 256  # raft.max_pending_proposals: entries in _own (and sealing)
+        self.entry_format = c.ENTRY_VERSION  # cluster.entry_format: 1 while a rolling upgrade runs
         self._lead_seen: Any = None  # the leader our proposals were last handed to
         self.ticks = 0
         self.resend_after_ticks = 20  # a proposal not applied after this many ticks is handed over again
@@ -194,7 +195,7 @@ class Proposer:
 
     def _propose_entry(self, cmds: list[c.Command], futs: list[Waiter]) -> None:
         self._seq += 1
-        own = _Own(self._seq, c.encode_entry(cmds, self.node_id, self.boot, self._seq), cmds, futs, self.ticks)
+        own = _Own(self._seq, c.encode_entry(cmds, self.node_id, self.boot, self._seq, self.entry_format), cmds, futs, self.ticks)
         self._own[own.seq] = own
         if self.host.raft.lead != self._lead_seen:
             # A new leader: everything not applied yet goes to it first, in order, then this one
@@ -291,7 +292,7 @@ class Proposer:
         for own in owns:
             self._seq += 1
             own.seq = self._seq
-            own.data = c.encode_entry(own.commands, self.node_id, boot, own.seq)
+            own.data = c.encode_entry(own.commands, self.node_id, boot, own.seq, self.entry_format)
             self._own[own.seq] = own
         self.held_from = None
         if owns:
