@@ -26,17 +26,27 @@ def bench(
                                       "NATS JetStream R3, RabbitMQ quorum queue of 3) instead of single nodes"),
     scale: bool = typer.Option(False, "--scale", help="moorline's W1 on 1, 3 and 5 nodes (3 replicas): summed "
                                "CPU-s/10k, each node's share, and the 5-node / 3-node ratio (issue 32)"),
+    workloads: str | None = typer.Option(None, "--workloads", help="with --cluster: a subset of w1,w2,saturation "
+                                         "(default all; saturation, the lean load generator's pairs spread over "
+                                         "the nodes, at 3 nodes only, moorline and NATS)"),
 ) -> None:
     """Side-by-side benchmark: W1 (QoS 1, 100 B x 20,000), W2 (64 KiB x 2,000), a saturation sweep with a lean
     load generator, a shallow pipeline (one pair, 16 in flight), and the cost of moorline's strict packet ids. Each broker is started fresh on loopback and
     stopped after. --quick: few messages, one repetition (smoke test). --cluster 3 (or 5): W1 and W2 against 3-node
-    (5-node) clusters of moorline, NATS JetStream and RabbitMQ (default brokers moorline,nats,rabbitmq). --scale:
+    (5-node) clusters of moorline, NATS JetStream and RabbitMQ (default brokers moorline,nats,rabbitmq), and at 3 nodes
+    a saturation sweep of moorline and NATS (--workloads picks a subset). --scale:
     moorline's W1 on 1, 3 and 5 nodes, the scale table."""
     console = Console()
     if not console.is_terminal:
         console = Console(width=140)  # keep the tables readable in logs
     if cluster_nodes and cluster_nodes not in CLUSTER_SIZES:
         raise typer.BadParameter(f"--cluster must be one of {CLUSTER_SIZES}, not {cluster_nodes}")
+    if workloads is not None and not cluster_nodes:
+        raise typer.BadParameter("--workloads chooses among the --cluster workloads: give --cluster 3 or 5")
+    try:
+        cluster_workloads = cluster.parse_workloads(workloads, cluster_nodes) if cluster_nodes else ()
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     if scale and (cluster_nodes or brokers):
         raise typer.BadParameter("--scale measures moorline alone on 1, 3 and 5 nodes: no --cluster or --brokers")
     default_brokers = cluster.DEFAULT_CLUSTER_BROKERS if cluster_nodes else "moorline,mosquitto,amqtt"
@@ -60,8 +70,8 @@ def bench(
         console.print(f"wrote {json_out}")
         return
     if cluster_nodes:
-        cluster_config = (cluster.quick_config(names, cluster_nodes) if quick
-                          else cluster.full_config(names, cluster_nodes, max(1, reps)))
+        cluster_config = (cluster.quick_config(names, cluster_nodes, cluster_workloads) if quick
+                          else cluster.full_config(names, cluster_nodes, max(1, reps), cluster_workloads))
         result = cluster.run(cluster_config, log=console.print)
         result["meta"] = _meta(started, quick, load_at_start, speed)
         if quick:

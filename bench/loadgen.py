@@ -59,11 +59,16 @@ def pair_main(
     warm_s: float,
     measure_s: float,
     timeout_s: float,
+    sub_port: int | None = None,
+    topic: str | None = None,
 ) -> None:
-    """Run one publisher/subscriber pair; report deliveries and PUBACKs inside the measuring window."""
-    topic = f"bench/sat/{index}"
+    """Run one publisher/subscriber pair; report deliveries and PUBACKs inside the measuring window.
+
+    The publisher connects to ``port``, the subscriber to ``sub_port`` (default: ``port``; a cluster run puts them
+    on different nodes), both on ``topic`` (default ``bench/sat/<index>``)."""
+    topic = topic or f"bench/sat/{index}"
     tag = f"{index}-{time.monotonic_ns()}"
-    sub = _open(port, f"bench-sat-sub-{tag}", protocol, window, timeout_s)
+    sub = _open(sub_port or port, f"bench-sat-sub-{tag}", protocol, window, timeout_s)
     sub.sendall(wire.subscribe_packet(1, topic, 1, protocol))
     _read_packet(sub, wire.SUBACK, timeout_s)
     pub = _open(port, f"bench-sat-pub-{tag}", protocol, None, timeout_s)
