@@ -48,6 +48,15 @@ Where the partial state does NOT equal the full one (by design; readers of these
   the session record of every client registered on a topic shard: the topic shard's leader needs
   those of all its clients, not of one node's: a follower by that set, or the work moves to the
   session shard's leader.
+- Effects: S's ``Effects`` equal R's restricted to C for replayed commands (owed_new, claims,
+  retained_new), not for what arrives as an outcome: a ``SetGroup`` brings owed offsets and claims
+  with no ``owed_new``/``claims`` effect, a ``SetSession`` a record with none. S's host treats both as
+  "reload this group / session" (as after a snapshot install).
+- Resume: ``reduce`` reads R's state right after R applied the entry (group relevance, a group's or
+  session's outcome, the running offset and times), so it runs at apply, never later from the log.
+  R can keep S's reduced entries for a reconnect to R; a follower that moves to another replica R'
+  starts over from a partial snapshot at R''s applied index (after a read index), not from the
+  index it acknowledged. The cost of a move is C's part of the shard, owed messages included.
 - Costs: ``MessageIndex`` is dense by offset, so S's index spans from C's oldest unreleased message
   to the newest (about 45 bytes per offset, skipped ones included) while a C client lags; a
   ``SetGroup`` and ``merge_partial`` rebuild S's message index and derived indexes (rare events).

@@ -42,6 +42,7 @@ class World:
         self.clock = 1000
         self.fresh = 100
         self.seq = 0
+        self.favoured: list[str] = []  # C's clients: commands name them more often
 
     def apply_entry(self, cmds: list[c.Command]) -> tuple[list[Any], Effects]:
         """As ShardHost._apply_commands: runs of Publishes in one call, the rest one by one."""
@@ -73,13 +74,13 @@ def next_command(data: st.DataObject, w: World) -> c.Command | None:
     s, t = w.state.sessions, w.state.topics
     w.clock += data.draw(st.sampled_from([0, 40, 150, 700]))
     now = w.clock
-    cid = data.draw(st.sampled_from(CLIENTS))
+    cid = data.draw(st.sampled_from(CLIENTS + w.favoured * 2))
     sess = s.sessions.get(cid)
     regs = list(t.regs.items())
     kind = data.draw(st.sampled_from(
         ["pub"] * 6 + ["open"] * 3 + ["deliver"] * 3 + ["acks"] * 2 + ["reg"] * 3 + ["claim"] * 3 + [
             "close", "shk", "sub", "unsub", "share_reg", "unreg", "member", "member", "return", "decline",
-            "activate", "timeout", "dead", "ack", "ack", "drop", "hk", "renew", "release", "willpub", "q2", "pin"]))
+            "activate", "timeout", "timeout", "dead", "dead", "ack", "ack", "drop", "hk", "renew", "release", "willpub", "q2", "pin"]))
     if kind == "pub":
         w.fresh += 1
         guid = data.draw(st.sampled_from([*GUIDS, w.fresh.to_bytes(16, "big")]))
@@ -114,8 +115,8 @@ def next_command(data: st.DataObject, w: World) -> c.Command | None:
         if kind == "share_reg":
             g = data.draw(st.sampled_from(list(GROUPS)))
             return c.Register(now, share_key(g), "", 1, GROUPS[g], 1, want_retained=False, share_group=g,
-                              single_active=data.draw(st.booleans()), max_deliveries=data.draw(st.sampled_from([0, 2])),
-                              ack_timeout_ms=data.draw(st.sampled_from([0, 500])))
+                              single_active=data.draw(st.booleans()), max_deliveries=data.draw(st.sampled_from([0, 1, 2])),
+                              ack_timeout_ms=data.draw(st.sampled_from([0, 500, 500])))
         flt = data.draw(st.sampled_from(FILTERS))
         inc = sess.incarnation if sess is not None and data.draw(st.booleans()) else data.draw(st.integers(1, 4))
         return c.Register(now, f"{cid}\0{flt}", cid, inc, flt, data.draw(st.integers(0, 2)), data.draw(st.booleans()),
@@ -249,6 +250,7 @@ def assert_same(w: World, f: Follower, clients: list[str], where: str) -> None:
 def run(data: st.DataObject, add_later: bool) -> None:
     w = World()
     clients = data.draw(st.lists(st.sampled_from(CLIENTS), min_size=1, max_size=3, unique=True), label="C")
+    w.favoured = clients
     cut = data.draw(st.integers(0, 12), label="snapshot after entry")
     late = data.draw(st.sampled_from([x for x in CLIENTS if x not in clients]), label="added later") if add_later \
         else None
@@ -388,3 +390,16 @@ def test_an_open_is_sent_as_its_outcome() -> None:
     assert got[0].over_quota
     assert_same(w, f, ["c1"], "numbers")
     assert_same(w, f2, ["c4"], "quota")
+
+
+def test_a_held_groups_timeouts_and_dead_letters_reach_the_follower() -> None:
+    w = World()
+    key = share_key("g")
+    w.apply_entry([c.Register(0, key, "", 1, "jobs/#", 1, want_retained=False, share_group="g", max_deliveries=1,
+                              ack_timeout_ms=500), c.ShareMember(key, "c1", True, 1), c.ShareMember(key, "c2", True, 1)])
+    flt, f = _follower_of(w, ["c1"])
+    _entry(w, flt, f, [c.Publish(_pub("jobs/1", GUIDS[0])), c.Publish(_pub("jobs/2", GUIDS[1]))])
+    _entry(w, flt, f, [c.ShareClaim(key, "c2", (0, 1), 1, 1000)])
+    assert _entry(w, flt, f, [c.ShareTimeout(2000, key, "c2", 1, (0, 1))]) == [(0, 1)]
+    assert _entry(w, flt, f, [c.ShareDeadLettered(key, (0,))]) == [(0,)]
+    assert_same(w, f, ["c1"], "after")
