@@ -1340,7 +1340,8 @@ def print_report(console: Console, report: dict[str, Any]) -> None:
                                  "saturation_msgs_per_s", "saturation_cpu_s_per_10k")
         keys = tuple(k for k in keys if any(r.get(k) is not None for r in comparison["ratios"].values()))
         for key in keys:
-            table.add_column(key.replace("_per_", "/").replace("_s/10k", "-s/10k").replace("latency_", ""),
+            table.add_column(key.replace("_per_", "/").replace("_s/10k", "-s/10k").replace("latency_", "")
+                             .replace("saturation_", "sat_"),
                              justify="right")
         for peer, ratios in comparison["ratios"].items():
             table.add_row(peer, *[_num(ratios.get(k), ".2f") + ("x" if ratios.get(k) is not None else "")

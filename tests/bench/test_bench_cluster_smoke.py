@@ -1,4 +1,5 @@
-"""Smoke test of the cluster benchmark: `python -m bench --cluster 3 --quick --brokers moorline`, then the JSON.
+"""Smoke test of the cluster benchmark: `python -m bench --cluster 3 --quick --brokers moorline`, then the JSON
+(W1, W2 and the one-pair saturation row).
 
 No speed is asserted (the bench reports it); this checks that three nodes were measured as one broker (CPU of
 each node read and summed), that the topic's shard was led by node 3 while the clients used nodes 1 and 2,
@@ -85,6 +86,17 @@ def test_cluster_quick_mode_against_moorline_writes_sane_json(tmp_path: Path) ->
     assert target_w1_cpu["met"] is None and target_w1_cpu["comparable"] is False  # --quick
     assert "W1 on 3-node clusters" in proc.stdout and "not comparable" in proc.stdout
     assert "pub+follower" in proc.stdout  # CPU per node by role
+    # The saturation row: one pair (--quick), publisher on node 1, subscriber on node 2, its shard led by node 3.
+    saturation = moorline["saturation"]
+    assert "error" not in saturation, saturation
+    [step] = saturation["steps"]
+    assert step["pairs"] == 1 and step["delivered"] > 0 and saturation["max"]["delivered"] == step["delivered"]
+    assert set(step["cpu_s_by_member"]) == {"n1", "n2", "n3"} and step["cpu_s"] > 0
+    [pair] = step["saturation_pairs"]
+    assert (pair["publish_node"], pair["subscribe_node"], pair["leader"]) == ("n1", "n2", "n3")
+    assert step["saturation_leaders_moved"] == [] and step["log_errors"] == 0, step.get("log_samples")
+    assert not [pid for pid in step["member_pids"].values() if _alive(pid)]
+    assert "saturation on 3-node clusters" in proc.stdout
 
 
 @pytest.mark.skipif(not _loopback_hosts_bindable(("127.0.0.14", "127.0.0.15")), reason="127.0.0.14-15 not bindable")
