@@ -43,7 +43,7 @@ Where the partial state does NOT equal the full one (by design; readers of these
   replayed) or a Register's retained messages (given in ``Effects.retained_new`` only). The futures of
   S's own proposals must be resolved from results R sends with the entry (the stream's business).
 - A client S starts serving must be added (``FollowerFilter.add_clients``, merged with
-  ``merge_partial``) before S reads its session record: lifecycle reads ``owner_of`` and the record
+  ``merge_partial``; ``remove_clients`` drops one) before S reads its session record: lifecycle reads ``owner_of`` and the record
   on CONNECT. Leader-side follow-ups (sessions/followups.py: ghost registrations, ack resends) read
   the session record of every client registered on a topic shard: the topic shard's leader needs
   those of all its clients, not of one node's: a follower by that set, or the work moves to the
@@ -114,7 +114,13 @@ class DropGroup(msgspec.Struct, tag="dg", array_like=True):
     reg_key: str
 
 
-Op = Apply | SetSession | SetGroup | DropGroup
+class DropClient(msgspec.Struct, tag="dc", array_like=True):
+    """S no longer serves the client: its registrations, session record and owed wills go."""
+
+    client_id: str
+
+
+Op = Apply | SetSession | SetGroup | DropGroup | DropClient
 
 
 class ReducedEntry(msgspec.Struct, array_like=True):
@@ -197,6 +203,23 @@ class FollowerFilter:
         added = [x for x in new if x not in self.clients]
         self.clients.update(dict.fromkeys(added))
         return self._part(state, added, message_of)
+
+    def remove_clients(self, state: ShardState, gone: Iterable[str]) -> ReducedEntry:
+        """S stops serving ``gone``: an entry at R's applied index that drops them, and the groups
+        no client S still serves is a member of."""
+        ops: list[Op] = []
+        for cid in gone:
+            if cid in self.clients:
+                del self.clients[cid]
+                ops.append(DropClient(cid))
+        t, s = state.topics, state.sessions
+        for rk in list(self.groups):
+            reg = t.regs.get(rk)
+            if reg is None or not _has_member(reg, self.clients):
+                ops.append(DropGroup(rk))
+                del self.groups[rk]
+        return ReducedEntry(state.applied_index, ops, t.next_offset, t.last_ts_ms, s.last_ts_ms, s.epochs,
+                            s.incarnations)
 
     def _part(self, state: ShardState, clients: list[str], message_of: MessageOf) -> PartialSnapshot:
         t, s = state.topics, state.sessions
@@ -378,7 +401,14 @@ def _install(state: ShardState, regs: list[Registration], messages: list[Held], 
     t.rebuild_indexes()
 
 
+def _drop_client(state: ShardState, cid: str) -> None:
+    for rk in [k for k in state.topics.regs if plain_owner(k) == cid]:
+        _drop_group(state, rk)
+    _set_session(state, cid, None, [])
+
+
 def _drop_group(state: ShardState, reg_key: str) -> None:
+    """A registration S no longer holds (a group, or a plain one of a client it stopped serving)."""
     t = state.topics
     reg = t.regs.pop(reg_key, None)
     if reg is None:
@@ -422,6 +452,8 @@ def apply_reduced(state: ShardState, entry: ReducedEntry, fx: Effects) -> list[A
             _set_session(state, op.client_id, op.session, op.wills)
         elif isinstance(op, SetGroup):
             _install(state, [op.reg], op.messages, fx)
+        elif isinstance(op, DropClient):
+            _drop_client(state, op.client_id)
         else:
             _drop_group(state, op.reg_key)
     if entry.next_offset < t.next_offset:

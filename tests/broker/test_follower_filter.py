@@ -275,6 +275,13 @@ def run(data: st.DataObject, add_later: bool) -> None:
             follower.add(flt.add_clients(w.state, [late], w.store.get))
             clients, late = [*clients, late], None
             assert_same(w, follower, clients, f"added at {index}")
+        elif add_later and late is None and len(clients) > 1 and data.draw(st.integers(0, 5), label="drop") == 0:
+            gone, clients = clients[0], clients[1:]  # S stops serving a client
+            follower.apply(flt.remove_clients(w.state, [gone]))
+            assert_same(w, follower, clients, f"removed at {index}")
+            left = ff.client_view(follower.state, gone, follower.store.get)
+            assert left["session"] is None and not left["wills"], "the removed client's session stays"
+            assert all(ff.plain_owner(rk) is None for rk in left["regs"]), "its registrations stay"
     if follower is not None:
         assert_same(w, follower, clients, "end")
 
@@ -287,7 +294,7 @@ def test_partial_state_equals_full_state_for_its_clients(data: st.DataObject) ->
 
 @settings(max_examples=150, deadline=None)
 @given(st.data())
-def test_a_client_added_later_converges(data: st.DataObject) -> None:
+def test_a_client_added_later_converges_and_one_removed_goes(data: st.DataObject) -> None:
     run(data, add_later=True)
 
 
