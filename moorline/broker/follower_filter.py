@@ -8,7 +8,7 @@ claim, checked by tests/broker/test_follower_filter.py over random command seque
 every client in C the partial state equals R's: ``client_view`` (its session record and owed wills,
 its registrations with their owed offsets, claims, members, work-queue state and owed bytes, the
 ``$share`` groups it is a member of, and every owed message's metadata and body), and the shard's
-``next_offset``.
+``next_offset``, epochs and incarnations.
 
 What R sends (``FollowerFilter``, one per follower and shard; it tracks what S holds):
 
@@ -43,8 +43,8 @@ Where the partial state does NOT equal the full one (by design; readers of these
   replayed) or a Register's retained messages (given in ``Effects.retained_new`` only). The futures of
   S's own proposals must be resolved from results R sends with the entry (the stream's business).
 - A client S starts serving must be added (``FollowerFilter.add_clients``, merged with
-  ``merge_partial``; ``remove_clients`` drops one) before S reads its session record: lifecycle reads ``owner_of`` and the record
-  on CONNECT. Leader-side follow-ups (sessions/followups.py: ghost registrations, ack resends) read
+  ``merge_partial``; ``remove_clients`` drops one) before S reads its session record: lifecycle
+  reads ``owner_of`` and the record on CONNECT. Leader-side follow-ups (sessions/followups.py: ghost registrations, ack resends) read
   the session record of every client registered on a topic shard: the topic shard's leader needs
   those of all its clients, not of one node's: a follower by that set, or the work moves to the
   session shard's leader.
@@ -54,12 +54,14 @@ Where the partial state does NOT equal the full one (by design; readers of these
   "reload this group / session" (as after a snapshot install).
 - Resume: ``reduce`` reads R's state right after R applied the entry (group relevance, a group's or
   session's outcome, the running offset and times), so it runs at apply, never later from the log.
-  R can keep S's reduced entries for a reconnect to R; a follower that moves to another replica R'
-  starts over from a partial snapshot at R''s applied index (after a read index), not from the
-  index it acknowledged. The cost of a move is C's part of the shard, owed messages included.
+  R can keep S's reduced entries for a reconnect to R; a follower that moves to another replica
+  starts over from a partial snapshot at that replica's applied index (after a read index), not
+  from the index it acknowledged. The cost of a move is C's part of the shard, owed messages included.
 - Costs: ``MessageIndex`` is dense by offset, so S's index spans from C's oldest unreleased message
   to the newest (about 45 bytes per offset, skipped ones included) while a C client lags; a
-  ``SetGroup`` and ``merge_partial`` rebuild S's message index and derived indexes (rare events).
+  ``SetGroup`` and ``merge_partial`` rebuild S's message index and derived indexes (rare events);
+  S applies each publish alone with a fresh GUID history (its offsets are not dense): per message
+  (publish and ack) 2-3x R's apply cost; an apply-at-offset entry point in TopicState would cut it.
 """
 
 from __future__ import annotations
