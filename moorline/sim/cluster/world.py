@@ -48,6 +48,7 @@ from moorline.sim.cluster.tuning import DEFAULT_TUNING, NodeTuning
 from moorline.sim.cluster.vloop import Scheduler, VirtualLoop
 from moorline.sim.cluster.vnet import HostNetwork, LinkDelay, SimNetwork
 from moorline.sim.cluster.world_checks import (
+    DurableAtSend,
     PinCheck,
     PromiseLedger,
     ReadBarrierCheck,
@@ -424,6 +425,7 @@ class World:
         # Drawn last: the draws above (and so every trace without timed syncs) stay as they were.
         self._sync_rngs = {n.name: random.Random(self.rng.getrandbits(64)) for n in self.nodes}
         self.promises = PromiseLedger()  # world_checks.py
+        self.durable = DurableAtSend()
         self.recovered_logs = RecoveredLogCheck()
         self.on_install: Callable[[SimNode], None] | None = None  # the fault plan's aim (runner.FaultPlan)
         self.barriers = ReadBarrierCheck()
@@ -575,6 +577,7 @@ class World:
             if loop.crashed:
                 return
             self.promises.on_send(sn.name, group, m, self._term_of(sn, group, m.term))
+            self.durable.on_send(sn.name, group, m)
             if sn.armed is not None and not m.reject and (
                     (sn.armed == "vote" and m.type == _MT.VOTE_RESP)
                     or (sn.armed == "append_response" and m.type == _MT.APP_RESP)):
@@ -646,6 +649,7 @@ class World:
 
         def watched(*args: Any, **kwargs: Any) -> None:
             open_groups(*args, **kwargs)
+            self.durable.watch(sn.name, node.wal)
             for host in node.groups:
                 if host.failed is not None:
                     continue
@@ -679,7 +683,7 @@ class World:
     def check_counts(self) -> dict[str, int]:
         """How much the world-state checks saw (a check that saw nothing proves nothing)."""
         live = sum(sn.syncer.completed for sn in self.nodes if sn.syncer is not None and not sn.crashed)
-        counts = {"raft_messages_seen": self.promises.messages_seen,
+        counts = {"raft_messages_seen": self.promises.messages_seen, "sends_judged_durable": self.durable.judged,
                   "recoveries_checked": self.promises.recoveries_checked,
                   "recovered_logs_checked": self.recovered_logs.logs_checked,
                   "committed_entries_recorded": self.recovered_logs.entries_recorded,
@@ -697,7 +701,8 @@ class World:
         restored from its own snapshot bytes."""
         replicas = [(sn.name, h.shard, h.state) for sn in self.nodes if sn.node is not None and sn.ready
                     for h in sn.node.groups if h.failed is None]
-        return (self.promises.findings + self.recovered_logs.findings + self.barriers.findings + self.canonical_findings
+        return (self.promises.findings + self.durable.findings + self.recovered_logs.findings + self.barriers.findings
+                + self.canonical_findings
                 + self.pins.findings + canonical_state_findings(replicas))
 
     def crash(self, sn: SimNode, lose_unsynced: bool = True) -> list[str]:

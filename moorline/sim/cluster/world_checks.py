@@ -13,6 +13,12 @@ check that reused that condition could not fail when the condition is wrong.
 - ``ReadBarrierCheck`` (read barriers): when a read barrier's future resolves, the replica has
   applied at least the read index the group's read (``ReadState``) returned for it; a barrier that
   resolves with no read index answered is a violation too.
+- ``DurableAtSend`` (durable before sent): Raft's rule that a node puts a message on the wire only
+  once what it promises is durable, checked as each message leaves, with no crash needed: an
+  append response acknowledging entry ``i`` goes out only after a WAL sync covered the append that
+  wrote ``i``, and a vote (granted, or a candidate's own) only after a sync covered the hard state
+  that recorded it. Its facts come from the node's WAL as the simulator watches it (each append's
+  and hard state's sequence number, each sync's), not from group commit's bookkeeping.
 - ``RecoveredLogCheck`` (recovered logs): a restarted replica's log, up to its commit index, holds
   the terms the group committed, and its terms never decrease after its snapshot.
 - ``canonical_state_findings`` (snapshots): a replica's state encoded, restored with
@@ -112,6 +118,93 @@ class PromiseLedger:
         if ack.entry_term is not None and have != ack.entry_term:
             self.findings.append(("promise_broken", f"{where}: acknowledged entry {ack.index} of term "
                                   f"{ack.entry_term} in term {term}; restarted holding term {have} there"))
+
+
+class _WalWatch:
+    """One WAL as a node's boot opened it: per group, the sequence number of the append that wrote
+    each entry still in it (since the boot; recovered entries were durable already), and of the
+    hard state that set the current (term, vote); the highest sequence a sync covered."""
+
+    def __init__(self, wal: Any) -> None:
+        self.entry_seq: dict[int, dict[int, int]] = {}
+        self.vote_seq: dict[int, tuple[int, bytes, int]] = {}
+        self.synced = 0
+        append, truncate, hard, mark, sync = (wal.append_entries, wal.truncate, wal.set_hard_state,
+                                              wal.mark_snapshot, wal.sync)
+
+        def appended(group: int, entries: Any) -> None:
+            append(group, entries)
+            if entries:
+                d = self.entry_seq.setdefault(group, {})
+                self._drop_from(d, entries[0][1])
+                seq = wal._appended_seq
+                for e in entries:
+                    d[e[1]] = seq
+
+        def truncated(group: int, from_index: int) -> None:
+            truncate(group, from_index)
+            self._drop_from(self.entry_seq.get(group, {}), from_index)
+
+        def hard_state(group: int, term: int, vote: bytes, commit: int) -> None:
+            hard(group, term, vote, commit)
+            prev = self.vote_seq.get(group)
+            if prev is None or prev[:2] != (term, bytes(vote)):
+                self.vote_seq[group] = (term, bytes(vote), wal._appended_seq)
+
+        def marked(group: int, index: int, term: int) -> None:
+            mark(group, index, term)
+            d = self.entry_seq.get(group, {})
+            for i in [i for i in d if i <= index]:
+                del d[i]  # under a snapshot: durable with it
+
+        def synced() -> int:
+            seq = int(sync())
+            self.synced = max(self.synced, seq)
+            return seq
+
+        wal.append_entries, wal.truncate, wal.set_hard_state = appended, truncated, hard_state
+        wal.mark_snapshot, wal.sync = marked, synced
+        wal._sim_watch = self
+
+    @staticmethod
+    def _drop_from(d: dict[int, int], first: int) -> None:
+        for i in [i for i in d if i >= first]:
+            del d[i]
+
+
+@dataclass
+class DurableAtSend:
+    """Messages that promise what the sender's disk does not hold yet (see the module docstring)."""
+
+    watches: dict[str, _WalWatch] = field(default_factory=dict)  # node -> its current boot's WAL
+    findings: list[Finding] = field(default_factory=list)
+    judged: int = 0
+
+    def watch(self, node: str, wal: Any) -> None:
+        """``node``'s boot opened ``wal``: watch it (once)."""
+        w = getattr(wal, "_sim_watch", None)
+        self.watches[node] = w if isinstance(w, _WalWatch) else _WalWatch(wal)
+
+    def on_send(self, node: str, group: int, m: Message) -> None:
+        w = self.watches.get(node)
+        if w is None or m.reject:
+            return
+        t = m.type
+        if t == _MT.APP_RESP:
+            seq = w.entry_seq.get(group, {}).get(m.index)
+            what = f"acknowledged entry {m.index} in term {m.term}"
+        elif t in (_MT.VOTE_RESP, _MT.VOTE):
+            v = w.vote_seq.get(group)
+            seq = v[2] if v is not None and v[0] == m.term else None
+            what = f"{'granted' if t == _MT.VOTE_RESP else 'asked for'} a vote in term {m.term}"
+        else:
+            return
+        if seq is None:
+            return
+        self.judged += 1
+        if seq > w.synced:
+            self.findings.append(("sent_before_durable", f"{node} group {group}: {what} before a WAL sync "
+                                  f"covered it (written at WAL sequence {seq}, synced to {w.synced})"))
 
 
 @dataclass
