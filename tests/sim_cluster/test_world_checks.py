@@ -26,6 +26,7 @@ from moorline.raft.coalesce import HeartbeatBatch
 from moorline.raft.types import ReadState
 from moorline.sim.cluster.world import TimedSync, _FrameTap, _MqttTap
 from moorline.sim.cluster.world_checks import (
+    DurableAtSend,
     PinCheck,
     PromiseLedger,
     ReadBarrierCheck,
@@ -35,6 +36,7 @@ from moorline.sim.cluster.world_checks import (
 )
 from moorline.storage.msgstore import MessageStore
 from moorline.storage.snapshots import SnapshotStore
+from moorline.storage.wal import WriteAheadLog
 
 MT = MessageType
 A, B = (1, "a"), (2, "b")
@@ -192,6 +194,44 @@ def test_a_timed_sync_completes_after_its_duration_and_not_before() -> None:
         assert (runner.started, runner.completed) == (1, 1)
 
     asyncio.run(body())
+
+
+# --- durable before sent -------------------------------------------------------------------------
+def _app_resp(index: int, term: int = 2) -> Message:
+    return Message(type=MT.APP_RESP, from_=A, to=B, term=term, index=index)
+
+
+def test_an_acknowledgement_is_judged_against_the_wal_s_syncs(tmp_path: Path) -> None:
+    """Acknowledged after the sync that covered the entries: passes; before it: caught, with no
+    crash needed. The same for a vote: granted once its hard state is synced, or caught."""
+    wal = WriteAheadLog(tmp_path / "wal", segment_bytes=1 << 20)
+    wal.open()
+    check = DurableAtSend()
+    check.watch("n1", wal)
+    check.watch("n1", wal)  # a second watch of one WAL wraps it once
+    wal.append_entries(0, [(2, 1, 0, b"a"), (2, 2, 0, b"b")])
+    wal.sync()
+    check.on_send("n1", 0, _app_resp(2))
+    wal.append_entries(0, [(2, 3, 0, b"c")])
+    check.on_send("n1", 0, _app_resp(2))  # entry 2 is synced; 3 is not, and is not acknowledged
+    check.on_send("n1", 0, Message(type=MT.APP_RESP, from_=A, to=B, term=2, index=3, reject=True))
+    assert check.findings == [] and check.judged == 2
+    check.on_send("n1", 0, _app_resp(3))
+    assert [k for k, _ in check.findings] == ["sent_before_durable"]
+    assert "acknowledged entry 3" in check.findings[0][1]
+    wal.sync()
+    check.on_send("n1", 0, _app_resp(3))
+    wal.set_hard_state(0, 3, b"b", 2)
+    check.on_send("n1", 0, Message(type=MT.VOTE_RESP, from_=A, to=B, term=3))  # its vote not synced
+    assert len(check.findings) == 2 and "granted a vote in term 3" in check.findings[1][1]
+    wal.sync()
+    wal.set_hard_state(0, 3, b"b", 3)  # the commit index moved: the vote was synced before
+    check.on_send("n1", 0, Message(type=MT.VOTE_RESP, from_=A, to=B, term=3))
+    wal.truncate(0, 3)
+    wal.append_entries(0, [(3, 3, 0, b"d")])  # entry 3 rewritten in term 3: not synced again yet
+    check.on_send("n1", 0, _app_resp(3, term=3))
+    assert len(check.findings) == 3
+    wal.close()
 
 
 # --- read barriers ----------------------------------------------------------------------------------
