@@ -386,8 +386,9 @@ def _install(state: ShardState, regs: list[Registration], messages: list[Held], 
         t.regs[reg.reg_key] = reg
         if not reg.draining:
             t.trie.insert(reg.filter, reg.reg_key, None)
+        counts = t.owed_count
         for o in reg.owed:
-            t.owed_count[o] = t.owed_count.get(o, 0) + 1
+            counts[o] = counts.get(o, 0) + 1
     t._trie_changed()
     new = [h for h in messages if h.offset not in t.meta]
     if new:
