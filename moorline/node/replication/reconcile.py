@@ -155,6 +155,15 @@ def live_majority_after_removal(voters: tuple[MemberId, ...], removed: MemberId,
     return sum(1 for v in rest if v in live) * 2 > len(rest)
 
 
+def _caught_up(g: GroupView, member: MemberId, settings: PlanSettings) -> bool:
+    """Whether a learner may be promoted in ``g`` now: within ``promote_lag_entries`` of the leader's
+    log, or its lag unknown to the planner (the shard's leader checks it before proposing)."""
+    if g.lag is None or settings.promote_unchecked:
+        return True
+    lag = g.lag.get(member)
+    return lag is not None and lag <= settings.promote_lag_entries
+
+
 def _grow(g: GroupView, counted: list[MemberId], by_member: dict[MemberId, NodeView], eligible: list[NodeView],
           voters_of: dict[str, int], settings: PlanSettings) -> PlannedMove | None:
     """One voter more for ``g`` (whose ``counted`` voters stay), or None when no node fits now."""
@@ -167,10 +176,8 @@ def _grow(g: GroupView, counted: list[MemberId], by_member: dict[MemberId, NodeV
             continue
         if any(m[0] == n.node_id and m != n.member_id for m in (*g.voters, *g.learners)):
             continue  # its old storage is still a member: that one is removed first
-        if n.member_id in learners:
-            lag = None if g.lag is None else g.lag.get(n.member_id)
-            if g.lag is not None and not settings.promote_unchecked and (lag is None or lag > settings.promote_lag_entries):
-                continue  # not caught up (or not heard from by the leader): not yet
+        if n.member_id in learners and not _caught_up(g, n.member_id, settings):
+            continue  # not caught up (or not heard from by the leader): not yet
         key = (1 if n.zone in zones_used else 0, voters_of.get(n.name, 0), settings.leaderships.get(n.name, 0),
                guid128("reconcile", settings.cluster_key, g.shard, n.name), n.name)
         candidates.append((key, n))
@@ -196,15 +203,15 @@ def _zone_repair(g: GroupView, by_member: dict[MemberId, NodeView], eligible: li
     if any(v not in by_member or by_member[v].state != "active" or not by_member[v].live for v in g.voters):
         return None  # (as a rebalance: never a voter more while one of them is down or going)
     voters = [by_member[v] for v in g.voters]
-    if not any(_shares_zone(n, g.voters, by_member) for n in voters):
+    dup = sorted({n.zone for n in voters if _shares_zone(n, g.voters, by_member)})
+    if not dup:
         return None
     zones_used = {n.zone for n in voters}
     candidates = []
     for n in eligible:
         if not n.zone or n.zone in zones_used or n.member_id not in g.learners:
             continue
-        lag = None if g.lag is None else g.lag.get(n.member_id)
-        if g.lag is not None and not settings.promote_unchecked and (lag is None or lag > settings.promote_lag_entries):
+        if not _caught_up(g, n.member_id, settings):
             continue
         key = (voters_of.get(n.name, 0), settings.leaderships.get(n.name, 0),
                guid128("zone", settings.cluster_key, g.shard, n.name), n.name)
@@ -212,7 +219,6 @@ def _zone_repair(g: GroupView, by_member: dict[MemberId, NodeView], eligible: li
     if not candidates:
         return None
     _, best = min(candidates, key=lambda kv: kv[0])
-    dup = sorted({n.zone for n in voters if _shares_zone(n, g.voters, by_member)})
     return PlannedMove(g.shard, "promote", best.name, best.member_id,
                        f"two voters of shard {g.shard} are in zone {dup[0]}; {best.name} is in zone {best.zone}, "
                        "which has none", "rebalance")
@@ -367,9 +373,7 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
                     if any(_removable(by_member.get(v), settings.auto_remove_after_s) is not None
                            or by_member[v].state != "active" or not by_member[v].live for v in g.voters):
                         continue
-                    lag = None if g.lag is None else g.lag.get(u.member_id)
-                    if g.lag is not None and not settings.promote_unchecked and (
-                            lag is None or lag > settings.promote_lag_entries):
+                    if not _caught_up(g, u.member_id, settings):
                         continue
                     # the node that would give the voter up: the most loaded that does not lead the shard
                     # (the trim after the promotion removes no leader), or the one voter in u's zone
