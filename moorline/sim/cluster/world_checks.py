@@ -168,8 +168,12 @@ class _WalWatch:
 
     @staticmethod
     def _drop_from(d: dict[int, int], first: int) -> None:
-        for i in [i for i in d if i >= first]:
-            del d[i]
+        # A group's watched indexes are one contiguous run (appends continue it or rewrite its
+        # tail, truncations cut its tail, snapshot marks its head): drop from ``first`` to its end,
+        # not a scan of every index on every append.
+        while first in d:
+            del d[first]
+            first += 1
 
 
 @dataclass
