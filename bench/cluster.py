@@ -47,7 +47,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench import amqp_clients, loadgen, runner
+from bench import amqp_clients, runner
 from bench.brokers import (
     CACHE_DIR,
     STOP_TIMEOUT_S,
@@ -1002,57 +1002,20 @@ def run_cluster_saturation_once(kind: Broker, workload: runner.SaturationWorkloa
     """A fresh cluster, ``pairs`` load-generator processes (bench/loadgen.py) placed by the cluster's
     ``saturation_pairs``: each publisher and its subscriber on different nodes. Delivered messages in the
     measuring window, and the CPU of every node read at its start and end."""
-    ctx = multiprocessing.get_context("spawn")
 
     def body(broker: RunningBroker) -> dict[str, Any]:
         if not isinstance(broker, RunningCluster):
             raise RuntimeError(f"{kind.name}: the cluster saturation run needs a cluster")
-        placed = broker.saturation_pairs(pairs)
         ports = {member.name: member.port for member in broker.members}
-        conns: list[Any] = []
-        procs: list[Any] = []
-        total_s = workload.warm_s + workload.measure_s + 5
-        try:
-            for pair in placed:
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(
-                    target=loadgen.pair_main,
-                    args=(child, ports[pair.publish_node], broker.protocol, pair.index, workload.window,
-                          workload.payload_bytes, workload.warm_s, workload.measure_s, total_s),
-                    kwargs={"sub_port": ports[pair.subscribe_node], "topic": pair.topic},
-                    name=f"loadgen-{pair.index}", daemon=True,
-                )
-                proc.start()
-                conns.append(parent)
-                procs.append(proc)
-            for conn, proc in zip(conns, procs, strict=True):
-                runner._expect(conn, "ready", 60, proc)
-            start_at = time.monotonic() + 0.2
-            for conn in conns:
-                conn.send(("go", start_at))
-            time.sleep(max(0.0, start_at + workload.warm_s - time.monotonic()))
-            cpu_before = broker.cpu_seconds_by_member()
-            time.sleep(max(0.0, start_at + workload.warm_s + workload.measure_s - time.monotonic()))
-            cpu_after = broker.cpu_seconds_by_member()
-            results = [runner._expect(conn, "result", timeout_s, proc)[1]
-                       for conn, proc in zip(conns, procs, strict=True)]
-        finally:
-            runner._stop_clients(procs)
+        placements = [(pair.index, ports[pair.publish_node],
+                       {"sub_port": ports[pair.subscribe_node], "topic": pair.topic})
+                      for pair in broker.saturation_pairs(pairs)]
+        results, cpu_before, cpu_after = runner.drive_pairs(workload, placements, broker.protocol,
+                                                            broker.cpu_seconds_by_member, timeout_s)
         cpu_by_member = {member: cpu_after[member] - cpu_before[member] for member in cpu_before}
-        cpu = sum(cpu_by_member.values())
-        delivered = sum(r["delivered_in_window"] for r in results)
-        acked = sum(r["acked_in_window"] for r in results)
-        return {
-            "pairs": pairs,
-            "measure_s": workload.measure_s,
-            "delivered": delivered,
-            "msgs_per_s": delivered / workload.measure_s,
-            "publish_acks_per_s": acked / workload.measure_s,
-            "cpu_s": cpu,
-            "cpu_s_per_10k": cpu / delivered * 10_000 if delivered else None,
-            "cpu_s_by_member": cpu_by_member,
-            "delivered_by_pair": [r["delivered_in_window"] for r in results],
-        }
+        return {**runner.saturation_figures(pairs, workload, results, sum(cpu_by_member.values())),
+                "cpu_s_by_member": cpu_by_member,
+                "delivered_by_pair": [r["delivered_in_window"] for r in results]}
 
     return runner._with_broker(kind, None, body)
 

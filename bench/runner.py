@@ -215,62 +215,73 @@ def run_paho_once(
     return _with_broker(kind, env, body)
 
 
+def drive_pairs(
+    workload: SaturationWorkload,
+    placements: list[tuple[int, int, dict[str, Any]]],
+    protocol: Any,
+    read_cpu: Callable[[], Any],
+    timeout_s: float,
+) -> tuple[list[dict[str, Any]], Any, Any]:
+    """One load-generator process per (pair index, publisher port, extra pair_main kwargs), started
+    together; the brokers' CPU read (``read_cpu``) at the start and the end of the measuring window.
+    Returns every pair's result and the two CPU readings."""
+    ctx = multiprocessing.get_context("spawn")
+    conns: list[Connection] = []
+    procs: list[SpawnProcess] = []
+    total_s = workload.warm_s + workload.measure_s + 5
+    try:
+        for index, port, extra in placements:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=loadgen.pair_main,
+                args=(child, port, protocol, index, workload.window, workload.payload_bytes,
+                      workload.warm_s, workload.measure_s, total_s),
+                kwargs=extra,
+                name=f"loadgen-{index}",
+                daemon=True,
+            )
+            proc.start()
+            conns.append(parent)
+            procs.append(proc)
+        for conn, proc in zip(conns, procs, strict=True):
+            _expect(conn, "ready", 60, proc)
+        start_at = time.monotonic() + 0.2
+        for conn in conns:
+            conn.send(("go", start_at))
+        time.sleep(max(0.0, start_at + workload.warm_s - time.monotonic()))
+        cpu_before = read_cpu()
+        time.sleep(max(0.0, start_at + workload.warm_s + workload.measure_s - time.monotonic()))
+        cpu_after = read_cpu()
+        results = [_expect(conn, "result", timeout_s, proc)[1] for conn, proc in zip(conns, procs, strict=True)]
+    finally:
+        _stop_clients(procs)
+    return results, cpu_before, cpu_after
+
+
+def saturation_figures(pairs: int, workload: SaturationWorkload, results: list[dict[str, Any]],
+                       cpu: float) -> dict[str, Any]:
+    """Delivered and acknowledged messages in the measuring window, summed over the pairs, per second
+    and against the brokers' CPU."""
+    delivered = sum(r["delivered_in_window"] for r in results)
+    acked = sum(r["acked_in_window"] for r in results)
+    return {
+        "pairs": pairs,
+        "measure_s": workload.measure_s,
+        "delivered": delivered,
+        "msgs_per_s": delivered / workload.measure_s,
+        "publish_acks_per_s": acked / workload.measure_s,
+        "cpu_s": cpu,
+        "cpu_s_per_10k": cpu / delivered * 10_000 if delivered else None,
+    }
+
+
 def run_saturation_once(
     kind: Broker, workload: SaturationWorkload, pairs: int, timeout_s: float
 ) -> dict[str, Any]:
-    ctx = multiprocessing.get_context("spawn")
-
     def body(broker: RunningBroker) -> dict[str, Any]:
-        conns: list[Connection] = []
-        procs: list[SpawnProcess] = []
-        total_s = workload.warm_s + workload.measure_s + 5
-        try:
-            for index in range(pairs):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(
-                    target=loadgen.pair_main,
-                    args=(
-                        child,
-                        broker.port,
-                        broker.protocol,
-                        index,
-                        workload.window,
-                        workload.payload_bytes,
-                        workload.warm_s,
-                        workload.measure_s,
-                        total_s,
-                    ),
-                    name=f"loadgen-{index}",
-                    daemon=True,
-                )
-                proc.start()
-                conns.append(parent)
-                procs.append(proc)
-            for conn, proc in zip(conns, procs, strict=True):
-                _expect(conn, "ready", 60, proc)
-            start_at = time.monotonic() + 0.2
-            for conn in conns:
-                conn.send(("go", start_at))
-            time.sleep(max(0.0, start_at + workload.warm_s - time.monotonic()))
-            cpu_before = broker.cpu_seconds()
-            time.sleep(max(0.0, start_at + workload.warm_s + workload.measure_s - time.monotonic()))
-            cpu = broker.cpu_seconds() - cpu_before
-            results = [
-                _expect(conn, "result", timeout_s, proc)[1] for conn, proc in zip(conns, procs, strict=True)
-            ]
-        finally:
-            _stop_clients(procs)
-        delivered = sum(r["delivered_in_window"] for r in results)
-        acked = sum(r["acked_in_window"] for r in results)
-        return {
-            "pairs": pairs,
-            "measure_s": workload.measure_s,
-            "delivered": delivered,
-            "msgs_per_s": delivered / workload.measure_s,
-            "publish_acks_per_s": acked / workload.measure_s,
-            "cpu_s": cpu,
-            "cpu_s_per_10k": cpu / delivered * 10_000 if delivered else None,
-        }
+        placements: list[tuple[int, int, dict[str, Any]]] = [(index, broker.port, {}) for index in range(pairs)]
+        results, before, after = drive_pairs(workload, placements, broker.protocol, broker.cpu_seconds, timeout_s)
+        return saturation_figures(pairs, workload, results, after - before)
 
     return _with_broker(kind, None, body)
 
