@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from moorline import coverage
 from moorline.broker.shard import ShardState
+from moorline.broker.topic_state import TopicLimits
 from moorline.config import ConfigError
 from moorline.hashing import guid128
 from moorline.invariant import invariant
@@ -24,6 +25,8 @@ from moorline.node.replication.group_commit import stage_hard_state, stage_ready
 from moorline.node.replication.membership import refuse_if_left
 from moorline.node.replication.placement import ShardPlacement, layout_fingerprint, place_shards
 from moorline.node.replication.raft_group import build_replica
+from moorline.node.replication.reader import ShardReader
+from moorline.node.replication.reader_feed import FeedLimits, ReaderFeeds
 from moorline.node.replication.shard_host import ApplyHooks, ShardHost, default_limits
 from moorline.node.replication.snapshot_install import recover_install
 from moorline.node.replication.snapshots import recorded_members
@@ -140,6 +143,8 @@ class Startup:
             host.proposer.entry_format = self.node.cfg.cluster.entry_format
             host.snapshot_settings = self.node.snapshot_settings
             host.faults = self.node.faults
+            if self.node.link is not None and not is_meta:
+                self._attach_reader_feeds(host, limits)
             self.node.groups.append(host)
             if is_meta:
                 self.node.meta_host = host
@@ -187,6 +192,7 @@ class Startup:
         if replicas != self.node.cfg.shard.replicas:
             log.warning("this cluster was created with shard.replicas = %d; using that (it is fixed at creation)",
                         replicas)
+        learners = self.initial_learners(self.node.cluster_meta.get("learners", "all"))
         layout = layout_fingerprint(self.node.shard_count, replicas, len(spec.names))
         link = ClusterLink(spec, self.node.cfg.cluster, self.node.storage_id, self.known_members(), self.node.seams.rng(), layout,
                            seams=self.node.seams)
@@ -195,7 +201,7 @@ class Startup:
         members = await link.wait_for_members(self.node.cfg.cluster.bootstrap_timeout_s)
         self.save_members(members)
         ids = {name: (spec.node_id(name), sid) for name, sid in members.items()}
-        self.node.open_groups(ids, place_shards(cluster_key, spec.names, self.node.shard_count, replicas))
+        self.node.open_groups(ids, place_shards(cluster_key, spec.names, self.node.shard_count, replicas, learners))
 
     def _joined_record(self) -> dict[str, Any] | None:
         """cluster.json's record of a node that joined (not in --initial-cluster), if this is one."""
@@ -237,6 +243,8 @@ class Startup:
                 raise ConfigError(f"--join: the cluster is {welcome.get('cluster_id')!r}, cluster.cluster_id here "
                                   f"{cfg.cluster_id!r}")
             joined = {k: welcome[k] for k in ("node_id", "names", "initial", "shard_count", "replicas", "members")}
+            # (a member from before shard.learners sends none: its cluster started with learners everywhere)
+            joined["learners"] = welcome.get("learners", "all")
         names = tuple(str(n) for n in joined["names"])
         if self.node.shard_count != joined["shard_count"]:
             log.warning("the cluster has %d shards; using that (shard.count is fixed at creation)", joined["shard_count"])
@@ -245,9 +253,12 @@ class Startup:
         node_id = int(joined["node_id"])
         self.node.prepare(node_id, cluster_key)
         replicas = int(joined["replicas"])
-        if self.node.cluster_meta.get("joined") != joined or self.node.cluster_meta.get("replicas") != replicas:
+        learners = self.initial_learners(str(joined.get("learners", "all")))
+        if (self.node.cluster_meta.get("joined") != joined or self.node.cluster_meta.get("replicas") != replicas
+                or self.node.cluster_meta.get("learners") != learners):
             self.node.cluster_meta["joined"] = joined
             self.node.cluster_meta["replicas"] = replicas
+            self.node.cluster_meta["learners"] = learners
             write_file_atomically(self.node.data_dir / "cluster.json", json.dumps(self.node.cluster_meta).encode())
         ids: dict[str, int] = {me: node_id}
         addresses: dict[str, tuple[str, int]] = {me: listen}
@@ -263,13 +274,29 @@ class Startup:
         self.attach_cluster(link)
         await link.start(self.node.supervisor)
         initial = {str(name): (int(nid), str(sid)) for name, nid, sid in joined["initial"]}
-        self.node.open_groups(initial, place_shards(cluster_key, names, self.node.shard_count, replicas))
+        self.node.open_groups(initial, place_shards(cluster_key, names, self.node.shard_count, replicas, learners))
+
+    def initial_learners(self, created: str) -> str:
+        """The ``shard.learners`` the cluster was created with (``created``, from cluster.json or the
+        join welcome), which the groups' initial configurations are placed with on every start. Not
+        this node's current setting: every replica must start a group from the same configuration,
+        or a change naming a learner that only some of them start with (a promotion) would be a
+        no-op on the others, which would then count a different set of voters. Switched later, the
+        setting is carried out by the reconciler, through configuration changes every replica applies."""
+        if created not in ("all", "none"):
+            raise ConfigError(f"cluster.json in {self.node.data_dir} records shard.learners = {created!r}: "
+                              f"'all' or 'none' expected")
+        if created != self.node.cfg.shard.learners:
+            log.info("this cluster was created with shard.learners = %r: its shards start from that placement, and "
+                     "the reconciler brings them to %r", created, self.node.cfg.shard.learners)
+        return created
 
     def attach_cluster(self, link: ClusterLink) -> None:
         """Raft traffic of this node's groups goes through ``link`` from now on."""
         self.node.link = link
         link.on_raft = self.node.router.on_raft_message
         link.on_forward = self.node.router.on_forwarded
+        link.on_reader = self.node.router.on_reader
         link.hosts = self.node.groups  # a snapshot transfer reads and installs through the hosts
 
     def known_members(self) -> dict[str, str] | None:
@@ -283,6 +310,22 @@ class Startup:
             return
         self.node.cluster_meta["members"] = dict(sorted(members.items()))
         write_file_atomically(self.node.data_dir / "cluster.json", json.dumps(self.node.cluster_meta).encode())
+
+    def _attach_reader_feeds(self, host: ShardHost, limits: TopicLimits) -> None:
+        """Cluster mode: the shard feeds the nodes that hold no replica of it while this node leads
+        it (reader_feed.py); with shard.learners = "none" this node reads it from its leader while
+        it is no member of its group (reader.py)."""
+        node, link = self.node, self.node.link
+        assert link is not None
+        clock = node.clock.monotonic
+        host.feeds = ReaderFeeds(host, link.send_reader, clock, FeedLimits(), node.next_feed_id)
+        host.feeds.skip_on_resend = node.faults.stream_resume_skips_one
+        if getattr(node.cfg.shard, "learners", "all") == "none":
+            host.reader = ShardReader(
+                host, node.member[0], link.node_ids, link.send_reader, clock, limits,
+                node.cfg.session.max_expiry_s, node.housekeeping.snapshot_installed,
+                node.lifecycle.session_record_set)
+            host.reader.member = host.node_member()
 
     def recover_group(self, host: ShardHost) -> None:
         """Before serving: the new term's no-op is made durable, and with it the core hands out as
@@ -318,7 +361,9 @@ class Startup:
             "incarnations": [self.node.seams.random_bytes(8).hex() if cluster_key is None else
                              guid128(cluster_key, shard)[:8].hex() for shard in range(self.node.shard_count)],
             "created_ms": self.node.clock.wall_ms(),
-            **({} if cluster_key is None else {"replicas": self.node.cfg.shard.replicas}),
+            # (a cluster's, fixed at its creation: learners are what its groups' first configuration has)
+            **({} if cluster_key is None else {"replicas": self.node.cfg.shard.replicas,
+                                               "learners": self.node.cfg.shard.learners}),
         }
         tmp = path.with_suffix(".tmp")
         with open(tmp, "w") as f:

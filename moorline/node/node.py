@@ -44,6 +44,7 @@ from moorline.node.boot import SINGLE_NODE_ID, Startup
 from moorline.node.errors import NodeFailure as NodeFailure
 from moorline.node.errors import SessionOwnedByOther as SessionOwnedByOther
 from moorline.node.errors import SessionQuotaExceeded as SessionQuotaExceeded
+from moorline.node.errors import ShardUnavailable
 from moorline.node.housekeeping import Housekeeping
 from moorline.node.replication.cluster_link import ClusterLink
 from moorline.node.replication.group_commit import GroupCommit
@@ -107,6 +108,7 @@ class Node:
         self._topic_shards: dict[str, int] = {}
         self._guid_prefix = seams.random_bytes(8)
         self._guid_counter = 0
+        self._feed_counter = 0
         self.ack_latency = AckLatency(seams.clock.monotonic)  # PUBLISH read -> PUBACK/PUBREC written
         self.supervisor = Supervisor(self._on_fatal, cfg.supervisor.backoff_initial_s, cfg.supervisor.backoff_max_s)
         # One-off cleanups nobody awaits; insertion-ordered so that stop cancels them in the order they
@@ -189,6 +191,27 @@ class Node:
             shard = self._topic_shards[topic] = shard_of(topic, self.shard_count)
         return shard
 
+    def next_feed_id(self) -> int:
+        """A reader feed's id (reader_feed.py): this boot's, increasing, above every earlier boot's."""
+        self._feed_counter += 1
+        return (self.boot << 24) + self._feed_counter
+
+    async def follow_client(self, client_id: str) -> None:
+        """Before a session of ``client_id`` is served here: every shard this node reads from
+        another node's replica (reader.py) serves it too, with its part applied here (read after a
+        read barrier on that shard's leader). ShardUnavailable past mqtt.control_timeout_s."""
+        futs = [h.reader.add([client_id]) for h in self.hosts if h.reader is not None and h.reader.active]
+        if not futs:
+            return
+        for h in self.hosts:
+            self.commit.kick(h.shard)
+        limit = self.cfg.mqtt.control_timeout_s
+        try:
+            await asyncio.wait_for(asyncio.gather(*futs), limit)
+        except TimeoutError:
+            raise ShardUnavailable(f"the shards this node reads remotely did not serve {client_id!r} within "
+                                   f"{limit:g} s (their leaders unreachable?)") from None
+
     def new_guid(self) -> bytes:
         """A GUID for a message that came without one: this process's random prefix ‖ a counter."""
         self._guid_counter += 1
@@ -257,7 +280,7 @@ class Node:
         self.commit.stop()
         for host in self.groups:
             try:
-                if host.failed is None:
+                if host.failed is None and not host.reads_remotely:  # a partial state is never kept
                     index, term = host.take_snapshot()
                     self.wal.mark_snapshot(host.shard, index, term)
                 host.store.close()

@@ -52,6 +52,9 @@ class Faults:
     # client with 0x89), and the shard, which applies a node's proposals in order, skips that
     # node's later ones until it restarts.
     forwarder_drops_on_leader_change: bool = False
+    # Broken: a reader feed sent again after a gap starts one past the acknowledged item (numbered
+    # as if it were the next): the reader never applies that item (node/replication/reader_feed.py).
+    stream_resume_skips_one: bool = False
     # Broken: SUBACK once the session's shard and the first topic shard registered the
     # subscription, not every shard the filter can match (the others register later).
     suback_before_all_shards: bool = False

@@ -51,6 +51,7 @@ from moorline.node.replication.clock_offset import PAYLOAD_KIND as CLOCK_PAYLOAD
 from moorline.node.replication.clock_offset import PROBE_INTERVAL_S, ClockOffsets
 from moorline.node.replication.cluster_join import JOIN_PAYLOAD, WELCOME_PAYLOAD
 from moorline.node.replication.cluster_spec import ClusterSpec, load_node_tls
+from moorline.node.replication.reader_feed import PAYLOAD_KIND as READER_PAYLOAD
 from moorline.node.replication.snapshot_transfer import PAYLOAD_KIND as SNAP_PAYLOAD
 from moorline.node.replication.snapshot_transfer import SnapshotTransfers, TransferLimits
 from moorline.node.seams import PRODUCTION, Seams
@@ -127,6 +128,8 @@ class ClusterLink:
         # Set by the node once its groups exist: (shard, message) in, (shard, entries) forwarded in.
         self.on_raft: Callable[[int, Message], None] | None = None
         self.on_forward: Callable[[int, list[bytes]], None] | None = None
+        # Reader feeds (reader_feed.py): (sending node id, encoded message).
+        self.on_reader: Callable[[int, bytes], None] | None = None
         self.frames_in = 0
         self.hosts: list[Any] = []  # the node's ShardHosts (set by the node): snapshots are read from them
         # Announcements carry more than storage ids once the node serves (node/edge/drain.py: its client
@@ -345,6 +348,16 @@ class ClusterLink:
             return
         self.transport.send(self.spec.name_of(node_id), Stream.APPEND, Payload("fwd", _fwd_enc.encode((shard, entries))))
 
+    def send_reader(self, node_id: int, data: bytes) -> None:
+        """A reader feed's message (reader_feed.py) to ``node_id``, on the append stream."""
+        if node_id == self.spec.my_id or not self.spec.has_id(node_id):
+            return
+        self.transport.send(self.spec.name_of(node_id), Stream.APPEND, Payload(READER_PAYLOAD, data))
+
+    def node_ids(self) -> list[int]:
+        """Every member this node knows, by node id (ascending)."""
+        return sorted(self.spec.ids.values())
+
     # --- incoming --------------------------------------------------------------------------------
     def _on_frame(self, peer: str, frame: Any) -> None:
         self.frames_in += 1
@@ -396,6 +409,9 @@ class ClusterLink:
                     self._on_admin_ask(peer, _member_dec.decode(frame.data))
                 elif frame.kind == ADMIN_ANSWER_PAYLOAD:
                     self._on_admin_answer(peer, _member_dec.decode(frame.data))
+                elif frame.kind == READER_PAYLOAD:
+                    if self.on_reader is not None:
+                        self.on_reader(peer_id, frame.data)
                 elif frame.kind == SNAP_PAYLOAD:
                     self.snapshots.on_payload(peer, frame.data)
                 elif frame.kind == CLOCK_PAYLOAD:

@@ -197,7 +197,7 @@ class Proposer:
         self._seq += 1
         own = _Own(self._seq, c.encode_entry(cmds, self.node_id, self.boot, self._seq, self.entry_format), cmds, futs, self.ticks)
         self._own[own.seq] = own
-        if self.host.raft.lead != self._lead_seen:
+        if self.host.proposal_lead != self._lead_seen:
             # A new leader: everything not applied yet goes to it first, in order, then this one
             # (the shard applies a node's proposals only in their order).
             self.host.check_leader(force=True)
@@ -216,7 +216,7 @@ class Proposer:
                 self.held_from = own.seq
                 coverage.hit("proposal_held")
             return
-        lead = self.host.raft.lead
+        lead = self.host.proposal_lead
         if lead is not None:
             self.host.hooks.forward(self.host, lead[0], [own.data])
 
@@ -305,9 +305,9 @@ class Proposer:
         if self._forwarded and not self.host.raft.is_leader:
             self._forwarded.clear()  # no longer leading: what it logged and has not applied decodes at apply
         if not self._own:
-            self._lead_seen = self.host.raft.lead
+            self._lead_seen = self.host.proposal_lead
             return
-        lead = self.host.raft.lead
+        lead = self.host.proposal_lead
         oldest = next(iter(self._own.values()))
         if not force and lead == self._lead_seen and self.ticks - oldest.sent_tick < self.resend_after_ticks:
             return
@@ -399,6 +399,10 @@ class Proposer:
                     start, size = i, 0
                 size += est
             self._propose_entry(cmds[start:], futs[start:])
+
+    def take_own_seq(self, boot: int, seq: int) -> _Own | None:
+        """Our proposal (boot, seq), taken for its results (a reader feed's: reader.py)."""
+        return self._own.pop(seq, None) or self._forgotten.pop(seq, None) if boot == self.boot else None
 
     def take_own(self, head: c.EntryHead) -> _Own | None:
         """Our proposal an entry of the log carries, taken for its apply (None: not ours, or not of this boot)."""

@@ -11,9 +11,13 @@ from typing import TYPE_CHECKING, Any
 from moorline.broker import commands as c
 from moorline.invariant import InvariantViolation
 from moorline.node.errors import ShardUnavailable
+from moorline.node.replication import reader_feed as rf
 from moorline.node.replication.proposer import outcome_within
 from moorline.node.replication.shard_host import ShardHost
 from moorline.raft import Message
+from moorline.raft.types import MessageType
+
+_FROM_LEADER = (MessageType.APP, MessageType.SNAP, MessageType.HEARTBEAT)
 
 if TYPE_CHECKING:
     from moorline.node.node import Node
@@ -43,6 +47,9 @@ class GroupRouter:
         host = self.node.groups[shard]
         if host.failed is not None or not self.node.serving:
             return  # not serving yet: the sender retransmits
+        reader = host.reader
+        if reader is not None and reader.active and m.type in _FROM_LEADER:
+            reader.become_member()  # added to the group: its log replaces the feed, from nothing
         try:
             host.raft.step(m)
         except InvariantViolation as exc:  # our core broke its own rule: this group stops, as for corruption
@@ -58,6 +65,29 @@ class GroupRouter:
         if 0 <= shard < len(self.node.groups) and self.node.serving:
             self.node.groups[shard].propose_forwarded(entries)
             self.node.commit.kick(shard)
+
+    def on_reader(self, peer: int, data: bytes) -> None:
+        """A reader feed's message (reader_feed.py): to the shard's feeds (we lead it) or its reader."""
+        if not self.node.serving:
+            return  # the reader asks again, the leader sends again
+        msg = rf.decode_msg(data)  # a malformed one refuses the peer's frame (cluster_link)
+        if not 0 <= msg.shard < len(self.node.hosts):
+            return
+        host = self.node.hosts[msg.shard]
+        if type(msg) in (rf.Items, rf.NotLeader):
+            if host.reader is not None:
+                host.reader.on_message(peer, msg)  # type: ignore[arg-type]
+        elif host.feeds is not None:
+            feeds = host.feeds
+            if type(msg) is rf.Follow:
+                feeds.on_follow(peer, msg)
+            elif type(msg) is rf.Add:
+                feeds.on_add(peer, msg)
+            elif type(msg) is rf.Remove:
+                feeds.on_remove(peer, msg)
+            elif type(msg) is rf.Ack:
+                feeds.on_ack(peer, msg)
+        self.node.commit.kick(msg.shard)
 
     def propose(self, shard: int, cmd: c.Command, want: bool = True) -> asyncio.Future[Any] | None:
         """``cmd`` into group ``shard`` (a shard, or ``meta_group`` for the metadata group)."""

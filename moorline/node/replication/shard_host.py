@@ -43,6 +43,8 @@ from moorline.node.replication.proposer import Callback as Callback
 from moorline.node.replication.proposer import consume_outcome as consume_outcome
 from moorline.node.replication.proposer import outcome_within as outcome_within
 from moorline.node.replication.read_barrier import ReadBarriers
+from moorline.node.replication.reader import ShardReader
+from moorline.node.replication.reader_feed import ReaderFeeds
 from moorline.node.replication.snapshots import SavedSnapshotInfo as SavedSnapshotInfo
 from moorline.node.replication.snapshots import ShardSnapshots
 from moorline.node.replication.snapshots import SnapshotSettings as SnapshotSettings
@@ -124,6 +126,33 @@ class ShardHost:
         self.installed: snapshot_install.StagedInstall | None = None
         self.installs = 0  # leader snapshots installed since start
         self.faults: Faults = NO_FAULTS  # the node's: deliberately broken builds, for tests only
+        # Reader feeds (issue 32): as leader, the feeds of nodes that hold no replica of this shard
+        # (reader_feed.py); as no member of the group, this node's partial state fed by its leader
+        # (reader.py). None on a single node (and ``reader`` with shard.learners = "all").
+        self.feeds: ReaderFeeds | None = None
+        self.reader: ShardReader | None = None
+
+    @property
+    def reads_remotely(self) -> bool:
+        """This node is no member of the group: ``state`` is a partial one its leader feeds
+        (the sessions and registrations of this node's clients only), or nothing yet."""
+        return self.reader is not None and self.reader.active
+
+    def node_member(self) -> bool:
+        """Whether this node is in the group's configuration, as its own core knows it."""
+        me = self.proposer.node_id
+        return any(m[0] == me for m in self.raft.active_conf_state.members())
+
+    @property
+    def proposal_lead(self) -> Any:
+        """Where this node's proposals go: the Raft leader, or (reading remotely) the node feeding it."""
+        reader = self.reader
+        if reader is not None and reader.active:
+            return (reader.lead, "") if reader.lead else None
+        return self.raft.lead
+
+    def proposer_lead_changed(self) -> None:
+        self.proposer.check_leader(force=True)
 
     @property
     def node_id(self) -> int:
@@ -173,6 +202,10 @@ class ShardHost:
         self.raft.tick()
         self.check_leader()
         self.proposer.propose_held()
+        if self.feeds is not None:
+            self.feeds.tick()
+        if self.reader is not None:
+            self.reader.tick()
 
     def has_work(self) -> bool:
         """Commands to seal, or a Ready for the WAL (none while a leader's snapshot is installed)."""
@@ -293,13 +326,14 @@ class ShardHost:
             # log holds, as every other replica applies it.
             cmds = (own.commands if e.data is own.data or e.data == own.data
                     else forwarded if forwarded is not None else c.decode_entry(e.data))
-            self._apply_commands(e.index, cmds, own.futures)
+            self._apply_commands(e.index, cmds, own.futures, head)
             return
         cmds = forwarded if forwarded is not None else c.decode_entry(e.data)  # recovery, or another member's
         none: list[Waiter] = [None] * len(cmds)
-        self._apply_commands(e.index, cmds, none)
+        self._apply_commands(e.index, cmds, none, head)
 
-    def _apply_commands(self, index: int, cmds: list[c.Command], futs: list[Waiter]) -> None:
+    def _apply_commands(self, index: int, cmds: list[c.Command], futs: list[Waiter],
+                        head: c.EntryHead | None = None) -> None:
         fx = self._fx
         fx.clear()
         results: list[Any] = []
@@ -351,6 +385,9 @@ class ShardHost:
             store.release(fx.releases)
             if recent is not None:
                 recent.drop(self.shard, fx.releases)
+        feeds = self.feeds
+        if feeds is not None and feeds.feeds:
+            feeds.on_applied(index, head, cmds, results, fx)
         self.hooks.on_results(self, cmds, results)
         self.hooks.on_effects(self, fx)
         self.entries_since_snapshot += 1
@@ -362,6 +399,9 @@ class ShardHost:
         snapshot is installed (the stores move; the install reloads what sessions here deliver)."""
         if self.failed is not None or self.snaps.installing is not None:
             return None
+        reader = self.reader
+        if reader is not None and reader.active:
+            return reader.messages.get(offset)
         if self.recent is not None:
             msg = self.recent.get(self.shard, offset)
             if msg is not None:

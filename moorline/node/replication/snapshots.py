@@ -192,8 +192,8 @@ class ShardSnapshots:
         when one is in flight, the node's limit is reached, or the shard cannot take one now."""
         settings = self.host.snapshot_settings
         if (self.job is not None or self.host.failed is not None or self.host.staged_install is not None
-                or settings.running >= settings.max_parallel):
-            return False
+                or settings.running >= settings.max_parallel or self.host.reads_remotely):
+            return False  # (a partial state, fed by another node, is never kept as the shard's)
         self.host.entries_since_snapshot = 0
         coverage.hit("snapshot_taken")
         index = self.host.state.applied_index

@@ -86,7 +86,9 @@ class FollowUps:
     def _session(self, client_id: str) -> tuple[ShardHost, Session | None] | None:
         """The session's shard replica and the session in it; None when that shard failed."""
         shost = self.node.hosts[self.node.session_shard(client_id)]
-        if shost.failed is not None:
+        if shost.failed is not None or shost.reads_remotely:
+            # Failed, or a partial state fed by another node's replica (reader.py): it holds the
+            # sessions of this node's clients only, so it cannot tell a ghost from another's session.
             return None
         return shost, shost.state.sessions.sessions.get(client_id)
 

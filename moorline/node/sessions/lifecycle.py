@@ -58,6 +58,18 @@ class SessionLifecycle:
                     self._lease_deadline.pop((cmd.client_id, live.epoch), None)
                     self.node.propose(host.shard, c.LeaseRelease(cmd.client_id, live.epoch, self.node.member[0]), want=False)
 
+    def session_record_set(self, host: ShardHost, client_id: str, sess: Any) -> None:
+        """A shard this node reads remotely (reader.py) set a client's session record, as its leader
+        applied a SessionOpen: a newer epoch than the one this node serves is a takeover elsewhere,
+        handled as ``on_results`` handles the open itself on a replica."""
+        conn = self.node.connections.get(client_id)
+        live = getattr(conn, "live", None)
+        if conn is None or live is None or sess is None or sess.epoch <= live.epoch:
+            return
+        conn.disconnect(0x8E, "session taken over on another node")
+        self._lease_deadline.pop((client_id, live.epoch), None)
+        self.node.propose(host.shard, c.LeaseRelease(client_id, live.epoch, self.node.member[0]), want=False)
+
     async def reconcile_after_restart(self) -> None:
         """Sessions that were connected when the node stopped are now disconnected (wills may
         fire); every subscription is registered again (idempotent) in case a crash cut that short.
@@ -229,6 +241,7 @@ class SessionLifecycle:
         link = self.node.link
         if link is not None and not self.node.faults.no_clock_bound and (off := link.clocks.out_of_bound()):
             raise ShardUnavailable(off)  # CONNACK server unavailable: the client tries another node
+        await self.node.follow_client(client_id)  # the shards this node reads remotely serve it first
         shard = self.node.session_shard(client_id)
         lease_s = self.node.cfg.session.owner_lease_s
         proposed_at = self.node.clock.monotonic()

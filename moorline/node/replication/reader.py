@@ -1,0 +1,285 @@
+"""The reading side of a reader feed (``reader_feed.py``): how a node serves sessions from a shard
+it holds no replica of.
+
+``ShardReader`` (``ShardHost.reader``) is active while this node is no member of the shard's group
+(``shard.learners = "none"``). It asks the shard's leader for a feed (``Follow``, with every client
+this node serves), applies the feed's items in order to a partial ``ShardState`` that replaces
+the host's (so every reader of ``host.state`` — delivery, subscriptions, lifecycle — works on it
+unchanged), keeps the bodies of the messages its clients are owed in memory (nothing of the shard
+is written to this node's disk), and resolves its own proposals' waiters with the results the
+leader sent. Proposals go to the leader that feeds it (``ShardHost.proposal_lead``).
+
+A leader that stops answering (``silence_s``), a ``NotLeader``, or an item this node cannot apply
+makes it follow again: the hinted leader, else the next node in turn; the new feed starts from a
+partial snapshot at or past the index this node had (never an older view).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from moorline.broker.effects import Effects
+from moorline.broker.follower_filter import (
+    FollowerDiverged,
+    SetSession,
+    apply_reduced,
+    merge_partial,
+    restore_partial,
+)
+from moorline.broker.messages import StoredMessage
+from moorline.broker.shard import ShardState
+from moorline.broker.topic_state import TopicLimits
+from moorline.node.replication import reader_feed as rf
+from moorline.node.replication.proposer import IN_GROUP, GroupEnd, resolve_waiter
+
+if TYPE_CHECKING:
+    from moorline.node.replication.shard_host import ShardHost
+
+log = logging.getLogger("moorline.reader")
+
+
+class ShardReader:
+    def __init__(self, host: ShardHost, me: int, nodes: Callable[[], list[int]], send: Callable[[int, bytes], None],
+                 clock: Callable[[], float], limits: TopicLimits, max_session_expiry_s: int,
+                 on_reload: Callable[[ShardHost], None], on_session: Callable[[ShardHost, str, Any], None],
+                 silence_s: float = 3.0, follow_retry_s: float = 0.5) -> None:
+        self.host = host
+        self.me = me
+        self.nodes = nodes  # the cluster's node ids (who may lead)
+        self.send = send
+        self.clock = clock
+        self.limits = limits
+        self.max_session_expiry_s = max_session_expiry_s
+        self.on_reload = on_reload  # the partial state was replaced: sessions reload what they deliver
+        self.on_session = on_session  # (host, client id, session record or None) set by the leader
+        self.silence_s = silence_s
+        self.follow_retry_s = follow_retry_s
+        self.clients: dict[str, None] = {}
+        self.messages: dict[int, StoredMessage] = {}
+        self.lead = 0  # the node feeding us (0: none yet)
+        self.feed_id: int | None = None
+        self.expected = 0  # the next item's number
+        self.started = False  # a start applied (host.state is the partial state)
+        self.followed_at = -1e18
+        self.heard_at = 0.0
+        self._try = 0
+        self._next_req = 0
+        self._adds: dict[int, tuple[list[str], asyncio.Future[None]]] = {}
+        self.member = False  # this node joined the group: the log itself replaces the feed
+        self.items_applied = 0
+        self.restarts = 0
+
+    @property
+    def active(self) -> bool:
+        return not self.member
+
+    # -- the node's asks --
+    def add(self, clients: list[str]) -> asyncio.Future[None]:
+        """Serve ``clients`` from this shard too: done when their part is applied here."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        new = [x for x in clients if x not in self.clients]
+        if not new:
+            if self.started:
+                fut.set_result(None)
+            else:
+                self._adds[self._req()] = ([], fut)  # answered by the start
+            return fut
+        self.clients.update(dict.fromkeys(new))
+        req = self._req()
+        self._adds[req] = (new, fut)
+        if self.feed_id is not None and self.started:
+            self.send(self.lead, rf.encode(rf.Add(self.host.shard, self.feed_id, req, new)))
+        return fut
+
+    def remove(self, clients: list[str]) -> None:
+        gone = [x for x in clients if x in self.clients]
+        for x in gone:
+            del self.clients[x]
+        if gone and self.feed_id is not None:
+            self.send(self.lead, rf.encode(rf.Remove(self.host.shard, self.feed_id, gone)))
+
+    def _req(self) -> int:
+        self._next_req += 1
+        return self._next_req
+
+    # -- time --
+    def tick(self) -> None:
+        if self.member:
+            return
+        if self.host.node_member():
+            self.become_member()
+            return
+        now = self.clock()
+        if self.feed_id is None:
+            if now - self.followed_at >= self.follow_retry_s:
+                self._follow(now)
+        elif now - self.heard_at >= self.silence_s:
+            log.info("shard %d: no word from node %d's feed for %.1f s: following anew", self.host.shard, self.lead,
+                     now - self.heard_at)
+            self.lead = 0
+            self._follow(now)
+
+    def _follow(self, now: float) -> None:
+        nodes = [n for n in self.nodes() if n != self.me]
+        if not nodes:
+            return
+        if self.lead == 0 or self.lead == self.me:
+            self.lead = nodes[self._try % len(nodes)]
+            self._try += 1
+        self.feed_id = None
+        self.followed_at = now
+        self.send(self.lead, rf.encode(rf.Follow(self.host.shard, list(self.clients), self.host.state.applied_index)))
+        self.host.proposer_lead_changed()
+
+    def become_member(self) -> None:
+        """This node is in the group now (its leader sends it the log): the partial state goes
+        before anything of the log is applied (an empty state at index 0, as the empty log is; the
+        leader's entries or snapshot rebuild the whole shard here)."""
+        if self.member:
+            return
+        self.member = True
+        self.feed_id = None
+        host = self.host
+        if self.started:
+            self.started = False
+            host.state = ShardState(host.shard, host.state.topics.incarnation, self.limits, self.max_session_expiry_s)
+            self.messages = {}
+            self.on_reload(host)
+        for _, fut in self._adds.values():
+            if not fut.done():
+                fut.set_result(None)  # the log serves them from now on
+        self._adds.clear()
+
+    # -- messages from leaders --
+    def on_message(self, peer: int, msg: rf.Msg) -> None:
+        if self.member:
+            return
+        if type(msg) is rf.NotLeader:
+            if peer != self.lead:
+                return
+            if msg.lead == -1:
+                return  # it sees us as a member: our core hears from it next (tick notices)
+            if msg.feed_id not in (-1, self.feed_id) and self.feed_id is not None:
+                return  # about a feed we no longer read
+            self.feed_id = None
+            self.lead = msg.lead if msg.lead > 0 else 0
+            self.followed_at = -1e18 if msg.lead > 0 else self.clock()  # a hint: at once
+            self.host.proposer_lead_changed()
+        elif type(msg) is rf.Items:
+            self._on_items(peer, msg)
+
+    def _on_items(self, peer: int, msg: rf.Items) -> None:
+        if peer != self.lead:
+            return
+        if self.feed_id is None or msg.feed_id != self.feed_id:
+            if msg.first_seq != 0 or not msg.items or (self.feed_id is not None and msg.feed_id < self.feed_id):
+                return  # not the start of the feed we asked for
+            self.feed_id = msg.feed_id
+            self.expected = 0
+        self.heard_at = self.clock()
+        applied_any = False
+        seq = msg.first_seq
+        for data in msg.items:
+            if seq == self.expected:
+                try:
+                    self._apply(rf.decode_item(data))
+                except (FollowerDiverged, ValueError, TypeError, KeyError) as exc:
+                    log.warning("shard %d: item %d of node %d's feed does not apply here (%s): following anew",
+                                self.host.shard, seq, peer, exc)
+                    self.restarts += 1
+                    self._follow(self.clock())
+                    return
+                self.expected += 1
+                applied_any = True
+            seq += 1
+        if applied_any or msg.first_seq > self.expected or (msg.items and msg.first_seq < self.expected):
+            # applied (or a gap, or a repeat): say where we are; the leader sends after it
+            self.send(self.lead, rf.encode(rf.Ack(self.host.shard, msg.feed_id, self.expected - 1)))
+
+    # -- apply --
+    def _apply(self, item: rf.Item) -> None:
+        host = self.host
+        fx = Effects()
+        if isinstance(item, rf.StartItem):
+            snap = item.snap
+            if self.started and snap.applied_index < host.state.applied_index:
+                raise FollowerDiverged(f"a start at {snap.applied_index} for a reader at {host.state.applied_index}")
+            state = restore_partial(snap, self.limits, self.max_session_expiry_s, fx)
+            if item.proposals is not None:
+                state.proposals[self.me] = item.proposals
+            host.state = state
+            self.messages = {o: m for o, _, m in fx.appends}
+            self.started = True
+            self.items_applied += 1
+            asked = set(snap.clients)
+            missing = [x for x in self.clients if x not in asked]
+            for req, (clients, fut) in list(self._adds.items()):
+                if all(x in asked for x in clients):
+                    del self._adds[req]
+                    if not fut.done():
+                        fut.set_result(None)
+            if missing:  # asked for after the Follow went: added to this feed
+                req = self._req()
+                loop_fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                self._adds[req] = (missing, loop_fut)
+                self.send(self.lead, rf.encode(rf.Add(host.shard, self.feed_id or 0, req, missing)))
+            host.proposer.settle_after_install()
+            self.on_reload(host)
+            return
+        if not self.started:
+            raise FollowerDiverged("an item before the feed's start")
+        state = host.state
+        if isinstance(item, rf.MergeItem):
+            part = item.part
+            if part.applied_index < state.applied_index:
+                raise FollowerDiverged(f"a part at {part.applied_index} for a reader at {state.applied_index}")
+            state.applied_index = part.applied_index  # entries between had nothing for us
+            merge_partial(state, part, fx)
+            self._keep(fx)
+            self.items_applied += 1
+            added = self._adds.pop(item.req, None)
+            if added is not None and not added[1].done():
+                added[1].set_result(None)
+            self.on_reload(host)
+            return
+        entry = item.entry
+        if entry.index < state.applied_index:
+            raise FollowerDiverged(f"entry {entry.index} for a reader at {state.applied_index}")
+        results = apply_reduced(state, entry, fx)
+        del results  # ours come from the leader: S's apply replays only what touches its clients
+        self._keep(fx)
+        self.items_applied += 1
+        if item.own_seq >= 0:
+            own = host.proposer.take_own_seq(item.own_boot, item.own_seq)
+            if own is not None:
+                res = [rf.result_in(r) for r in item.own_results]
+                _resolve(own.futures, res)
+        for op in entry.ops:
+            if type(op) is SetSession:
+                self.on_session(host, op.client_id, op.session)
+        host.hooks.on_effects(host, fx)
+
+    def _keep(self, fx: Effects) -> None:
+        for o, _, m in fx.appends:
+            self.messages[o] = m
+        for o in fx.releases:
+            self.messages.pop(o, None)
+
+
+def _resolve(futs: list[Any], results: list[Any]) -> None:
+    if len(futs) != len(results):
+        err = ValueError(f"{len(futs)} waiters for {len(results)} results")
+        for fut in futs:
+            resolve_waiter(fut, None, err)
+        return
+    for k, fut in enumerate(futs):
+        if fut is None or fut is IN_GROUP:
+            continue
+        if type(fut) is GroupEnd:
+            resolve_waiter(fut, results[k + 1 - fut.size:k + 1], None)
+        else:
+            resolve_waiter(fut, results[k], None)
+
