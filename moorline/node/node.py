@@ -212,6 +212,13 @@ class Node:
             raise ShardUnavailable(f"the shards this node reads remotely did not serve {client_id!r} within "
                                    f"{limit:g} s (their leaders unreachable?)") from None
 
+    def unfollow_client(self, client_id: str) -> None:
+        """This node serves ``client_id`` no more: the shards it reads remotely stop feeding it
+        (what each feed holds is bounded by the clients this node serves)."""
+        for h in self.hosts:
+            if h.reader is not None and h.reader.active:
+                h.reader.remove([client_id])
+
     def new_guid(self) -> bytes:
         """A GUID for a message that came without one: this process's random prefix ‖ a counter."""
         self._guid_counter += 1

@@ -185,6 +185,11 @@ def sim(
                            help="--cluster, with the whole default mix: a new node joins the running cluster, "
                                 "and a forgotten node is wiped and joins again (replace)")
     ] = True,
+    learners: Annotated[
+        str, typer.Option(help="--cluster: shard.learners of every node: 'none' stores each shard on its "
+                               "voters only (the other nodes read it through their reader feeds), 'all' on "
+                               "every node")
+    ] = "all",
 ) -> None:
     """Deterministic simulation: seeded faults, online Raft checks, total-queue and
     linearizability checkers. Exits 1 on the first seed with a violation. With --cluster: whole
@@ -194,7 +199,7 @@ def sim(
 
         cluster_sim(seeds, start, nodes, seed, trace, switch or [], progress_every, bitflips, jobs,
                     draw_config=draw_config, verbose=verbose, timed_sync=timed_sync, aimed_crashes=aimed_crashes,
-                    joins=joins)
+                    joins=joins, learners=learners)
         return
     if bug is not None and bug not in ALL_BUGS:
         raise typer.BadParameter(f"unknown bug {bug!r}; known: {', '.join(ALL_BUGS)}")

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from moorline import coverage
 from moorline.broker.effects import Effects
 from moorline.broker.follower_filter import (
     FollowerDiverged,
@@ -120,6 +121,7 @@ class ShardReader:
             log.info("shard %d: no word from node %d's feed for %.1f s: following anew", self.host.shard, self.lead,
                      now - self.heard_at)
             self.lead = 0
+            coverage.hit("reader_followed_anew")
             self._follow(now)
 
     def _follow(self, now: float) -> None:
@@ -142,6 +144,7 @@ class ShardReader:
             return
         self.member = True
         self.feed_id = None
+        coverage.hit("reader_became_member")
         host = self.host
         if self.started:
             self.started = False
@@ -212,6 +215,7 @@ class ShardReader:
                 state.proposals[self.me] = item.proposals
             host.state = state
             self.messages = {o: m for o, _, m in fx.appends}
+            coverage.hit("reader_feed_started")
             self.started = True
             self.items_applied += 1
             asked = set(snap.clients)
@@ -238,6 +242,7 @@ class ShardReader:
                 raise FollowerDiverged(f"a part at {part.applied_index} for a reader at {state.applied_index}")
             state.applied_index = part.applied_index  # entries between had nothing for us
             merge_partial(state, part, fx)
+            coverage.hit("reader_part_merged")
             self._keep(fx)
             self.items_applied += 1
             added = self._adds.pop(item.req, None)
@@ -255,7 +260,7 @@ class ShardReader:
         if item.own_seq >= 0:
             own = host.proposer.take_own_seq(item.own_boot, item.own_seq)
             if own is not None:
-                res = [rf.result_in(r) for r in item.own_results]
+                res = [rf.result_in(r, cmd) for r, cmd in zip(item.own_results, own.commands, strict=False)]
                 _resolve(own.futures, res)
         for op in entry.ops:
             if type(op) is SetSession:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from moorline import coverage
 from moorline.broker import commands as c
 from moorline.broker.effects import Effects
 from moorline.broker.follower_filter import FollowerFilter, PartialSnapshot, ReducedEntry
@@ -60,7 +61,7 @@ class EntryItem(msgspec.Struct, tag="en", array_like=True):
     entry: ReducedEntry
     own_boot: int = -1  # the reader's proposal this entry is (head boot, seq), with its results
     own_seq: int = -1
-    own_results: list[Any] = []
+    own_results: list[bytes] = []  # each msgpack-encoded (result_out)
 
 
 class MergeItem(msgspec.Struct, tag="mg", array_like=True):
@@ -137,29 +138,32 @@ def decode_item(data: bytes) -> Item:
     return _item_dec.decode(data)
 
 
-# --- results of a reader's proposals, as builtins and back ---------------------------------------
+# --- results of a reader's proposals, encoded and decoded by their command's result type ---------
 
 
-def result_out(res: Any) -> Any:
-    """A proposal's result as msgpack can carry it, with the name of its type when it has one."""
-    name = type(res).__name__
-    if name in _RESULT_TYPES:
-        return [name, msgspec.to_builtins(res)]
-    return ["", msgspec.to_builtins(res)]
+def result_out(res: Any) -> bytes:
+    return _enc.encode(res)
 
 
-def result_in(raw: Any) -> Any:
-    name, body = raw
-    if name:
-        return msgspec.convert(body, _RESULT_TYPES[name])
-    return body
+def result_in(raw: bytes, cmd: c.Command) -> Any:
+    """The result of ``cmd`` as its apply returned it on the leader (its declared type: a reader's
+    waiters read attributes and unpack tuples of it)."""
+    return msgspec.msgpack.decode(raw, type=_RESULT_TYPES.get(type(cmd), Any))
 
 
-def _result_types() -> dict[str, type]:
-    from moorline.broker.session_state import EndedSession, OpenResult
+def _result_types() -> dict[type, Any]:
+    from moorline.broker.session_state import DeliveryItem, OpenResult, OwedWill, Session
     from moorline.broker.topic_state import PublishResult, RegisterResult
 
-    return {t.__name__: t for t in (OpenResult, PublishResult, RegisterResult, EndedSession)}
+    return {
+        c.Publish: PublishResult, c.SessionOpen: OpenResult, c.Register: RegisterResult,
+        c.WillPublished: bool, c.LeaseRelease: bool, c.SessionRenew: tuple[tuple[str, int], ...],
+        c.SessionSubscribe: tuple[bool, int] | None, c.SessionUnsubscribe: int | None, c.Deliver: bool,
+        c.SessionAcks: list[DeliveryItem], c.InboundRelease: bool, c.SessionClose: Session | None,
+        c.SessionHousekeeping: tuple[list[tuple[OwedWill, c.WillSpec]], list[Session]],
+        c.Unregister: bool, c.ShareClaim: tuple[int, ...], c.ShareDecline: tuple[int, ...],
+        c.ShareActivate: bool, c.ShareTimeout: tuple[int, ...], c.ShareDeadLettered: tuple[int, ...],
+    }
 
 
 _RESULT_TYPES = _result_types()
@@ -187,6 +191,7 @@ class Feed:
     acked: int = -1
     last_send: float = 0.0
     last_ack: float = 0.0
+    behind: bool = False  # entries were skipped since the last item: the next tick sends the figures
 
 
 class ReaderFeeds:
@@ -291,7 +296,8 @@ class ReaderFeeds:
             entry = feed.filter.reduce(self.host.state, index, cmds, results, fx, message_of)
             own = head is not None and head.origin == feed.node
             if not entry.ops and not own:
-                continue  # nothing for the reader: its next item (or a start) moves it past this
+                feed.behind = True  # nothing for the reader: the next item, or the tick, moves it on
+                continue
             item = EntryItem(entry)
             if own:
                 assert head is not None
@@ -308,6 +314,10 @@ class ReaderFeeds:
             return
         now = self.clock()
         for feed in self.feeds.values():
+            if feed.behind:
+                # The shard moved on with nothing for the reader: its index and running figures
+                # (next offset, times, epochs) follow once a tick, not with every entry.
+                self._queue(feed, EntryItem(feed.filter.remove_clients(self.host.state, [])))
             if feed.sent_to > feed.acked and now - max(feed.last_send, feed.last_ack) >= self.limits.resend_s:
                 self._resend(feed)
             elif now - feed.last_send >= self.limits.idle_s:
@@ -326,6 +336,7 @@ class ReaderFeeds:
 
     # -- sending --
     def _queue(self, feed: Feed, item: Item) -> None:
+        feed.behind = False
         feed.items.append((feed.next_seq, encode(item)))
         feed.next_seq += 1
 
@@ -350,6 +361,7 @@ class ReaderFeeds:
             self.send(feed.node, encode(Items(self.host.shard, feed.feed_id, first, batch)))
 
     def _resend(self, feed: Feed) -> None:
+        coverage.hit("reader_items_resent")
         feed.sent_to = feed.acked
         if self.skip_on_resend:  # the broken build: the first unacknowledged item is never sent again
             items = feed.items

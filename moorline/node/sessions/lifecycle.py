@@ -423,12 +423,17 @@ class SessionLifecycle:
         return list(self._closing)
 
     async def _finish_close(self, live: LiveSession, fut: asyncio.Future[Any], send_will: bool) -> None:
-        await live.close()
-        ended = await fut
-        if isinstance(ended, Session):
-            await self.end_session(ended, "session_expired", live)
-        elif send_will:
-            await self.session_housekeeping(live.shard)
+        try:
+            await live.close()
+            ended = await fut
+            if isinstance(ended, Session):
+                await self.end_session(ended, "session_expired", live)
+            elif send_will:
+                await self.session_housekeeping(live.shard)
+        finally:
+            cid = live.client_id
+            if cid not in self.node.live and not any(key[0] == cid for key in self._opening):
+                self.node.unfollow_client(cid)  # served here no more: the remote shards stop feeding it
 
     async def session_housekeeping(self, shard: int) -> None:
         fut = self.node.propose(shard, c.SessionHousekeeping(self.node.now_ms()))

@@ -38,22 +38,24 @@ def known_switches() -> list[str]:
     return sorted(n for n, v in vars(Faults()).items() if v is False)
 
 
-def _run_one(args: tuple[int, int, frozenset[str], Path | None, bool, bool, bool, bool, bool]) -> SeedResult:
-    s, nodes, switches, trace, bitflips, draw_config, timed_sync, aimed_crashes, joins = args
+def _run_one(args: tuple[int, int, frozenset[str], Path | None, bool, bool, bool, bool, bool, str]) -> SeedResult:
+    s, nodes, switches, trace, bitflips, draw_config, timed_sync, aimed_crashes, joins, learners = args
     return run_seed(s, nodes, switches, trace=trace, cfg=RunConfig(bitflips=bitflips, draw_config=draw_config,
                                                                   timed_sync=timed_sync, aimed_crashes=aimed_crashes,
-                                                                  joins=joins))
+                                                                  joins=joins, learners=learners))
 
 
 def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Path | None,
                 switches: list[str], progress_every: float, bitflips: bool = False, jobs: int = 1,
                 draw_config: bool = True, verbose: bool = False, timed_sync: bool = True,
-                aimed_crashes: bool = True, joins: bool = True) -> None:
+                aimed_crashes: bool = True, joins: bool = True, learners: str = "all") -> None:
     if nodes not in CLUSTER_SIZES:
         raise typer.BadParameter(f"--nodes must be 3 or 5 with --cluster, not {nodes}")
     unknown = [s for s in switches if s not in known_switches()]
     if unknown:
         raise typer.BadParameter(f"unknown --switch {', '.join(unknown)}; known: {', '.join(known_switches())}")
+    if learners not in ("all", "none"):
+        raise typer.BadParameter(f"--learners must be all or none, not {learners!r}")
     if trace is not None and seed is None:
         raise typer.BadParameter("--trace needs --seed (one seed's trace)")
     if not 1 <= jobs <= 64:
@@ -66,7 +68,7 @@ def cluster_sim(seeds: int, start: int, nodes: int, seed: int | None, trace: Pat
     results: list[SeedResult] = []
     failed: list[SeedResult] = []
     t0 = time.monotonic()
-    work = [(s, nodes, frozenset(switches), trace, bitflips, draw_config, timed_sync, aimed_crashes, joins)
+    work = [(s, nodes, frozenset(switches), trace, bitflips, draw_config, timed_sync, aimed_crashes, joins, learners)
             for s in todo]
     pool = None
     try:

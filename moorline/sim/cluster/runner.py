@@ -69,6 +69,9 @@ class RunConfig:
     # membership_faults.py. Only with the whole default mix (draw_config, timed_sync and
     # aimed_crashes on): seeds found with the plain mix or a part of it replay as before. --no-joins.
     joins: bool = True
+    # shard.learners of every node (--learners): "none" keeps each shard on its voters only, and the
+    # nodes outside them read it through reader feeds (node/replication/reader*.py).
+    learners: str = "all"
 
     @property
     def joins_on(self) -> bool:
@@ -459,7 +462,7 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
     coverage.reset()  # the node paths this seed reaches (moorline/coverage.py)
     tuning = draw_tuning(seed) if cfg.draw_config else DEFAULT_TUNING
     world = World(seed, run_base, WorldConfig(nodes=nodes, shards=tuning.shards, tuning=tuning,
-                                              timed_sync=cfg.timed_sync), switches=switches)
+                                              timed_sync=cfg.timed_sync, learners=cfg.learners), switches=switches)
     rng = random.Random(f"{seed}/plan")
     findings: list[Finding] = []
     records: list[dict[str, Any]] = []

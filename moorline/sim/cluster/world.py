@@ -368,6 +368,7 @@ class WorldConfig:
     nodes: int = 3
     shards: int = 4
     replicas: int = 3
+    learners: str = "all"  # shard.learners
     tick_ms: int = 100
     election_ticks: int = 10
     owner_lease_s: float = 10.0
@@ -457,6 +458,7 @@ class World:
         cfg.data_dir = str(sn.data_dir)
         cfg.shard.count = self.cfg.shards
         cfg.shard.replicas = self.cfg.replicas
+        cfg.shard.learners = self.cfg.learners
         cfg.cluster.node_id = sn.name
         cfg.cluster.listen = f"{sn.host}:{CLUSTER_PORT}"
         cfg.cluster.initial_cluster = self.initial_cluster
