@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SHARD_LEARNERS = ("all", "none")  # shard.learners
 
 
 class ConfigError(ValueError):
@@ -178,6 +179,12 @@ class ShardConfig:
     # Voters per shard in a cluster (1, 3 or 5; every node when there are fewer). Fixed when the
     # cluster is created; the other nodes keep the shard as learners.
     replicas: int = 3
+    # Which other nodes keep a copy of each shard: "all" (every node that is not a voter follows it
+    # as a learner, so any node reads any shard from its own disk) or "none" (a shard lives on its
+    # voters only; a node becomes a learner just while it catches up to be promoted to voter, by a
+    # growth, a rebalance or a zone repair). Switched on a running cluster, the reconciler brings the
+    # shards to it: with "none" it removes the learners no promotion needs, one group per round.
+    learners: str = "all"
     max_bytes: int = 1 << 30
     reserved_headroom_bytes: int = 16 << 20  # publishes refused (0x97) before max_bytes - headroom
     snapshot_every_entries: int = 20_000
@@ -512,6 +519,9 @@ class NodeConfig:
             raise ConfigError("raft.max_pending_proposals must be 1 or more")
         if self.shard.replicas not in (1, 3, 5):
             raise ConfigError("shard.replicas must be 1, 3 or 5 (an even number of voters tolerates no more failures)")
+        if self.shard.learners not in SHARD_LEARNERS:
+            raise ConfigError(f"shard.learners must be 'all' (every node keeps every shard) or 'none' (a shard's "
+                              f"voters only), not {self.shard.learners!r}")
         if not 1 <= self.producer.max_seq_gap < 1 << 64:
             raise ConfigError("producer.max_seq_gap must be within 1..2**64-1")
         if self.share.dispatch not in ("round_robin", "sticky_topic"):

@@ -88,3 +88,21 @@ def test_an_entry_format_other_than_1_or_2_is_refused(tmp_path: Path, value: int
     f.write_text(f"[cluster]\nentry_format = {value}\n")
     with pytest.raises(ConfigError, match=rf"cluster.entry_format must be 1 or 2, not {value}"):
         load_config(f).validate()
+
+
+@pytest.mark.parametrize("value", ["some", "None", ""])
+def test_shard_learners_other_than_all_or_none_is_refused(tmp_path: Path, value: str) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text(f'[shard]\nlearners = "{value}"\n')
+    with pytest.raises(ConfigError, match=rf"shard.learners must be 'all' .* or 'none' .*, not '{value}'"):
+        load_config(f).validate()
+
+
+@pytest.mark.parametrize("value", ["all", "none"])
+def test_shard_learners_all_or_none_is_taken(tmp_path: Path, value: str) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text(f'[shard]\nlearners = "{value}"\n')
+    cfg = load_config(f)
+    cfg.validate()
+    assert cfg.shard.learners == value
+    assert load_config(None).shard.learners == "all"  # the default: today's placement

@@ -54,3 +54,17 @@ def test_layout_names_what_members_must_agree_on() -> None:
     assert layout_fingerprint(16, 3, 5) != layout_fingerprint(16, 5, 5)
     assert layout_fingerprint(16, 3, 5) != layout_fingerprint(32, 3, 5)
     assert layout_fingerprint(16, 5, 3) == layout_fingerprint(16, 3, 3)  # both: every node votes
+
+
+@pytest.mark.parametrize(("names", "replicas"), [(NAMES5, 3), (NAMES5, 5), (NAMES5, 1), (NAMES5[:3], 3), (["solo"], 3)])
+def test_learners_none_places_the_same_voters_and_no_learners(names: list[str], replicas: int) -> None:
+    everywhere = place_shards("moorline/" + ",".join(names), names, 16, replicas)
+    voters_only = place_shards("moorline/" + ",".join(names), names, 16, replicas, learners="none")
+    assert [p.voters for p in voters_only] == [p.voters for p in everywhere]  # leaders first, as before
+    assert all(p.learners == () for p in voters_only)
+    assert place_shards("moorline/" + ",".join(names), names, 16, replicas, learners="all") == everywhere
+
+
+def test_learners_other_than_all_or_none_is_refused() -> None:
+    with pytest.raises(InvariantViolation):
+        place_shards("k", NAMES5, 4, 3, learners="some")

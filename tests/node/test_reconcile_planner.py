@@ -214,20 +214,23 @@ def test_plan_properties(scenario: tuple[list[NodeView], list[GroupView], PlanSe
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(1, 10), st.sampled_from(NAMES), st.integers(1, 4))
-def test_forget_converges_to_target_on_live_nodes(shards: int, dead: str, max_moves: int) -> None:
+@given(st.integers(1, 10), st.sampled_from(NAMES), st.integers(1, 4), st.sampled_from(["all", "none"]))
+def test_forget_converges_to_target_on_live_nodes(shards: int, dead: str, max_moves: int, learners: str) -> None:
     """Round after round (each move applied): every shard ends with 3 voters, none on the
-    forgotten node, which is in no shard at all; no round grows a shard that has a gone voter."""
+    forgotten node, which is in no shard at all; no round grows a shard that has a gone voter.
+    With shard.learners = "none" (from the placement of a cluster created with "all", every other
+    node a learner) no shard keeps a learner either."""
     ns = nodes(**{dead: {"state": "forgotten", "live": False}})
     gs = groups(shards, dead=dead)
-    for _ in range(4 * shards + 4):
-        moves = plan(ns, gs, PlanSettings("k", max_moves=max_moves))
+    for _ in range(4 * shards + 4 if learners == "all" else 8 * shards + 8):
+        moves = plan(ns, gs, PlanSettings("k", max_moves=max_moves, learners=learners))
         if not moves:
             break
         gs = apply(gs, moves)
     for g in gs:
         assert len(g.voters) == 3
         assert mid(dead) not in g.voters and mid(dead) not in g.learners
+        assert learners == "all" or g.learners == ()
 
 
 def test_spread_after_forget() -> None:

@@ -57,9 +57,10 @@ def zones_of(g: GroupView, zones: dict[str, str]) -> list[str]:
     return sorted(zones.get(f"n{v[0]}", "") for v in g.voters)
 
 
-def converge(ns: list[NodeView], gs: list[GroupView], max_moves: int = 2, rounds: int = 200) -> list[GroupView]:
+def converge(ns: list[NodeView], gs: list[GroupView], max_moves: int = 2, rounds: int = 200,
+             learners: str = "all") -> list[GroupView]:
     for _ in range(rounds):
-        moves = plan(ns, gs, PlanSettings("k", max_moves=max_moves))
+        moves = plan(ns, gs, PlanSettings("k", max_moves=max_moves, learners=learners))
         if not moves:
             return gs
         gs = apply(gs, moves)
@@ -131,15 +132,22 @@ def test_bootstrap_placement_converges_to_distinct_zones() -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.sampled_from(["", "a", "b", "c", "d"]), min_size=5, max_size=5), st.integers(1, 10),
-       st.integers(1, 4))
-def test_zones_converge_whatever_they_are(zone_list: list[str], shards: int, max_moves: int) -> None:
+       st.integers(1, 4), st.sampled_from(["all", "none"]), st.booleans())
+def test_zones_converge_whatever_they_are(zone_list: list[str], shards: int, max_moves: int, learners: str,
+                                          voters_only_start: bool) -> None:
     """Any zones: round after round the planner reaches a fixed point where every shard has three
-    voters and no shard with two voters in one zone could have a voter in a zone it lacks."""
+    voters and no shard with two voters in one zone could have a voter in a zone it lacks. With
+    shard.learners = "none" (started from either placement) no shard keeps a learner either: a
+    zone repair adds the one it promotes."""
     zones = dict(zip(NAMES, zone_list, strict=True))
-    gs = converge(nodes(zones), bootstrap(shards), max_moves)
+    start = bootstrap(shards)
+    if learners == "none" and voters_only_start:
+        start = [GroupView(g.shard, g.voters, (), g.target, g.leader) for g in start]
+    gs = converge(nodes(zones), start, max_moves, learners=learners)
     present = {z for z in zone_list if z}
     for g in gs:
         assert len(g.voters) == 3
+        assert learners == "all" or g.learners == ()
         used = zones_of(g, zones)
         named = [z for z in used if z]
         if len(set(named)) < len(named):

@@ -359,6 +359,7 @@ class MembershipDriver(MembershipOps):
             max_moves=self.cfg.max_concurrent_moves, promote_lag_entries=self.cfg.promote_lag_entries,
             auto_remove_after_s=self.cfg.auto_remove_after_s, in_progress=len(table.moves),
             leaderships=self._leaderships(), initial_members=self._initial_members(),
+            learners=self.node.cfg.shard.learners, planner=tuple(self.node.member),
             grow_before_shrink=self.node.faults.grow_before_shrink_on_forget,
             promote_unchecked=self.node.faults.promote_before_caught_up))
         for mv in moves:

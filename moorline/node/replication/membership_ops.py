@@ -84,6 +84,8 @@ class MembershipOps(MembershipViews):
             "names": [name for name, _, _ in record.members],
             "initial": [[name, nid, s] for name, nid, s in record.members],
             "shard_count": record.shard_count, "replicas": record.replicas,
+            # the shard.learners the groups' initial configurations were placed with (cluster.json)
+            "learners": self.node.cluster_meta.get("learners", "all"),
             "members": {x.name: [x.node_id, x.cluster, x.storage_id] for x in table.members.values()
                         if x.state not in GONE and x.cluster},
         })

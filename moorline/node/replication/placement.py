@@ -8,12 +8,17 @@ the cluster's own, never Python's salted ``hash()`` — and voter slots are deal
 down). Each shard's preferred leader is the voter that leads fewest so far, so leaders start
 spread as evenly, and the leader rebalancer moves them back there after failures.
 
-Every node keeps a replica of every shard: the shard's voters decide commits (an acknowledgement
-is durable on a majority of *them*), the other nodes follow as learners, which never count for a
-quorum or vote, so a learner's slowness or death costs the shard nothing. Learners are what let
-every node serve any session and read any shard from its own disk (monotonic views through the
-session shard's commit, delivery from a local cursor); the price is disk and apply CPU on every
-node, not only on the voters.
+With ``shard.learners = "all"`` (the default) every node keeps a replica of every shard: the
+shard's voters decide commits (an acknowledgement is durable on a majority of *them*), the other
+nodes follow as learners, which never count for a quorum or vote, so a learner's slowness or death
+costs the shard nothing. Learners are what let every node serve any session and read any shard
+from its own disk (monotonic views through the session shard's commit, delivery from a local
+cursor); the price is disk and apply CPU on every node, not only on the voters. With ``"none"`` a
+shard starts on its voters only (the reconciler adds a learner just while one catches up to be
+promoted). Which of the two a cluster *started* with is part of each group's initial configuration,
+so every member must place with the same one (boot.py takes it from the data directory, where the
+cluster's creation recorded it); it is not in the layout fingerprint, as learners count for no
+quorum at bootstrap.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from moorline.hashing import guid128
 from moorline.invariant import invariant
 
 VALID_REPLICAS = (1, 3, 5)
+VALID_LEARNERS = ("all", "none")  # shard.learners
 
 
 @dataclass(frozen=True)
@@ -42,9 +48,12 @@ def effective_replicas(replicas: int, nodes: int) -> int:
 
 
 def place_shards(cluster_key: str, names: list[str] | tuple[str, ...], shard_count: int,
-                 replicas: int) -> list[ShardPlacement]:
+                 replicas: int, learners: str = "all") -> list[ShardPlacement]:
+    """Each shard's voters (the preferred leader first) and learners: every other node with
+    ``learners = "all"``, none with ``"none"``. The voters do not depend on ``learners``."""
     invariant(len(set(names)) == len(names) and len(names) > 0, "node names must be distinct")
     invariant(replicas in VALID_REPLICAS, "shard.replicas is 1, 3 or 5")
+    invariant(learners in VALID_LEARNERS, "shard.learners is 'all' or 'none'")
     n = len(names)
     r = effective_replicas(replicas, n)
     ring = sorted(names, key=lambda name: (guid128("placement", cluster_key, name), name))
@@ -57,12 +66,13 @@ def place_shards(cluster_key: str, names: list[str] | tuple[str, ...], shard_cou
         leader = min(voters, key=lambda v: (leads[v], voters.index(v)))
         leads[leader] += 1
         voters.remove(leader)
-        learners = tuple(name for name in names if name != leader and name not in voters)
-        table.append(ShardPlacement((leader, *voters), learners))
+        followers = () if learners == "none" else tuple(n for n in names if n != leader and n not in voters)
+        table.append(ShardPlacement((leader, *voters), followers))
     return table
 
 
 def layout_fingerprint(shard_count: int, replicas: int, nodes: int) -> str:
     """What every member must agree on before it joins a group: two nodes that placed voters
-    differently would count different majorities for one shard (two leaders in one term)."""
+    differently would count different majorities for one shard (two leaders in one term). Not
+    ``shard.learners``: learners count for no majority, and a cluster switches it while running."""
     return f"shards={shard_count},replicas={effective_replicas(replicas, nodes)},hash=crc32c,ring=blake2b-v1"

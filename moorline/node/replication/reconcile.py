@@ -125,6 +125,14 @@ class PlanSettings:
     # and get their share of voters by rebalancing. None: the metadata group's voters stand for them
     # (they are the same while the metadata group has never been grown).
     initial_members: tuple[MemberId, ...] | None = None
+    # shard.learners: "all", every live active node follows every shard as a learner; "none", a
+    # shard lives on its voters, with a learner only while it catches up to be promoted (growth,
+    # rebalance, zone repair), and learners no promotion needs are removed. The metadata group is
+    # followed by every node either way (a shard's leader carries out the moves it reads there).
+    learners: str = "all"
+    # The member running the planner (the metadata group's leader), when known: with "none" its own
+    # surplus learner in a group goes last, as its view of a group it is no member of stands still.
+    planner: MemberId | None = None
     # Bug switches (testing/faults.py; the simulator's harness sets them, never production).
     grow_before_shrink: bool = False  # grow_before_shrink_on_forget: a gone voter goes after the growth
     promote_unchecked: bool = False  # promote_before_caught_up: a learner's lag is not looked at
@@ -164,27 +172,64 @@ def _caught_up(g: GroupView, member: MemberId, settings: PlanSettings) -> bool:
     return lag is not None and lag <= settings.promote_lag_entries
 
 
-def _grow(g: GroupView, counted: list[MemberId], by_member: dict[MemberId, NodeView], eligible: list[NodeView],
-          voters_of: dict[str, int], settings: PlanSettings) -> PlannedMove | None:
-    """One voter more for ``g`` (whose ``counted`` voters stay), or None when no node fits now."""
-    voter_nodes = {v[0] for v in g.voters}
-    zones_used = {by_member[v].zone for v in counted if v in by_member}
+def _voters_only(g: GroupView, settings: PlanSettings) -> bool:
+    """Whether ``g`` keeps learners only to promote them (``shard.learners = "none"``; never the
+    metadata group, which every node follows)."""
+    return settings.learners == "none" and not g.meta
+
+
+def _other_storage(g: GroupView, n: NodeView) -> bool:
+    """Whether another storage of ``n``'s node is still a member of ``g`` (removed first)."""
+    return any(m[0] == n.node_id and m != n.member_id for m in (*g.voters, *g.learners))
+
+
+Candidates = list[tuple[tuple[object, ...], NodeView]]
+
+
+def _pick(g: GroupView, candidates: Candidates, settings: PlanSettings) -> tuple[NodeView, str] | None:
+    """The node (and the change: promote or add_learner) a growth, rebalance or zone repair of
+    ``g`` takes from ``candidates`` (sort key, node), or None for not now. A learner is promoted
+    only when caught up. With ``shard.learners = "all"`` a learner not caught up is passed over and
+    a node that follows nothing becomes a learner; with ``"none"`` a learner already there (added
+    for this in an earlier round) is waited for, and only when there is none is one added."""
     learners = set(g.learners)
-    candidates = []
-    for n in eligible:
-        if n.node_id in voter_nodes:
-            continue
-        if any(m[0] == n.node_id and m != n.member_id for m in (*g.voters, *g.learners)):
-            continue  # its old storage is still a member: that one is removed first
-        if n.member_id in learners and not _caught_up(g, n.member_id, settings):
-            continue  # not caught up (or not heard from by the leader): not yet
-        key = (1 if n.zone in zones_used else 0, voters_of.get(n.name, 0), settings.leaderships.get(n.name, 0),
-               guid128("reconcile", settings.cluster_key, g.shard, n.name), n.name)
-        candidates.append((key, n))
+    if _voters_only(g, settings):
+        catching_up = [kn for kn in candidates if kn[1].member_id in learners]
+        if catching_up:
+            candidates = [kn for kn in catching_up if _caught_up(g, kn[1].member_id, settings)]
+    else:
+        candidates = [kn for kn in candidates if kn[1].member_id not in learners
+                      or _caught_up(g, kn[1].member_id, settings)]
     if not candidates:
         return None
     _, best = min(candidates, key=lambda kv: kv[0])
-    kind = "promote" if best.member_id in learners else "add_learner"
+    return best, "promote" if best.member_id in learners else "add_learner"
+
+
+def _grow_candidates(g: GroupView, counted: list[MemberId], by_member: dict[MemberId, NodeView],
+                     eligible: list[NodeView], voters_of: dict[str, int], settings: PlanSettings) -> Candidates:
+    """Every node that could be ``g``'s next voter, caught up or not, with its sort key."""
+    voter_nodes = {v[0] for v in g.voters}
+    zones_used = {by_member[v].zone for v in counted if v in by_member}
+    candidates: Candidates = []
+    for n in eligible:
+        if n.node_id in voter_nodes:
+            continue
+        if _other_storage(g, n):
+            continue  # its old storage is still a member: that one is removed first
+        key = (1 if n.zone in zones_used else 0, voters_of.get(n.name, 0), settings.leaderships.get(n.name, 0),
+               guid128("reconcile", settings.cluster_key, g.shard, n.name), n.name)
+        candidates.append((key, n))
+    return candidates
+
+
+def _grow(g: GroupView, counted: list[MemberId], by_member: dict[MemberId, NodeView], eligible: list[NodeView],
+          voters_of: dict[str, int], settings: PlanSettings) -> PlannedMove | None:
+    """One voter more for ``g`` (whose ``counted`` voters stay), or None when no node fits now."""
+    picked = _pick(g, _grow_candidates(g, counted, by_member, eligible, voters_of, settings), settings)
+    if picked is None:
+        return None
+    best, kind = picked
     return PlannedMove(g.shard, kind, best.name, best.member_id,
                        f"shard {g.shard} has {len(counted)} of {g.target} voters")
 
@@ -195,33 +240,115 @@ def _shares_zone(node: NodeView, voters: tuple[MemberId, ...], by_member: dict[M
                                    for v in voters)
 
 
-def _zone_repair(g: GroupView, by_member: dict[MemberId, NodeView], eligible: list[NodeView],
-                 voters_of: dict[str, int], touched: set[int], settings: PlanSettings) -> PlannedMove | None:
-    """A voter in an unused zone for ``g`` when two of its voters share one (2d), or None."""
-    if g.busy or g.shard in touched or g.target is None or g.meta or g.stale or len(g.voters) != g.target:
-        return None
+def _zone_repair_candidates(g: GroupView, by_member: dict[MemberId, NodeView], eligible: list[NodeView],
+                            voters_of: dict[str, int], settings: PlanSettings) -> tuple[str, Candidates]:
+    """When two of ``g``'s voters share a zone (2d): that zone, and every node of a zone none of
+    them is in that could take a voter (caught up or not; with ``shard.learners = "all"`` only its
+    learners, as every node follows every shard). ("", []) when ``g`` needs no repair now."""
+    if g.target is None or g.meta or g.stale or len(g.voters) != g.target:
+        return "", []
     if any(v not in by_member or by_member[v].state != "active" or not by_member[v].live for v in g.voters):
-        return None  # (as a rebalance: never a voter more while one of them is down or going)
+        return "", []  # (as a rebalance: never a voter more while one of them is down or going)
     voters = [by_member[v] for v in g.voters]
     dup = sorted({n.zone for n in voters if _shares_zone(n, g.voters, by_member)})
     if not dup:
-        return None
+        return "", []
     zones_used = {n.zone for n in voters}
-    candidates = []
+    candidates: Candidates = []
     for n in eligible:
-        if not n.zone or n.zone in zones_used or n.member_id not in g.learners:
+        if not n.zone or n.zone in zones_used:
             continue
-        if not _caught_up(g, n.member_id, settings):
+        if n.member_id not in g.learners and (not _voters_only(g, settings) or _other_storage(g, n)):
             continue
         key = (voters_of.get(n.name, 0), settings.leaderships.get(n.name, 0),
                guid128("zone", settings.cluster_key, g.shard, n.name), n.name)
         candidates.append((key, n))
-    if not candidates:
+    return dup[0], candidates
+
+
+def _zone_repair(g: GroupView, by_member: dict[MemberId, NodeView], eligible: list[NodeView],
+                 voters_of: dict[str, int], touched: set[int], settings: PlanSettings) -> PlannedMove | None:
+    """A voter in an unused zone for ``g`` when two of its voters share one (2d), or None."""
+    if g.busy or g.shard in touched:
         return None
-    _, best = min(candidates, key=lambda kv: kv[0])
-    return PlannedMove(g.shard, "promote", best.name, best.member_id,
-                       f"two voters of shard {g.shard} are in zone {dup[0]}; {best.name} is in zone {best.zone}, "
+    zone, candidates = _zone_repair_candidates(g, by_member, eligible, voters_of, settings)
+    picked = _pick(g, candidates, settings)
+    if picked is None:
+        return None
+    best, kind = picked
+    return PlannedMove(g.shard, kind, best.name, best.member_id,
+                       f"two voters of shard {g.shard} are in zone {zone}; {best.name} is in zone {best.zone}, "
                        "which has none", "rebalance")
+
+
+def _rebalance_giver(g: GroupView, u: NodeView, by_member: dict[MemberId, NodeView], voters_of: dict[str, int],
+                     share: int, settings: PlanSettings) -> NodeView | None:
+    """The voter of ``g`` that would give its place to the joined node ``u`` (2c), or None when
+    ``g`` is no shard for that. Whether ``u`` is caught up is not looked at; with ``shard.learners =
+    "all"`` ``u`` must be a learner of ``g`` already (every node follows every shard), with
+    ``"none"`` a learner or no member (it is added as a learner first)."""
+    if g.target is None or g.meta or g.stale or len(g.voters) != g.target or u.member_id in g.voters:
+        return None
+    if u.member_id not in g.learners and (not _voters_only(g, settings) or _other_storage(g, u)):
+        return None
+    # (every voter live too: a shard whose voter's node just went down would run with four voters,
+    # one down, until the trim: one failure more from no majority)
+    if any(_removable(by_member.get(v), settings.auto_remove_after_s) is not None
+           or by_member[v].state != "active" or not by_member[v].live for v in g.voters):
+        return None
+    # the node that would give the voter up: the most loaded that does not lead the shard (the trim
+    # after the promotion removes no leader), or the one voter in u's zone (the trim removes the one
+    # of a zone's two that votes in more shards: that one)
+    same_zone = [by_member[v] for v in g.voters if u.zone and by_member[v].zone == u.zone]
+    if len(same_zone) > 1 or (same_zone and same_zone[0].node_id == g.leader):
+        return None  # it would leave two of the shard's voters in one zone
+    heavy = same_zone[0] if same_zone else max(
+        (by_member[v] for v in g.voters if v[0] != g.leader),
+        key=lambda n: (voters_of.get(n.name, 0), n.name), default=None)
+    if heavy is None or voters_of.get(heavy.name, 0) <= share:
+        return None
+    return heavy
+
+
+def _staying(g: GroupView, by_member: dict[MemberId, NodeView], settings: PlanSettings) -> list[MemberId]:
+    """``g``'s voters that count towards its target: not on a gone (or long down, when opted in)
+    node, nor on a leaving one."""
+    return [v for v in g.voters if _removable(by_member.get(v), settings.auto_remove_after_s) is None
+            and by_member[v].state != "leaving"]
+
+
+def _growth_pending(g: GroupView, by_member: dict[MemberId, NodeView], eligible: list[NodeView],
+                    voters_of: dict[str, int], settings: PlanSettings) -> bool:
+    """Whether ``g`` is below target with a node to grow onto and no gone voter to remove first (one
+    that cannot be removed would keep it below target for good)."""
+    if g.target is None or g.meta:
+        return False
+    counted = _staying(g, by_member, settings)
+    if len(counted) >= g.target:
+        return False
+    if any(_removable(by_member.get(v), settings.auto_remove_after_s) is not None for v in g.voters):
+        return False
+    return bool(_grow_candidates(g, counted, by_member, eligible, voters_of, settings))
+
+
+def _needed_learners(g: GroupView, by_member: dict[MemberId, NodeView], eligible: list[NodeView],
+                     joined: list[NodeView], voters_of: dict[str, int], share: int,
+                     settings: PlanSettings) -> set[MemberId]:
+    """The learners of ``g`` that a promotion the planner would make needs (``shard.learners =
+    "none"``): each is a candidate of a growth (``g`` below target), a zone repair or a rebalance
+    towards a joined node below its share, by the same rules that would promote it once caught
+    up. The planner is stateless: a learner added in an earlier round to be promoted is still
+    catching up, and is kept because these rules still pick it."""
+    learners = set(g.learners)
+    needed: set[MemberId] = set()
+    counted = _staying(g, by_member, settings)
+    if g.target is not None and len(counted) < g.target:
+        needed |= {n.member_id for _, n in _grow_candidates(g, counted, by_member, eligible, voters_of, settings)}
+    needed |= {n.member_id for _, n in _zone_repair_candidates(g, by_member, eligible, voters_of, settings)[1]}
+    for u in joined:
+        if voters_of.get(u.name, 0) < share and _rebalance_giver(g, u, by_member, voters_of, share, settings):
+            needed.add(u.member_id)
+    return needed & learners
 
 
 def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings) -> list[PlannedMove]:
@@ -329,7 +456,8 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
     #     at target (an operator's remove-replica on more nodes than replicas, a rebalance's
     #     removal): a node that follows no replica of a shard serves its sessions from a replica
     #     that never moves again (sim --cluster seed 125 with joins: n3 removed from shard 1 by
-    #     hand, clients stuck on n3).
+    #     hand, clients stuck on n3). With shard.learners = "none" only the metadata group: a
+    #     shard is followed by its voters alone (and a learner only to be promoted: 2., 2c, 2d).
     # (not "no voter of the metadata group": that group is grown back after a replace, maybe onto
     # the replacement itself, which must still get its share of voters: test_cluster_join)
     initial = (set(settings.initial_members) if settings.initial_members is not None
@@ -342,7 +470,7 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
     for g in sorted(every, key=lambda g: (not g.meta, g.shard)):
         if budget <= 0:
             break
-        if g.busy or g.shard in touched:
+        if g.busy or g.shard in touched or _voters_only(g, settings):
             continue
         members = (*g.voters, *g.learners)
         readd = [n for n in others if n.member_id == g.readd]
@@ -359,41 +487,43 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
 
     # 2c. Rebalance: a node with fewer than its share of voters takes one from the most loaded.
     active = [n for n in nodes if n.state == "active" and n.storage_id]
+    share = sum(voters_of.get(n.name, 0) for n in active) // len(active) if active else 0
+    growing = settings.learners == "none" and any(_growth_pending(g, by_member, eligible, voters_of, settings)
+                                                  for g in ordered)
     if active and budget > 0:
-        share = sum(voters_of.get(n.name, 0) for n in active) // len(active)
         for u in sorted(joined, key=lambda n: (voters_of.get(n.name, 0), n.name)):
             while budget > 0 and voters_of.get(u.name, 0) < share:
-                best: tuple[tuple[int, bytes], GroupView, NodeView] | None = None
+                options: list[tuple[tuple[int, bytes], GroupView, NodeView]] = []
                 for g in ordered:
-                    if (g.busy or g.shard in touched or g.target is None or g.meta or len(g.voters) != g.target
-                            or u.member_id not in g.learners):
+                    if g.busy or g.shard in touched:
                         continue
-                    # (every voter live too: a shard whose voter's node just went down would run with
-                    # four voters, one down, until the trim: one failure more from no majority)
-                    if any(_removable(by_member.get(v), settings.auto_remove_after_s) is not None
-                           or by_member[v].state != "active" or not by_member[v].live for v in g.voters):
-                        continue
-                    if not _caught_up(g, u.member_id, settings):
-                        continue
-                    # the node that would give the voter up: the most loaded that does not lead the shard
-                    # (the trim after the promotion removes no leader), or the one voter in u's zone
-                    # (the trim removes the one of a zone's two that votes in more shards: that one)
-                    same_zone = [by_member[v] for v in g.voters if u.zone and by_member[v].zone == u.zone]
-                    if len(same_zone) > 1 or (same_zone and same_zone[0].node_id == g.leader):
-                        continue  # it would leave two of the shard's voters in one zone
-                    heavy = same_zone[0] if same_zone else max(
-                        (by_member[v] for v in g.voters if v[0] != g.leader),
-                        key=lambda n: (voters_of.get(n.name, 0), n.name), default=None)
-                    if heavy is None:
-                        continue
-                    if voters_of.get(heavy.name, 0) <= share:
-                        continue
-                    key = (-voters_of.get(heavy.name, 0), guid128("rebalance", settings.cluster_key, g.shard, u.name))
-                    if best is None or key < best[0]:
-                        best = (key, g, heavy)
-                if best is None:
+                    heavy = _rebalance_giver(g, u, by_member, voters_of, share, settings)
+                    if heavy is not None:
+                        options.append(((-voters_of.get(heavy.name, 0),
+                                         guid128("rebalance", settings.cluster_key, g.shard, u.name)), g, heavy))
+                if settings.learners == "none":
+                    # (a learner added for this in an earlier round is waited for, not another added;
+                    # and none is added while a shard grows: that raises the share, which can leave
+                    # the learner with no voter to take, a copy made for nothing)
+                    catching_up = [o for o in options if u.member_id in o[1].learners]
+                    if catching_up:
+                        options = [o for o in catching_up if _caught_up(o[1], u.member_id, settings)]
+                    elif growing:
+                        options = []
+                else:
+                    options = [o for o in options if u.member_id in o[1].learners
+                               and _caught_up(o[1], u.member_id, settings)]
+                if not options:
                     break
-                _, g, heavy = best
+                _, g, heavy = min(options, key=lambda o: o[0])
+                if u.member_id not in g.learners:  # (shard.learners = "none": it follows first)
+                    out.append(PlannedMove(g.shard, "add_learner", u.name, u.member_id,
+                                           f"{u.name} votes in {voters_of.get(u.name, 0)} shards, {heavy.name} in "
+                                           f"{voters_of.get(heavy.name, 0)} (a share is {share}): it follows shard "
+                                           f"{g.shard} to be promoted once caught up", "rebalance"))
+                    touched.add(g.shard)
+                    budget -= 1
+                    break  # (one learner catching up per node: it is promoted before another is added)
                 out.append(PlannedMove(g.shard, "promote", u.name, u.member_id,
                                        f"{u.name} votes in {voters_of.get(u.name, 0)} shards, {heavy.name} in "
                                        f"{voters_of.get(heavy.name, 0)} (a share is {share})", "rebalance"))
@@ -416,17 +546,27 @@ def plan(nodes: list[NodeView], groups: list[GroupView], settings: PlanSettings)
             touched.add(g.shard)
             budget -= 1
 
-    # 3. Clean up: learners on gone or leaving nodes.
+    # 3. Clean up: learners on gone or leaving nodes; with shard.learners = "none" also learners on
+    #    live nodes that no promotion the planner would make needs (a cluster switched from "all",
+    #    a growth done elsewhere): never one catching up for a promotion decided in an earlier round,
+    #    as the rules that decided it still pick it. Learners on down nodes stay, like their voters.
     for g in ordered:
         if budget <= 0:
             break
         if g.busy or g.shard in touched:
             continue
-        for m in g.learners:
+        needed = (_needed_learners(g, by_member, eligible, joined, voters_of, share, settings)
+                  if _voters_only(g, settings) else set())
+        # (the planner's own learner last: once removed, its replica of the group hears nothing more,
+        # and the other surplus learners would stay)
+        for m in sorted(g.learners, key=lambda m: m == settings.planner) if _voters_only(g, settings) else g.learners:
             node = by_member.get(m)
             why = _removable(node, settings.auto_remove_after_s)
             if why is None and node is not None and node.state == "leaving":
                 why = f"its node {node.name} is leaving"
+            if (why is None and node is not None and node.live and _voters_only(g, settings)
+                    and m not in needed):
+                why = f"shard.learners is none: no promotion needs {node.name} as a learner of shard {g.shard}"
             if why is not None:
                 name = node.name if node is not None else f"node {m[0]} (storage {m[1]})"
                 out.append(PlannedMove(g.shard, "remove", name, m, why))
