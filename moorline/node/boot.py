@@ -4,6 +4,7 @@ cluster, start the link and learn the initial members before the groups open."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -24,7 +25,7 @@ from moorline.node.replication.cluster_spec import ClusterSpec, parse_cluster, p
 from moorline.node.replication.group_commit import stage_hard_state, stage_ready
 from moorline.node.replication.membership import refuse_if_left
 from moorline.node.replication.placement import ShardPlacement, layout_fingerprint, place_shards
-from moorline.node.replication.raft_group import build_replica
+from moorline.node.replication.raft_group import build_replica, encode_vote
 from moorline.node.replication.reader import ShardReader
 from moorline.node.replication.reader_feed import FeedLimits, ReaderFeeds
 from moorline.node.replication.shard_host import ApplyHooks, ShardHost, default_limits
@@ -326,6 +327,49 @@ class Startup:
                 node.cfg.session.max_expiry_s, node.housekeeping.snapshot_installed,
                 node.lifecycle.session_record_set)
             host.reader.member = host.node_member()
+
+    def leave_group(self, host: ShardHost) -> None:
+        """This node was removed from ``host``'s group and reads the shard through a reader feed
+        from now on (shard.learners = "none"): its copy goes. The WAL forgets the group (its
+        entries pin no segment once synced), the host gets an empty state and a core that is no
+        member (so a later re-add starts from nothing, as for a new member), and once that record
+        is synced the group's snapshots and stored messages are deleted (a restart before then
+        recovers the old copy and leaves again)."""
+        node, reader = self.node, host.reader
+        assert reader is not None
+        conf = host.raft.active_conf_state
+        me = tuple(node.member)
+        # Its term and vote stay (a member's promise outlives its copy: it may be added again under
+        # the same identity, and must not vote twice in a term); everything else goes.
+        term, vote = host.raft.term, host.raft.vote
+        node.wal.remove_group(host.shard)
+        node.wal.set_hard_state(host.shard, term, encode_vote(vote), 0)
+        removed_at = node.wal.appended_seq()
+        raft, raft_log = build_replica(
+            node.member, [v for v in conf.voters if v != me], [x for x in conf.learners if x != me], 0, 0, [],
+            (term, encode_vote(vote), 0), 0,
+            random.Random(f"{node.storage_id}/{host.shard}/left"), election_tick=node.cfg.raft.election_ticks,
+            max_entry_bytes=node.cfg.raft.max_entry_bytes)
+        host.raft, host.raft_log = raft, raft_log
+        node.recent.drop(host.shard, list(host.state.topics.meta))  # the cached copies of its messages too
+        limits = default_limits(node.cfg, node.faults.dedup_at_propose_only)
+        host.state = ShardState(host.shard, host.state.topics.incarnation, limits, node.cfg.session.max_expiry_s)
+        host.entries_since_snapshot = 0
+        reader.leave()
+        node.commit.kick(host.shard)
+        log.info("shard %d: this node was removed from the group: its copy goes, the shard is read from its leader",
+                 host.shard)
+
+        async def delete_files() -> None:
+            while node.wal.synced_seq() < removed_at and not node.stopping.is_set():
+                await asyncio.sleep(0.05)
+            if node.stopping.is_set() or not host.reads_remotely:
+                return
+            host.store.reset(0)
+            for _, _, path in node.snapshots.list_snapshots(host.shard):
+                path.unlink(missing_ok=True)
+
+        node.run_in_background(asyncio.get_running_loop().create_task(delete_files()))
 
     def recover_group(self, host: ShardHost) -> None:
         """Before serving: the new term's no-op is made durable, and with it the core hands out as

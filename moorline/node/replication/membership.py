@@ -80,6 +80,11 @@ def in_conf(move: Move, voters: tuple[Any, ...], learners: tuple[Any, ...]) -> b
     return m not in voters and m not in learners
 
 
+# A group this node's member was removed from (per the member table) and whose leader has sent it
+# nothing for this long is left: its copy goes (shard.learners = "none").
+LEFT_SILENCE_S = 5.0
+
+
 class MembershipDriver(MembershipOps):
     """The views (``MembershipViews``) and the operators' commands (``MembershipOps``) are its base
     classes, in their own modules; this one drives: the task, moves, planning."""
@@ -138,6 +143,7 @@ class MembershipDriver(MembershipOps):
         self._prefer_leaders()
         await self._announce(table, now)
         self._drive_moves(table, now)
+        self._leave_removed_groups(table)
         meta = self.node.meta_host
         if meta is None or not meta.raft.is_leader or meta.failed is not None:
             self._next_run = None
@@ -208,6 +214,32 @@ class MembershipDriver(MembershipOps):
             else:
                 self._learn_refused[attempt] = None
 
+    def _leave_removed_groups(self, table: MembershipState) -> None:
+        """shard.learners = "none": a group this node was removed from (the member table's last
+        done move of its member there is a removal, and no move adds it back now) is read through
+        a reader feed from then on, and this node's copy of it goes (boot.Startup.leave_group)."""
+        if self.node.cfg.shard.learners != "none":
+            return
+        me = tuple(self.node.member)
+        removed: dict[int, bool] = {}
+        for mv in table.history:
+            if mv.outcome == "done" and (mv.node_id, mv.storage_id) == me:
+                removed[mv.shard] = mv.kind == "remove"
+        now = self.clock.monotonic()
+        for shard, gone in removed.items():
+            if not gone or not 0 <= shard < len(self.node.hosts) or shard in table.moves:
+                continue
+            host = self.node.hosts[shard]
+            if (host.reader is None or host.reader.active or host.failed is not None or host.raft.is_leader
+                    or not host.can_drop_copy()):
+                continue
+            # Never a copy the group still counts on: the table may lag a re-add that already
+            # happened. Dropped when this node's own log has its removal, or no leader has sent it
+            # anything for a while (a removed node hears nothing; a member hears every tick).
+            if me in host.raft.active_conf_state.members() and now - host.leader_heard_at < LEFT_SILENCE_S:
+                continue
+            self.node.startup.leave_group(host)
+
     def _prefer_leaders(self) -> None:
         """Once a node that joined votes somewhere, each shard's preferred leader (which the leader
         rebalancer moves leadership to, replication/leadership.py) is chosen again from its current
@@ -220,7 +252,7 @@ class MembershipDriver(MembershipOps):
         if members is None:
             return
         initial = set(members)
-        confs = [h.raft.active_conf_state.voters for h in self.node.hosts]
+        confs = [h.group_conf().voters for h in self.node.hosts]
         nodes = {v for voters in confs for v in voters}
         if not confs or any(not v for v in confs) or all(v in initial for v in nodes):
             return
@@ -382,7 +414,7 @@ class MembershipDriver(MembershipOps):
         for m in list(table.members.values()):
             if m.state != "leaving":
                 continue
-            if any(m.member_id in h.raft.active_conf_state.members() for h in self.node.hosts):
+            if any(m.member_id in h.group_conf().members() for h in self.node.hosts):
                 continue
             try:
                 why = await self.propose_meta(c.MemberSetState(m.name, "left", self.node.now_ms()))

@@ -14,6 +14,10 @@ from moorline.broker.membership import GONE, MembershipState, Move
 from moorline.node.replication.reconcile import GroupView, NodeView
 from moorline.raft.types import ConfState
 
+# A group's configuration a node that is no member of it heard from its leader longer ago than
+# this is not planned from (the leader tells it every reader feed's idle_s).
+GROUP_INFO_STALE_S = 10.0
+
 
 class MembershipViews:
     # Set by MembershipDriver.__init__ (declared here for the type checker only).
@@ -97,6 +101,21 @@ class MembershipViews:
         out = []
         for host in self.node.groups:
             raft = host.raft
+            reader = host.reader
+            if reader is not None and reader.active:
+                # No member of the group (shard.learners = "none"): its configuration and lags as
+                # its leader last told this node's reader; nothing is planned for the group while
+                # unknown or old (its leader gone: the next one tells).
+                known = reader.conf is not None and reader.clock() - reader.info_at <= GROUP_INFO_STALE_S
+                rconf = reader.conf if reader.conf is not None else raft.active_conf_state
+                out.append(GroupView(host.shard, rconf.voters, rconf.learners, self.target_of(table, host.shard),
+                                     reader.lead or None, meta=False,
+                                     busy=host.shard in table.moves or host.failed is not None or not known,
+                                     lag=dict(reader.lag) if known else None,
+                                     rebalanced=host.shard in last and last[host.shard].origin == "rebalance"
+                                     and last[host.shard].kind == "promote" and last[host.shard].outcome == "done",
+                                     readd=next(iter(unreadded.get(host.shard, {})), None)))
+                continue
             conf = raft.active_conf_state
             is_meta = host.shard == self.node.meta_group
             target = self.target_of(table, host.shard)
@@ -147,7 +166,7 @@ class MembershipViews:
         keep = {m.member_id for m in table.members.values() if m.state not in GONE}
         out = []
         for host in self.node.hosts:
-            voters = host.raft.active_conf_state.voters
+            voters = host.group_conf().voters
             if host.shard < len(table.targets) and sum(v in keep for v in voters) < table.targets[host.shard]:
                 out.append(host.shard)
         return out
@@ -168,7 +187,7 @@ class MembershipViews:
         shards = []
         keep = {m.member_id for m in table.members.values() if m.state not in GONE}
         for host in self.node.hosts:
-            conf = host.raft.active_conf_state
+            conf = host.group_conf()
             target = table.targets[host.shard] if host.shard < len(table.targets) else None
             counted = sum(v in keep for v in conf.voters)
             shards.append({"shard": host.shard, "voters": named(conf.voters), "learners": named(conf.learners),

@@ -35,6 +35,7 @@ from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import TopicLimits
 from moorline.node.replication import reader_feed as rf
 from moorline.node.replication.proposer import IN_GROUP, GroupEnd, resolve_waiter
+from moorline.raft.types import ConfState
 
 if TYPE_CHECKING:
     from moorline.node.replication.shard_host import ShardHost
@@ -46,7 +47,7 @@ class ShardReader:
     def __init__(self, host: ShardHost, me: int, nodes: Callable[[], list[int]], send: Callable[[int, bytes], None],
                  clock: Callable[[], float], limits: TopicLimits, max_session_expiry_s: int,
                  on_reload: Callable[[ShardHost], None], on_session: Callable[[ShardHost, str, Any], None],
-                 silence_s: float = 3.0, follow_retry_s: float = 0.5) -> None:
+                 silence_s: float = 3.0, follow_retry_s: float = 1.0) -> None:
         self.host = host
         self.me = me
         self.nodes = nodes  # the cluster's node ids (who may lead)
@@ -67,11 +68,17 @@ class ShardReader:
         self.followed_at = -1e18
         self.heard_at = 0.0
         self._try = 0
+        self._hinted = False  # ``lead`` is a NotLeader's hint: asked next, not skipped
         self._next_req = 0
         self._adds: dict[int, tuple[list[str], asyncio.Future[None]]] = {}
         self.member = False  # this node joined the group: the log itself replaces the feed
         self.items_applied = 0
         self.restarts = 0
+        # The group's configuration and members' lags as its leader last told (GroupInfo); None
+        # until it has. This node's own core never learns them: it is no member.
+        self.conf: ConfState | None = None
+        self.lag: dict[tuple[int, str], int] = {}
+        self.info_at = -1e18
 
     @property
     def active(self) -> bool:
@@ -95,6 +102,16 @@ class ShardReader:
             self.send(self.lead, rf.encode(rf.Add(self.host.shard, self.feed_id, req, new)))
         return fut
 
+    def barrier(self) -> asyncio.Future[None]:
+        """A read barrier through the feed: done once this node applied what the leader had applied
+        after its own read barrier (an empty part asked for, answered in the feed's order)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        req = self._req()
+        self._adds[req] = ([], fut)
+        if self.feed_id is not None and self.started:
+            self.send(self.lead, rf.encode(rf.Add(self.host.shard, self.feed_id, req, [])))
+        return fut  # (not started: the start answers it; a new feed: asked again there)
+
     def remove(self, clients: list[str]) -> None:
         gone = [x for x in clients if x in self.clients]
         for x in gone:
@@ -116,6 +133,9 @@ class ShardReader:
         now = self.clock()
         if self.feed_id is None:
             if now - self.followed_at >= self.follow_retry_s:
+                if not self._hinted:
+                    self.lead = 0  # no start from the node asked: the next one in turn
+                self._hinted = False
                 self._follow(now)
         elif now - self.heard_at >= self.silence_s:
             log.info("shard %d: no word from node %d's feed for %.1f s: following anew", self.host.shard, self.lead,
@@ -156,6 +176,18 @@ class ShardReader:
                 fut.set_result(None)  # the log serves them from now on
         self._adds.clear()
 
+    def leave(self) -> None:
+        """This node left the group (its host dropped its copy: boot.Startup.leave_group): read it
+        through a feed again, from an empty state."""
+        self.member = False
+        self.started = False
+        self.feed_id = None
+        self.lead = 0
+        self.messages = {}
+        self.followed_at = -1e18
+        coverage.hit("reader_left_group")
+        self.on_reload(self.host)
+
     # -- messages from leaders --
     def on_message(self, peer: int, msg: rf.Msg) -> None:
         if self.member:
@@ -169,10 +201,15 @@ class ShardReader:
                 return  # about a feed we no longer read
             self.feed_id = None
             self.lead = msg.lead if msg.lead > 0 else 0
+            self._hinted = msg.lead > 0
             self.followed_at = -1e18 if msg.lead > 0 else self.clock()  # a hint: at once
             self.host.proposer_lead_changed()
         elif type(msg) is rf.Items:
             self._on_items(peer, msg)
+        elif type(msg) is rf.GroupInfo and peer == self.lead:
+            self.conf = ConfState.of(msg.voters, msg.learners)
+            self.lag = {tuple(m): n for m, n in msg.lag}  # type: ignore[misc]
+            self.info_at = self.clock()
 
     def _on_items(self, peer: int, msg: rf.Items) -> None:
         if peer != self.lead:
@@ -219,17 +256,13 @@ class ShardReader:
             self.started = True
             self.items_applied += 1
             asked = set(snap.clients)
-            missing = [x for x in self.clients if x not in asked]
             for req, (clients, fut) in list(self._adds.items()):
-                if all(x in asked for x in clients):
+                if all(x in asked for x in clients) and clients:
                     del self._adds[req]
                     if not fut.done():
                         fut.set_result(None)
-            if missing:  # asked for after the Follow went: added to this feed
-                req = self._req()
-                loop_fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                self._adds[req] = (missing, loop_fut)
-                self.send(self.lead, rf.encode(rf.Add(host.shard, self.feed_id or 0, req, missing)))
+                else:  # asked for after the Follow went (or a barrier): asked of this feed, in turn
+                    self.send(self.lead, rf.encode(rf.Add(host.shard, self.feed_id or 0, req, clients)))
             host.proposer.settle_after_install()
             self.on_reload(host)
             return

@@ -120,7 +120,18 @@ class NotLeader(msgspec.Struct, tag="n", array_like=True):
     lead: int
 
 
-Msg = Follow | Add | Remove | Ack | Items | NotLeader
+class GroupInfo(msgspec.Struct, tag="g", array_like=True):
+    """Leader -> reader, once per ``idle_s``: the group's configuration and each member's lag
+    behind the leader's log, which a node that is no member cannot learn from its own core (its
+    membership driver plans from them: membership_views.py)."""
+
+    shard: int
+    voters: list[tuple[int, str]]
+    learners: list[tuple[int, str]]
+    lag: list[tuple[tuple[int, str], int]]
+
+
+Msg = Follow | Add | Remove | Ack | Items | NotLeader | GroupInfo
 _enc = msgspec.msgpack.Encoder()
 _msg_dec = msgspec.msgpack.Decoder(Msg)  # type: ignore[arg-type]
 _item_dec = msgspec.msgpack.Decoder(Item)  # type: ignore[arg-type]
@@ -192,6 +203,7 @@ class Feed:
     last_send: float = 0.0
     last_ack: float = 0.0
     behind: bool = False  # entries were skipped since the last item: the next tick sends the figures
+    last_info: float = -1e18  # when the group's configuration was last sent (GroupInfo)
 
 
 class ReaderFeeds:
@@ -323,7 +335,17 @@ class ReaderFeeds:
             elif now - feed.last_send >= self.limits.idle_s:
                 feed.last_send = now
                 self.send(feed.node, encode(Items(self.host.shard, feed.feed_id, feed.next_seq, [])))
+            if now - feed.last_info >= self.limits.idle_s:
+                feed.last_info = now
+                self.send(feed.node, encode(self._info()))
             self.pump(feed)
+
+    def _info(self) -> GroupInfo:
+        raft = self.host.raft
+        conf = raft.active_conf_state
+        last = raft.log.last_index()
+        return GroupInfo(self.host.shard, list(conf.voters), list(conf.learners),
+                         [(m, last - pr.match) for m, pr in sorted(raft.progress.items())])
 
     def drop_all(self) -> None:
         for node in list(self.feeds):

@@ -47,9 +47,11 @@ class GroupRouter:
         host = self.node.groups[shard]
         if host.failed is not None or not self.node.serving:
             return  # not serving yet: the sender retransmits
-        reader = host.reader
-        if reader is not None and reader.active and m.type in _FROM_LEADER:
-            reader.become_member()  # added to the group: its log replaces the feed, from nothing
+        if m.type in _FROM_LEADER:
+            host.leader_heard_at = self.node.clock.monotonic()
+            reader = host.reader
+            if reader is not None and reader.active:
+                reader.become_member()  # added to the group: its log replaces the feed, from nothing
         try:
             host.raft.step(m)
         except InvariantViolation as exc:  # our core broke its own rule: this group stops, as for corruption
@@ -74,7 +76,7 @@ class GroupRouter:
         if not 0 <= msg.shard < len(self.node.hosts):
             return
         host = self.node.hosts[msg.shard]
-        if type(msg) in (rf.Items, rf.NotLeader):
+        if type(msg) in (rf.Items, rf.NotLeader, rf.GroupInfo):
             if host.reader is not None:
                 host.reader.on_message(peer, msg)  # type: ignore[arg-type]
         elif host.feeds is not None:

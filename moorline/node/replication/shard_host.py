@@ -54,6 +54,7 @@ from moorline.node.replication.snapshots import recorded_members as recorded_mem
 from moorline.node.replication.snapshots import records_from as records_from
 from moorline.node.sessions.recent import RecentMessages
 from moorline.raft import Entry, EntryType, HardState, MemoryStorage, Message, RaftNode, Ready
+from moorline.raft.types import ConfState
 from moorline.storage.msgstore import MessageStore, StoreCorruption
 from moorline.storage.snapshots import SnapshotStore
 from moorline.testing.faults import NO_FAULTS, Faults
@@ -131,6 +132,7 @@ class ShardHost:
         # (reader.py). None on a single node (and ``reader`` with shard.learners = "all").
         self.feeds: ReaderFeeds | None = None
         self.reader: ShardReader | None = None
+        self.leader_heard_at = 0.0  # (monotonic) the last append, heartbeat or snapshot from a leader
 
     @property
     def reads_remotely(self) -> bool:
@@ -138,10 +140,24 @@ class ShardHost:
         (the sessions and registrations of this node's clients only), or nothing yet."""
         return self.reader is not None and self.reader.active
 
+    def can_drop_copy(self) -> bool:
+        """Nothing of this replica is on its way to or from the WAL (no Ready handed to group
+        commit, no snapshot written or installed): its copy can be dropped (boot.leave_group)."""
+        return (self._rd is None and self.snaps.job is None and self.snaps.installing is None
+                and self.staged_install is None and self.installed is None)
+
     def node_member(self) -> bool:
         """Whether this node is in the group's configuration, as its own core knows it."""
         me = self.proposer.node_id
         return any(m[0] == me for m in self.raft.active_conf_state.members())
+
+    def group_conf(self) -> ConfState:
+        """The group's configuration as this node knows it: its own core's, or (no member of the
+        group) what the leader feeding it last told (reader.py); its core's until then."""
+        reader = self.reader
+        if reader is not None and reader.active and reader.conf is not None:
+            return reader.conf
+        return self.raft.active_conf_state
 
     @property
     def proposal_lead(self) -> Any:
@@ -467,7 +483,11 @@ class ShardHost:
         self.proposer.check_leader(force)
 
     def read_barrier(self) -> asyncio.Future[None]:
-        """``ReadBarriers.ask``: this replica as of the group's commit when asked."""
+        """``ReadBarriers.ask``: this replica as of the group's commit when asked (reading remotely:
+        the feed's, ``ShardReader.barrier``)."""
+        reader = self.reader
+        if reader is not None and reader.active:
+            return reader.barrier()
         return self.reads.ask()
 
     def _serve_reads(self, rd: Ready) -> None:

@@ -679,7 +679,7 @@ class World:
                 log_ = host.raft.log
                 self.recovered_logs.sample(sn.name, host.shard, log_.committed, log_.first_index(), log_.term_or_zero)
             for host in sn.node.hosts:
-                if host.failed is None:
+                if host.failed is None and not host.reads_remotely:
                     self.pins.sample(sn.name, host.shard, host.state)
 
     def check_counts(self) -> dict[str, int]:
@@ -701,8 +701,9 @@ class World:
     def world_findings(self) -> list[tuple[str, str]]:
         """The world-state checks' verdicts (world_checks.py), with every live replica's state
         restored from its own snapshot bytes."""
+        # (not a partial state a reader feed keeps: node/replication/reader.py; it equals no replica's)
         replicas = [(sn.name, h.shard, h.state) for sn in self.nodes if sn.node is not None and sn.ready
-                    for h in sn.node.groups if h.failed is None]
+                    for h in sn.node.groups if h.failed is None and not h.reads_remotely]
         return (self.promises.findings + self.durable.findings + self.recovered_logs.findings + self.barriers.findings
                 + self.canonical_findings
                 + self.pins.findings + canonical_state_findings(replicas))
@@ -716,7 +717,7 @@ class World:
             # their snapshot bytes they must equal what the node kept, derived indexes included.
             self.states_checked_at_crash += 1
             self.canonical_findings += canonical_state_findings(
-                [(sn.name, h.shard, h.state) for h in sn.node.groups if h.failed is None])
+                [(sn.name, h.shard, h.state) for h in sn.node.groups if h.failed is None and not h.reads_remotely])
         if sn.syncer is not None and sn.syncer.started > sn.syncer.completed:
             self.syncs_cut += 1
             self.note(f"{sn.name}: crashed while a WAL sync ran")
@@ -754,7 +755,9 @@ class World:
         live = [sn.node for sn in self.nodes if sn.ready and sn.node is not None]
         if not live:
             return False
-        return all(h.raft.lead is not None for node in live for h in node.groups)
+        # (a node that is no member of a group knows it once its reader feed started: reader.py)
+        return all(h.reader.started if h.reader is not None and h.reads_remotely else h.raft.lead is not None
+                   for node in live for h in node.groups)
 
     def close(self) -> None:
         for sn in self.nodes:
