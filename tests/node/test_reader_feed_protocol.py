@@ -85,7 +85,8 @@ def run(data: st.DataObject, skip_on_resend: bool) -> list[str]:
             shard=0, state=w.state, failed=None, installing=False, message=w.store.get,
             read_barrier=_done,
             raft=SimpleNamespace(is_leader=True, lead=(LEADER, "a"),
-                                 active_conf_state=ConfState.of(voters=[(LEADER, "a")])),
+                                 active_conf_state=ConfState.of(voters=[(LEADER, "a")]),
+                                 log=SimpleNamespace(last_index=lambda: w.state.applied_index), progress={}),
         )
         ids = iter(range(1, 1000))
         feeds = rf.ReaderFeeds(leader_host, net.sender(LEADER), lambda: now[0],  # type: ignore[arg-type]
@@ -120,6 +121,7 @@ def run(data: st.DataObject, skip_on_resend: bool) -> list[str]:
             net.deliver(feeds, reader, 1000)
             await asyncio.sleep(0)
         assert added.done(), "the clients were never served"
+        assert reader.conf == ConfState.of(voters=[(LEADER, "a")]), "the group's configuration never reached the reader"
         w.state.applied_index = index
         bad = [cid for cid in clients
                if ff.client_view(reader_host.state, cid, reader.messages.get)
