@@ -923,6 +923,7 @@ class MessageStore:
             os.close(seg.read_fd)
             seg.read_fd = None
         seg.path.unlink()
+        self._synced_sizes.pop(seg.path, None)  # a new file under this name starts from nothing
         if self._ledger is not None:
             self._ledger.forget(seg.path)
 
@@ -985,6 +986,8 @@ class MessageStore:
             seg.read_fd = None
         truncate_durably(seg.path, position)
         fsync_dir(self.directory)
+        if self._synced_sizes.get(seg.path, 0) > position:
+            self._synced_sizes[seg.path] = position  # what follows is written again, synced again
         if self._ledger is not None:
             self._ledger.record(seg.path, position)
         seg.size = position

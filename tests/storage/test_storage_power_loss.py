@@ -155,3 +155,41 @@ def test_the_power_loss_model_leaves_holes_before_surviving_pages(tmp_path: Path
             later = (hole // PAGE + 1) * PAGE
             assert any(got[q : q + PAGE] == written[q : min(q + PAGE, len(got))] for q in range(later, len(got), PAGE))
     assert made >= 10
+
+
+def test_a_store_cut_to_zero_and_written_again_records_its_new_files(tmp_path: Path) -> None:
+    """A store truncated to offset 0 (a node that dropped its copy of a shard writes a new one:
+    node/boot.py leave_group) writes segment files under the names its old ones had. Each must be
+    recorded in the ledger as it syncs again: found by sim --cluster --learners none seed 11 (the
+    store skipped recording a new file no longer than the old one's synced length, so a power cut
+    left a file the store's sync point said was whole: "invalid record before the sync point")."""
+    ledger_path = tmp_path / "ledger.jsonl"
+    ledger = SyncLedger(ledger_path)
+
+    def sync_as_a_snapshot_does(store: MessageStore) -> None:
+        job = store.begin_sync()
+        store.run_sync_job(job)
+        store.finish_sync(job)
+
+    store = MessageStore(tmp_path / "s", segment_bytes=4000, ledger=ledger)
+    store.open()
+    for i in range(73):
+        store.append_many([(i, b"x" * 100, None)])
+        if i % 10 == 0:
+            sync_as_a_snapshot_does(store)
+    sync_as_a_snapshot_does(store)
+    store.truncate_from(0)
+    for i in range(89):
+        store.append_many([(i, b"y" * 100, None)])
+        if i % 7 == 0:
+            sync_as_a_snapshot_does(store)
+    sync_as_a_snapshot_does(store)
+    store.close()
+    for name, length in read_ledger(ledger_path).items():  # power loss: each file to its synced length
+        if os.path.exists(name) and os.path.getsize(name) > length:
+            os.truncate(name, length)
+    again = MessageStore(tmp_path / "s", segment_bytes=4000, ledger=ledger)
+    again.open()
+    assert again.next_offset == 89
+    assert again.get(0) == b"y" * 100 and again.get(88) == b"y" * 100
+    again.close()
