@@ -107,6 +107,9 @@ class Startup:
             finished = recover_install(self.node.data_dir, shard, self.node.snapshots, self.node.wal, rec.groups.get(shard))
             if finished:
                 log.warning("shard %d: %s", shard, finished)
+            left = shard in rec.removed  # this node dropped its copy once (leave_group): only a
+            if left:  # snapshot marked after that is its own; the older ones (and stored messages) go
+                self._drop_stale_snapshots(shard, rec.groups.get(shard))
             loaded = self.node.snapshots.load_latest(shard)
             snap_index = snap_term = 0
             if loaded is not None:
@@ -146,6 +149,8 @@ class Startup:
             host.faults = self.node.faults
             if self.node.link is not None and not is_meta:
                 self._attach_reader_feeds(host, limits)
+                if left and host.reader is not None and not raft_log.last_index():
+                    host.reader.member = False  # left, and not added again since: read through a feed
             self.node.groups.append(host)
             if is_meta:
                 self.node.meta_host = host
@@ -328,13 +333,24 @@ class Startup:
                 node.lifecycle.session_record_set)
             host.reader.member = host.node_member()
 
+    def _drop_stale_snapshots(self, shard: int, grec: Any) -> None:
+        """The group's snapshot files from before this node dropped its copy (any but the one the
+        WAL marked since): void, and deleted now that the WAL's removal record is durable."""
+        keep = grec.snapshot_index if grec is not None else 0
+        for index, _, path in self.node.snapshots.list_snapshots(shard):
+            if index != keep or keep == 0:
+                path.unlink(missing_ok=True)
+
     def leave_group(self, host: ShardHost) -> None:
         """This node was removed from ``host``'s group and reads the shard through a reader feed
         from now on (shard.learners = "none"): its copy goes. The WAL forgets the group (its
         entries pin no segment once synced), the host gets an empty state and a core that is no
         member (so a later re-add starts from nothing, as for a new member), and once that record
-        is synced the group's snapshots and stored messages are deleted (a restart before then
-        recovers the old copy and leaves again)."""
+        is synced the group's snapshots are deleted (a restart before then recovers the old copy and
+        leaves again; one after it drops the stale snapshots and stored messages as it opens the
+        group). The stored messages stay until then, or until a new copy's first append cuts them
+        (``ShardHost.store_stale``) or an install replaces the store: the store is never cut under
+        a snapshot install."""
         node, reader = self.node, host.reader
         assert reader is not None
         conf = host.raft.active_conf_state
@@ -355,6 +371,7 @@ class Startup:
         limits = default_limits(node.cfg, node.faults.dedup_at_propose_only)
         host.state = ShardState(host.shard, host.state.topics.incarnation, limits, node.cfg.session.max_expiry_s)
         host.entries_since_snapshot = 0
+        host.store_stale = host.store.next_offset > 0
         reader.leave()
         node.commit.kick(host.shard)
         log.info("shard %d: this node was removed from the group: its copy goes, the shard is read from its leader",
@@ -365,7 +382,6 @@ class Startup:
                 await asyncio.sleep(0.05)
             if node.stopping.is_set() or not host.reads_remotely:
                 return
-            host.store.reset(0)
             for _, _, path in node.snapshots.list_snapshots(host.shard):
                 path.unlink(missing_ok=True)
 

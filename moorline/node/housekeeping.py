@@ -77,6 +77,7 @@ class Housekeeping:
                     # One shard's trouble (a failed will publish, a full proposal queue) must not
                     # stop retention and reclaim for every other shard: it is tried next round.
                     log.warning("shard %d: housekeeping deferred: %s", host.shard, exc)
+            self.node.follow_leader_interest()  # sessions the leader-side work above reads, followed
             self.node.ack_timeouts.run(now)  # members connected here holding messages past queue.ack_timeout_s
             self.node.share.prune_rr()
             self.reclaim()

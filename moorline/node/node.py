@@ -212,6 +212,27 @@ class Node:
             raise ShardUnavailable(f"the shards this node reads remotely did not serve {client_id!r} within "
                                    f"{limit:g} s (their leaders unreachable?)") from None
 
+    def follow_leader_interest(self) -> None:
+        """What a shard's leader derives from other shards' sessions ($share dispatch to members
+        connected anywhere, ended members' claims returned, follow-ups) needs their session records:
+        for the session shards this node reads remotely (reader.py), every client registered in a
+        shard it leads is followed (and no longer, once it is not; an unknown one is never judged)."""
+        readers = {h.shard: h for h in self.hosts if h.reader is not None and h.reader.active}
+        if not readers:
+            return
+        want: dict[int, set[str]] = {shard: set() for shard in readers}
+        for host in self.hosts:
+            if host.failed is not None or not host.raft.is_leader:
+                continue
+            for reg in host.state.topics.regs.values():
+                for cid in (reg.members if reg.share_group is not None else (reg.client_id,)):
+                    ss = self.session_shard(cid)
+                    if ss in want:
+                        want[ss].add(cid)
+        for shard, h in readers.items():
+            assert h.reader is not None
+            h.reader.want(want[shard])
+
     def unfollow_client(self, client_id: str) -> None:
         """This node serves ``client_id`` no more: the shards it reads remotely stop feeding it
         (what each feed holds is bounded by the clients this node serves)."""

@@ -216,6 +216,9 @@ class WalRecovery:
     torn_tail_truncated: list[tuple[Path, int]]
     torn_tails: list[TornTail] = field(default_factory=list)  # the same cuts, with batch and counts
     next_batch: int = 1  # the batch the records written from now on carry
+    # Groups whose copy was abandoned (``remove_group``) in the segments still kept: a snapshot
+    # file of one is valid only if a mark written after that says so (the copy before it is void).
+    removed: set[int] = field(default_factory=set)
 
 
 def _frame_header(rtype: int, group: int, seg: int, pos: int, batch: int, batch_start: int, body: bytes) -> bytes:
@@ -478,6 +481,7 @@ class WriteAheadLog:
                 raise WalCorruption(path, 0, f"segments {a + 1}..{b - 1} are missing")
 
         groups: dict[int, _RecoveringGroup] = {}
+        self._removed_seen: set[int] = set()
         corrupted: list[CorruptionReport] = []
         torn: list[TornTail] = []
         kept: list[int] = []
@@ -536,7 +540,8 @@ class WriteAheadLog:
         self._batch = self._max_batch + 1
         with self._lock:
             self._start_segment_locked()
-        return WalRecovery(result, corrupted, [(t.path, t.offset) for t in torn], torn, self._batch)
+        return WalRecovery(result, corrupted, [(t.path, t.offset) for t in torn], torn, self._batch,
+                           set(self._removed_seen))
 
     def _finish_group(
         self,
@@ -599,6 +604,7 @@ class WriteAheadLog:
                 p = end
                 continue
             if status == _OK and rtype == T_REMOVE:
+                self._removed_seen.add(group)
                 groups.pop(group, None)
                 corrupted[:] = [c for c in corrupted if c.group != group]
                 for tops in self._seg_max.values():

@@ -79,6 +79,10 @@ class FakeHost:
     raft: FakeRaft
     state: Any = None
     failed: str | None = None
+    reader: Any = None  # a member's replica (no reader feed: node/replication/reader.py)
+
+    def group_conf(self) -> Any:
+        return self.raft.active_conf_state
 
 
 class FakeTransport:

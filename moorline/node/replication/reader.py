@@ -59,7 +59,11 @@ class ShardReader:
         self.on_session = on_session  # (host, client id, session record or None) set by the leader
         self.silence_s = silence_s
         self.follow_retry_s = follow_retry_s
-        self.clients: dict[str, None] = {}
+        self.clients: dict[str, None] = {}  # what the feed carries: served and wanted
+        self.served: dict[str, None] = {}  # clients connected (or connecting) here
+        self.interest: dict[str, None] = {}  # clients whose sessions leader-side work here reads
+        self.known: set[str] = set()  # clients whose part is applied here
+        self._waiters: list[tuple[set[str], asyncio.Future[None]]] = []
         self.messages: dict[int, StoredMessage] = {}
         self.lead = 0  # the node feeding us (0: none yet)
         self.feed_id: int | None = None
@@ -70,7 +74,8 @@ class ShardReader:
         self._try = 0
         self._hinted = False  # ``lead`` is a NotLeader's hint: asked next, not skipped
         self._next_req = 0
-        self._adds: dict[int, tuple[list[str], asyncio.Future[None]]] = {}
+        # Requests of the feed not answered yet: req -> (clients, the barrier's future or None).
+        self._adds: dict[int, tuple[list[str], asyncio.Future[None] | None]] = {}
         self.member = False  # this node joined the group: the log itself replaces the feed
         self.items_applied = 0
         self.restarts = 0
@@ -88,19 +93,47 @@ class ShardReader:
     def add(self, clients: list[str]) -> asyncio.Future[None]:
         """Serve ``clients`` from this shard too: done when their part is applied here."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.served.update(dict.fromkeys(clients))
+        self._ask(clients)
+        self._waiters.append((set(clients), fut))
+        self._wake()
+        return fut
+
+    def want(self, clients: set[str]) -> None:
+        """The clients whose sessions this node's leader-side work reads (their session records, for
+        the shards it leads: $share dispatch, ended members' claims, follow-ups): followed too,
+        and only they beside the served ones."""
+        gone = [x for x in self.interest if x not in clients and x not in self.served]
+        self.interest = dict.fromkeys(sorted(clients))
+        self._ask(list(self.interest))
+        self._drop(gone)
+
+    def knows(self, client_id: str) -> bool:
+        """Whether this partial state holds ``client_id``'s part (its session record, if any)."""
+        return self.started and client_id in self.known
+
+    def _ask(self, clients: list[str]) -> None:
         new = [x for x in clients if x not in self.clients]
         if not new:
-            if self.started:
-                fut.set_result(None)
-            else:
-                self._adds[self._req()] = ([], fut)  # answered by the start
-            return fut
+            return
         self.clients.update(dict.fromkeys(new))
         req = self._req()
-        self._adds[req] = (new, fut)
+        self._adds[req] = (new, None)
         if self.feed_id is not None and self.started:
             self.send(self.lead, rf.encode(rf.Add(self.host.shard, self.feed_id, req, new)))
-        return fut
+
+    def _wake(self) -> None:
+        if not self.started or not self._waiters:
+            return
+        still = []
+        for want, fut in self._waiters:
+            if fut.done():
+                continue
+            if want <= self.known:
+                fut.set_result(None)
+            else:
+                still.append((want, fut))
+        self._waiters = still
 
     def barrier(self) -> asyncio.Future[None]:
         """A read barrier through the feed: done once this node applied what the leader had applied
@@ -110,12 +143,19 @@ class ShardReader:
         self._adds[req] = ([], fut)
         if self.feed_id is not None and self.started:
             self.send(self.lead, rf.encode(rf.Add(self.host.shard, self.feed_id, req, [])))
-        return fut  # (not started: the start answers it; a new feed: asked again there)
+        return fut  # (not started: asked of the feed once it starts)
 
     def remove(self, clients: list[str]) -> None:
+        """This node serves ``clients`` no more."""
+        for x in clients:
+            self.served.pop(x, None)
+        self._drop([x for x in clients if x not in self.interest])
+
+    def _drop(self, clients: list[str]) -> None:
         gone = [x for x in clients if x in self.clients]
         for x in gone:
             del self.clients[x]
+            self.known.discard(x)
         if gone and self.feed_id is not None:
             self.send(self.lead, rf.encode(rf.Remove(self.host.shard, self.feed_id, gone)))
 
@@ -172,9 +212,13 @@ class ShardReader:
             self.messages = {}
             self.on_reload(host)
         for _, fut in self._adds.values():
-            if not fut.done():
+            if fut is not None and not fut.done():
                 fut.set_result(None)  # the log serves them from now on
         self._adds.clear()
+        for _, fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._waiters = []
 
     def leave(self) -> None:
         """This node left the group (its host dropped its copy: boot.Startup.leave_group): read it
@@ -184,6 +228,7 @@ class ShardReader:
         self.feed_id = None
         self.lead = 0
         self.messages = {}
+        self.known = set()
         self.followed_at = -1e18
         coverage.hit("reader_left_group")
         self.on_reload(self.host)
@@ -256,13 +301,18 @@ class ShardReader:
             self.started = True
             self.items_applied += 1
             asked = set(snap.clients)
-            for req, (clients, fut) in list(self._adds.items()):
-                if all(x in asked for x in clients) and clients:
+            self.known = set(asked)
+            for req, (clients, _) in list(self._adds.items()):
+                if clients and all(x in asked for x in clients):
                     del self._adds[req]
-                    if not fut.done():
-                        fut.set_result(None)
                 else:  # asked for after the Follow went (or a barrier): asked of this feed, in turn
                     self.send(self.lead, rf.encode(rf.Add(host.shard, self.feed_id or 0, req, clients)))
+            missing = [x for x in self.clients if x not in asked and not any(x in a for a, _ in self._adds.values())]
+            if missing:  # (asked of the feed before, and lost with it)
+                req = self._req()
+                self._adds[req] = (missing, None)
+                self.send(self.lead, rf.encode(rf.Add(host.shard, self.feed_id or 0, req, missing)))
+            self._wake()
             host.proposer.settle_after_install()
             self.on_reload(host)
             return
@@ -278,9 +328,11 @@ class ShardReader:
             coverage.hit("reader_part_merged")
             self._keep(fx)
             self.items_applied += 1
+            self.known.update(x for x in part.clients if x in self.clients)
             added = self._adds.pop(item.req, None)
-            if added is not None and not added[1].done():
+            if added is not None and added[1] is not None and not added[1].done():
                 added[1].set_result(None)
+            self._wake()
             self.on_reload(host)
             return
         entry = item.entry

@@ -133,12 +133,21 @@ class ShardHost:
         self.feeds: ReaderFeeds | None = None
         self.reader: ShardReader | None = None
         self.leader_heard_at = 0.0  # (monotonic) the last append, heartbeat or snapshot from a leader
+        # This node dropped its copy of the group (boot.leave_group): its store still holds the old
+        # copy's messages, cut away before the new copy's first append (an install replaces it).
+        self.store_stale = False
 
     @property
     def reads_remotely(self) -> bool:
         """This node is no member of the group: ``state`` is a partial one its leader feeds
         (the sessions and registrations of this node's clients only), or nothing yet."""
         return self.reader is not None and self.reader.active
+
+    def knows_session(self, client_id: str) -> bool:
+        """Whether this replica can tell ``client_id``'s session record (None included) as the
+        shard has it: a member's replica always; a partial state only for the clients it follows."""
+        reader = self.reader
+        return reader is None or not reader.active or reader.knows(client_id)
 
     def can_drop_copy(self) -> bool:
         """Nothing of this replica is on its way to or from the WAL (no Ready handed to group
@@ -389,6 +398,9 @@ class ShardHost:
         store = self.store
         recent = self.recent
         if fx.appends:
+            if self.store_stale:
+                self.store_stale = False
+                store.truncate_from(fx.appends[0][0])  # the copy dropped before: its messages go
             store.append_many(fx.appends)
             if recent is not None:
                 recent.put_many(self.shard, fx.appends)

@@ -423,6 +423,7 @@ class ShardSnapshots:
             staged.store.close()  # (the install reached COMMIT: a restart finishes it)
             return
         host.store = staged.store
+        host.store_stale = False  # (a copy dropped before: its old store went with the install)
         host.store.on_corruption = host.store_damaged
         old_state, host.state = host.state, staged.state
         host.raft_log.apply_snapshot(snap)

@@ -86,9 +86,9 @@ class FollowUps:
     def _session(self, client_id: str) -> tuple[ShardHost, Session | None] | None:
         """The session's shard replica and the session in it; None when that shard failed."""
         shost = self.node.hosts[self.node.session_shard(client_id)]
-        if shost.failed is not None or shost.reads_remotely:
-            # Failed, or a partial state fed by another node's replica (reader.py): it holds the
-            # sessions of this node's clients only, so it cannot tell a ghost from another's session.
+        if shost.failed is not None or not shost.knows_session(client_id):
+            # Failed, or a partial state fed by another node's replica (reader.py) that does not
+            # follow this client (yet): it cannot tell a ghost from another node's session.
             return None
         return shost, shost.state.sessions.sessions.get(client_id)
 

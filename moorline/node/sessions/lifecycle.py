@@ -432,8 +432,10 @@ class SessionLifecycle:
                 await self.session_housekeeping(live.shard)
         finally:
             cid = live.client_id
-            if cid not in self.node.live and not any(key[0] == cid for key in self._opening):
-                self.node.unfollow_client(cid)  # served here no more: the remote shards stop feeding it
+            # Served here no more (no connection of it here, not even one being set up: a CONNECT
+            # registers its connection before it opens the session): remote shards stop feeding it.
+            if cid not in self.node.live and cid not in self.node.connections:
+                self.node.unfollow_client(cid)
 
     async def session_housekeeping(self, shard: int) -> None:
         fut = self.node.propose(shard, c.SessionHousekeeping(self.node.now_ms()))

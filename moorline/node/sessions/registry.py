@@ -86,5 +86,8 @@ class SessionRegistry:
             return True
         if self.node.link is None:
             return False
-        sess = session_of(self.node.hosts[self.node.session_shard(client_id)].state.sessions, client_id)
+        shost = self.node.hosts[self.node.session_shard(client_id)]
+        if not shost.knows_session(client_id):
+            return False  # not followed here yet (reader.py): offered nothing until it is
+        sess = session_of(shost.state.sessions, client_id)
         return sess is not None and sess.connected and same_incarnation(sess.incarnation, inc)

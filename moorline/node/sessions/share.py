@@ -311,8 +311,8 @@ class ShareDispatch:
         if inc < 0:
             return False  # LEGACY_INC: any incarnation
         shost = self.node.hosts[self.node.session_shard(client_id)]
-        if shost.failed is not None:
-            return False
+        if shost.failed is not None or not shost.knows_session(client_id):
+            return False  # (a partial state that does not follow the client cannot tell)
         sessions = shost.state.sessions
         if sessions.incarnations < inc:
             return False  # the replica has not applied that incarnation's open yet

@@ -666,6 +666,22 @@ class World:
                 watch_barriers(self.barriers, sn.name, host)
 
         node.open_groups = watched  # type: ignore[method-assign]
+        leave_group = node.startup.leave_group
+
+        def left(host: Any) -> None:
+            # A copy dropped (shard.learners = "none") must be one its group no longer counts on:
+            # no live leader of the group has this member in its applied configuration.
+            me = tuple(node.member)
+            for other in self.nodes:
+                oh = other.node.groups[host.shard] if other.node is not None and not other.crashed else None
+                if oh is not None and oh.raft.is_leader and me in oh.raft.conf_state.members():
+                    self.canonical_findings.append((
+                        "copy_dropped_while_member", f"{sn.name} group {host.shard}: dropped its copy while "
+                        f"{other.name}, leading in term {oh.raft.term}, counts it as a member"))
+            self.promises.on_left(sn.name, host.shard)
+            leave_group(host)
+
+        node.startup.leave_group = left  # type: ignore[method-assign]
 
     def sample_commits(self) -> None:
         """Record what every live replica committed since the last sample (RecoveredLogCheck), and

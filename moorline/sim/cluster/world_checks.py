@@ -92,6 +92,11 @@ class PromiseLedger:
             self.findings.append(("promise_broken", f"{node} group {group}: voted for {prev} and then "
                                   f"for {candidate} in term {term}"))
 
+    def on_left(self, node: str, group: int) -> None:
+        """``node`` dropped its copy of ``group``, removed from it (node/boot.py leave_group): the
+        entries it acknowledged are no longer promised (its term and vote still are)."""
+        self.acked.pop((node, group), None)
+
     def on_recovered(self, node: str, group: int, term: int, vote: Any, snapshot_index: int, last_index: int,
                      term_at: Callable[[int], int | None]) -> None:
         """``node`` restarted: its replica of ``group`` recovered this hard state and log."""
