@@ -372,7 +372,7 @@ class Startup:
         host.state = ShardState(host.shard, host.state.topics.incarnation, limits, node.cfg.session.max_expiry_s)
         host.entries_since_snapshot = 0
         host.store_stale = host.store.next_offset > 0
-        reader.leave()
+        reader.leave(sorted({*node.connections, *node.live}))
         node.commit.kick(host.shard)
         log.info("shard %d: this node was removed from the group: its copy goes, the shard is read from its leader",
                  host.shard)

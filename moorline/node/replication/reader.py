@@ -220,9 +220,12 @@ class ShardReader:
                 fut.set_result(None)
         self._waiters = []
 
-    def leave(self) -> None:
+    def leave(self, served: list[str]) -> None:
         """This node left the group (its host dropped its copy: boot.Startup.leave_group): read it
-        through a feed again, from an empty state."""
+        through a feed again, from an empty state, for ``served`` (every client connected here:
+        while a member it followed nobody)."""
+        self.served.update(dict.fromkeys(served))
+        self.clients.update(dict.fromkeys(served))
         self.member = False
         self.started = False
         self.feed_id = None
