@@ -477,9 +477,25 @@ class MembershipPlan:
             if sn.node is None or m is None or m.state != "active" or sn.name in w.forgotten:
                 continue
             me = (int(sn.node.member[0]), str(sn.node.member[1]))
-            missing = [g for g, conf in sorted(confs.items()) if me not in conf.voters and me not in conf.learners]
+            voters_only = w.cfg.learners == "none"
+            missing = []
+            for g, conf in sorted(confs.items()):
+                if me in conf.voters or me in conf.learners:
+                    continue
+                host = sn.node.groups[g]
+                if voters_only and g < len(table.targets):
+                    # shard.learners = "none": a node no member of a shard reads it through a feed
+                    # from its leader (node/replication/reader.py), which must have started.
+                    if host.reader is not None and host.reader.active and host.reader.started:
+                        continue
+                missing.append(g)
             if missing:
-                out.append(f"{sn.name} (member {me[0]}) follows no replica of group(s) {missing}")
+                out.append(f"{sn.name} (member {me[0]}) follows no replica of group(s) {missing}"
+                           + (" and reads none through a feed" if voters_only else ""))
+        if w.cfg.learners == "none":
+            for g, conf in sorted(confs.items()):
+                if g < len(table.targets) and conf.learners:
+                    out.append(f"shard {g} keeps learner(s) {list(conf.learners)} (shard.learners = none)")
         return out
 
 

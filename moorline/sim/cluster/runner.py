@@ -104,6 +104,7 @@ class SeedResult:
     timed_sync: bool = False
     aimed_crashes: bool = False
     joins: bool = False  # joins and replacements were in the mix (RunConfig.joins_on)
+    learners: str = "all"  # shard.learners of every node (--learners)
 
     @property
     def ok(self) -> bool:
@@ -115,6 +116,7 @@ class SeedResult:
         sw += ("" if self.timed_sync else " --no-timed-sync") + ("" if self.aimed_crashes else " --no-aimed-crashes")
         if self.draw_config and self.timed_sync and self.aimed_crashes and not self.joins:
             sw += " --no-joins"
+        sw += "" if self.learners == "all" else f" --learners {self.learners}"
         return f"moorline sim --cluster --nodes {self.nodes} --seed {self.seed}{sw} --trace seed-{self.seed}.trace"
 
 
@@ -559,7 +561,7 @@ def run_seed(seed: int, nodes: int = 3, switches: frozenset[str] = frozenset(), 
                         time.perf_counter() - started, world.scheduler.steps, digest.hexdigest()[:16],
                         {**plan.counts, "records": len(records)}, list(world.events), cfg.bitflips,
                         tuning.differences(), cfg.draw_config, coverage.snapshot(), cfg.timed_sync,
-                        cfg.aimed_crashes, cfg.joins_on)
+                        cfg.aimed_crashes, cfg.joins_on, cfg.learners)
     if trace is not None:
         write_trace(trace, result, records)
     return result
