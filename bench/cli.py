@@ -26,6 +26,8 @@ def bench(
                                       "NATS JetStream R3, RabbitMQ quorum queue of 3) instead of single nodes"),
     scale: bool = typer.Option(False, "--scale", help="moorline's W1 on 1, 3 and 5 nodes (3 replicas): summed "
                                "CPU-s/10k, each node's share, and the 5-node / 3-node ratio (issue 32)"),
+    learners: str = typer.Option("all", "--learners", help="shard.learners of moorline's clusters: all (every "
+                                 "node keeps every shard) or none (a shard on its replicas only)"),
     workloads: str | None = typer.Option(None, "--workloads", help="with --cluster: a subset of w1,w2,saturation "
                                          "(default all; saturation, the lean load generator's pairs spread over "
                                          "the nodes, at 3 nodes only, moorline and NATS)"),
@@ -39,6 +41,9 @@ def bench(
     console = Console()
     if not console.is_terminal:
         console = Console(width=140)  # keep the tables readable in logs
+    if learners not in ("all", "none"):
+        raise typer.BadParameter(f"--learners must be all or none, not {learners!r}")
+    cluster.MOORLINE_LEARNERS[0] = learners
     if cluster_nodes and cluster_nodes not in CLUSTER_SIZES:
         raise typer.BadParameter(f"--cluster must be one of {CLUSTER_SIZES}, not {cluster_nodes}")
     if workloads is not None and not cluster_nodes:

@@ -492,25 +492,32 @@ class RunningMoorlineCluster(RunningCluster):
         self.notes["topic_shard_term_at_end"] = entry.get("term")
 
 
+# shard.learners of the moorline clusters a run starts (``python -m bench --learners``): "all" (every node
+# keeps every shard) or "none" (a shard on its replicas only; the other nodes read it through reader feeds).
+MOORLINE_LEARNERS = ["all"]
+
+
 class MoorlineCluster(Broker):
     """``python -m moorline run`` once per node, each a member of one static cluster (--initial-cluster), with
     ``shard.replicas = 3`` in a config file of the run."""
 
     name = "moorline"
 
-    def __init__(self, nodes: int = 3, replicas: int = CLUSTER_REPLICAS) -> None:
+    def __init__(self, nodes: int = 3, replicas: int = CLUSTER_REPLICAS, learners: str | None = None) -> None:
         self.nodes = nodes
         self.replicas = replicas
+        self.learners = learners or MOORLINE_LEARNERS[0]
         self.single = Moorline()
 
     def config_text(self) -> str:
-        return f"[shard]\nreplicas = {self.replicas}\n"
+        return f"[shard]\nreplicas = {self.replicas}\nlearners = \"{self.learners}\"\n"
 
     def prepare(self, log: Log) -> str:
         why = hosts_bindable(self.nodes)
         if why is not None:
             raise BrokerUnavailable(f"the nodes' cluster addresses are not usable here: {why}")
-        return f"{self.single.prepare(log)}, {self.nodes} nodes, shard.replicas = {self.replicas}"
+        return (f"{self.single.prepare(log)}, {self.nodes} nodes, shard.replicas = {self.replicas}, "
+                f"shard.learners = {self.learners}")
 
     def start(self, workdir: Path, env: Mapping[str, str] | None = None) -> RunningBroker:
         names = [f"n{i + 1}" for i in range(self.nodes)]

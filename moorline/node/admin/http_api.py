@@ -273,6 +273,12 @@ def make_app(node: Node, authorizer: Authorizer, auth_required: bool, drain: Dra
         t = host.state.topics
         if host.failed:
             return _err(503, host.failed)
+        if host.reads_remotely:
+            # shard.learners = "none": this node keeps only its own clients' part of the shard
+            # (node/replication/reader.py); a scan of it here would silently miss messages.
+            replicas = [node.node_name(v[0]) for v in host.group_conf().voters]
+            return _err(503, f"this node holds no replica of shard {shard}: fetch it from one of its "
+                             f"replicas ({', '.join(replicas)})", replicas=replicas)
         inc = req.query.get("incarnation")
         if inc is not None and inc != t.incarnation:
             return _err(409, "shard incarnation changed", incarnation=t.incarnation)
