@@ -358,6 +358,16 @@ class ClusterConfig:
     # "Leases and clocks"): a node whose clock is not within this of a majority of the cluster (measured
     # over the cluster link) refuses new sessions and leads nothing. At most half the lease margin.
     max_clock_offset_ms: float = 500.0
+    # Reader feeds (shard.learners = "none"): a shard's leader sends each node that holds no replica
+    # of it the shard's entries cut to that node's clients, at most feed_max_items items (and
+    # feed_max_bytes) unacknowledged, again from after the acknowledged one after feed_resend_s of
+    # silence, and a sign of life every feed_heartbeat_s; a node whose feed is silent for
+    # feed_silence_s follows the shard's next leader.
+    feed_max_items: int = 256
+    feed_max_bytes: int = 8 << 20
+    feed_resend_s: float = 1.0
+    feed_heartbeat_s: float = 0.5
+    feed_silence_s: float = 2.0
 
 
 @dataclass
@@ -575,6 +585,11 @@ class NodeConfig:
         if not (cl.reconcile_interval_s > 0 and cl.reconcile_after_event_s >= 0 and cl.move_timeout_s > 0):
             raise ConfigError("cluster.reconcile_interval_s and cluster.move_timeout_s must be positive, "
                               "cluster.reconcile_after_event_s 0 or more")
+        if cl.feed_max_items < 1 or cl.feed_max_bytes < 1 << 16:
+            raise ConfigError("cluster.feed_max_items must be 1 or more, cluster.feed_max_bytes 65536 or more")
+        if not 0 < cl.feed_heartbeat_s < cl.feed_silence_s or not cl.feed_resend_s > 0:
+            raise ConfigError("cluster.feed_resend_s must be positive, and cluster.feed_heartbeat_s positive and "
+                              "below cluster.feed_silence_s")
         if cl.max_concurrent_moves < 1 or cl.promote_lag_entries < 0 or cl.auto_remove_after_s < 0:
             raise ConfigError("cluster.max_concurrent_moves must be 1 or more, cluster.promote_lag_entries and "
                               "cluster.auto_remove_after_s 0 or more")

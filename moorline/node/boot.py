@@ -324,13 +324,15 @@ class Startup:
         node, link = self.node, self.node.link
         assert link is not None
         clock = node.clock.monotonic
-        host.feeds = ReaderFeeds(host, link.send_reader, clock, FeedLimits(), node.next_feed_id)
+        cl = node.cfg.cluster
+        limits_of_feeds = FeedLimits(cl.feed_max_items, cl.feed_max_bytes, cl.feed_resend_s, cl.feed_heartbeat_s)
+        host.feeds = ReaderFeeds(host, link.send_reader, clock, limits_of_feeds, node.next_feed_id)
         host.feeds.skip_on_resend = node.faults.stream_resume_skips_one
         if getattr(node.cfg.shard, "learners", "all") == "none":
             host.reader = ShardReader(
                 host, node.member[0], link.node_ids, link.send_reader, clock, limits,
                 node.cfg.session.max_expiry_s, node.housekeeping.snapshot_installed,
-                node.lifecycle.session_record_set)
+                node.lifecycle.session_record_set, silence_s=cl.feed_silence_s)
             host.reader.member = host.node_member()
 
     def _drop_stale_snapshots(self, shard: int, grec: Any) -> None:

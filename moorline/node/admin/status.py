@@ -25,8 +25,11 @@ class NodeStatus:
         ``shard`` may be ``meta_group``, the metadata group."""
         host = self.node.groups[shard]
         raft = host.raft
-        conf = raft.active_conf_state
+        conf = host.group_conf()
         lead = raft.lead
+        reader = host.reader if host.reads_remotely else None
+        if reader is not None:  # no member: the leader feeding this node, once its feed started
+            lead = (reader.lead, "") if reader.started and reader.lead else None
         replicas = {self.node.node_name(m[0]): {"match": (raft.progress[m].match if raft.is_leader and m in raft.progress
                                                      else None)} for m in conf.members()}
         # (this node may be in no configuration of the group: removed from it, or not added yet)
@@ -40,6 +43,7 @@ class NodeStatus:
             "commit": raft.log.committed,
             "applied_index": host.state.applied_index,
             "replicas": replicas,
+            "reads_remotely": reader is not None,  # shard.learners = "none": no replica here, a feed
         }
 
     def cluster_status(self) -> dict[str, Any]:

@@ -316,6 +316,10 @@ class ShardReader:
                 self._adds[req] = (missing, None)
                 self.send(self.lead, rf.encode(rf.Add(host.shard, self.feed_id or 0, req, missing)))
             self._wake()
+            for boot, seq, res in item.results:  # answered by the shard before this feed: answered now
+                own = host.proposer.take_own_seq(boot, seq)
+                if own is not None:
+                    _resolve(own.futures, [rf.result_in(r, cmd) for r, cmd in zip(res, own.commands, strict=False)])
             host.proposer.settle_after_install()
             self.on_reload(host)
             return

@@ -55,6 +55,9 @@ PAYLOAD_KIND = "rd"
 class StartItem(msgspec.Struct, tag="st", array_like=True):
     snap: PartialSnapshot
     proposals: tuple[int, int] | None  # the shard's admission record of the reader's node
+    # The results of the reader's latest proposals the shard applied (boot, seq, each result
+    # encoded): a feed that starts after a leader change still answers the ones the old one did not.
+    results: list[tuple[int, int, list[bytes]]] = []
 
 
 class EntryItem(msgspec.Struct, tag="en", array_like=True):
@@ -219,6 +222,16 @@ class ReaderFeeds:
         self.next_feed_id = next_feed_id
         self.feeds: dict[int, Feed] = {}
         self.skip_on_resend = False  # Faults.stream_resume_skips_one: a deliberately broken build
+        # Kept on every replica (any may lead next): per node that is no member of the group, the
+        # encoded results of its latest proposals, at most ``keep_results_of`` of them.
+        self.results: dict[int, dict[tuple[int, int], list[bytes]]] = {}
+        self.keep_results_of = 256
+
+    def keep_results(self, head: c.EntryHead, results: list[Any]) -> None:
+        kept = self.results.setdefault(head.origin, {})
+        kept[(head.boot, head.seq)] = [result_out(r) for r in results]
+        while len(kept) > self.keep_results_of:
+            del kept[next(iter(kept))]
 
     # -- requests from readers --
     def on_follow(self, node: int, msg: Follow) -> None:
@@ -246,7 +259,9 @@ class ReaderFeeds:
         feed = Feed(node, self.next_feed_id(), flt, deque())
         feed.last_ack = self.clock()
         self.feeds[node] = feed
-        self._queue(feed, StartItem(snap, host.state.proposals.get(node)))
+        kept = self.results.get(node, {})
+        self._queue(feed, StartItem(snap, host.state.proposals.get(node),
+                                    [(boot, seq, res) for (boot, seq), res in kept.items()]))
         self.pump(feed)
 
     def on_add(self, node: int, msg: Add) -> None:
@@ -313,7 +328,9 @@ class ReaderFeeds:
             item = EntryItem(entry)
             if own:
                 assert head is not None
-                item = EntryItem(entry, head.boot, head.seq, [result_out(r) for r in results])
+                res = self.results.get(head.origin, {}).get((head.boot, head.seq))
+                item = EntryItem(entry, head.boot, head.seq,
+                                 res if res is not None else [result_out(r) for r in results])
             self._queue(feed, item)
             self.pump(feed)
 

@@ -136,6 +136,7 @@ class ShardHost:
         # This node dropped its copy of the group (boot.leave_group): its store still holds the old
         # copy's messages, cut away before the new copy's first append (an install replaces it).
         self.store_stale = False
+        self._members_of: tuple[Any, frozenset[int]] = (None, frozenset())  # (conf, its node ids), cached
 
     @property
     def reads_remotely(self) -> bool:
@@ -148,6 +149,12 @@ class ShardHost:
         shard has it: a member's replica always; a partial state only for the clients it follows."""
         reader = self.reader
         return reader is None or not reader.active or reader.knows(client_id)
+
+    def _origin_is_member(self, node_id: int) -> bool:
+        conf = self.raft.active_conf_state
+        if conf is not self._members_of[0]:
+            self._members_of = (conf, frozenset(m[0] for m in conf.members()))
+        return node_id in self._members_of[1]
 
     def can_drop_copy(self) -> bool:
         """Nothing of this replica is on its way to or from the WAL (no Ready handed to group
@@ -414,8 +421,11 @@ class ShardHost:
             if recent is not None:
                 recent.drop(self.shard, fx.releases)
         feeds = self.feeds
-        if feeds is not None and feeds.feeds:
-            feeds.on_applied(index, head, cmds, results, fx)
+        if feeds is not None:
+            if head is not None and head.origin != self.proposer.node_id and not self._origin_is_member(head.origin):
+                feeds.keep_results(head, results)  # a reader's proposal: its results outlive a leader change
+            if feeds.feeds:
+                feeds.on_applied(index, head, cmds, results, fx)
         self.hooks.on_results(self, cmds, results)
         self.hooks.on_effects(self, fx)
         self.entries_since_snapshot += 1
