@@ -672,12 +672,14 @@ class World:
             # A copy dropped (shard.learners = "none") must be one its group no longer counts on:
             # no live leader of the group has this member in its applied configuration.
             me = tuple(node.member)
-            for other in self.nodes:
-                oh = other.node.groups[host.shard] if other.node is not None and not other.crashed else None
-                if oh is not None and oh.raft.is_leader and me in oh.raft.conf_state.members():
+            leading = [(o.name, o.node.groups[host.shard]) for o in self.nodes
+                       if o.node is not None and not o.crashed and o.node.groups[host.shard].raft.is_leader]
+            newest = max((oh.raft.term for _, oh in leading), default=0)  # (a deposed leader may not know yet)
+            for name, oh in leading:
+                if oh.raft.term == newest and me in oh.raft.conf_state.members():
                     self.canonical_findings.append((
                         "copy_dropped_while_member", f"{sn.name} group {host.shard}: dropped its copy while "
-                        f"{other.name}, leading in term {oh.raft.term}, counts it as a member"))
+                        f"{name}, leading in term {oh.raft.term}, counts it as a member"))
             self.promises.on_left(sn.name, host.shard)
             leave_group(host)
 
