@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("moorline.reader")
 
+# An ask of the feed (a client's part, a barrier) unanswered for this many silence periods makes
+# the reader follow anew (the leader answers them in the feed's order, well within one).
+ADD_TIMEOUT_FACTOR = 2
+
 
 class ShardReader:
     def __init__(self, host: ShardHost, me: int, nodes: Callable[[], list[int]], send: Callable[[int, bytes], None],
@@ -72,6 +76,7 @@ class ShardReader:
         self.followed_at = -1e18
         self.heard_at = 0.0
         self._try = 0
+        self._asked_at = 0.0
         self._hinted = False  # ``lead`` is a NotLeader's hint: asked next, not skipped
         self._next_req = 0
         # Requests of the feed not answered yet: req -> (clients, the barrier's future or None).
@@ -160,6 +165,8 @@ class ShardReader:
             self.send(self.lead, rf.encode(rf.Remove(self.host.shard, self.feed_id, gone)))
 
     def _req(self) -> int:
+        if not self._adds:
+            self._asked_at = self.clock()  # the oldest unanswered ask's time (reset as asks are answered)
         self._next_req += 1
         return self._next_req
 
@@ -177,6 +184,13 @@ class ShardReader:
                     self.lead = 0  # no start from the node asked: the next one in turn
                 self._hinted = False
                 self._follow(now)
+        elif self._adds and now - self._asked_at >= ADD_TIMEOUT_FACTOR * self.silence_s:
+            # A part asked for and never answered (lost with a leader that then lost a barrier):
+            # a new feed answers every ask again.
+            log.info("shard %d: node %d's feed answered no ask for %.1f s: following anew", self.host.shard,
+                     self.lead, now - self._asked_at)
+            coverage.hit("reader_followed_anew")
+            self._follow(now)
         elif now - self.heard_at >= self.silence_s:
             log.info("shard %d: no word from node %d's feed for %.1f s: following anew", self.host.shard, self.lead,
                      now - self.heard_at)
@@ -185,6 +199,7 @@ class ShardReader:
             self._follow(now)
 
     def _follow(self, now: float) -> None:
+        self._asked_at = now
         nodes = [n for n in self.nodes() if n != self.me]
         if not nodes:
             return
@@ -337,6 +352,7 @@ class ShardReader:
             self.items_applied += 1
             self.known.update(x for x in part.clients if x in self.clients)
             added = self._adds.pop(item.req, None)
+            self._asked_at = self.clock()  # (an ask answered: the feed is alive; the rest wait from now)
             if added is not None and added[1] is not None and not added[1].done():
                 added[1].set_result(None)
             self._wake()

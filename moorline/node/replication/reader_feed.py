@@ -272,8 +272,11 @@ class ReaderFeeds:
         barrier = self.host.read_barrier()
 
         def added(done: Any) -> None:
-            if self.feeds.get(node) is not feed or done.cancelled() or done.exception() is not None:
+            if self.feeds.get(node) is not feed:
                 return  # the feed ended: the reader follows anew, with these clients
+            if done.cancelled() or done.exception() is not None:
+                self.end(node)  # no barrier here (leadership lost?): the reader follows anew and asks again
+                return
             part = feed.filter.add_clients(self.host.state, msg.clients, self.host.message)
             self._queue(feed, MergeItem(msg.req, part))
             self.pump(feed)
