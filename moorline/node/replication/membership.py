@@ -234,9 +234,10 @@ class MembershipDriver(MembershipOps):
                     or not host.can_drop_copy()):
                 continue
             # Never a copy the group still counts on: the table may lag a re-add that already
-            # happened. Dropped when this node's own log has its removal, or no leader has sent it
-            # anything for a while (a removed node hears nothing; a member hears every tick).
-            if me in host.raft.active_conf_state.members() and now - host.leader_heard_at < LEFT_SILENCE_S:
+            # happened, and a core just added may not hold its own addition yet (sim --cluster seed
+            # 86). Dropped once no leader has sent it anything for a while: a removed node hears
+            # nothing, a member hears every tick.
+            if now - host.leader_heard_at < LEFT_SILENCE_S:
                 continue
             self.node.startup.leave_group(host)
 
