@@ -52,8 +52,10 @@ class Faults:
     # client with 0x89), and the shard, which applies a node's proposals in order, skips that
     # node's later ones until it restarts.
     forwarder_drops_on_leader_change: bool = False
-    # Broken: a reader feed sent again after a gap starts one past the acknowledged item (numbered
-    # as if it were the next): the reader never applies that item (node/replication/reader_feed.py).
+    # Broken: a reader feed resumed starts one past where it should (node/replication/reader_feed.py):
+    # sent again after a gap, it starts one past the acknowledged item (numbered as if it were the
+    # next); started anew for a reader (after a leader change, a lost feed), it loses the first entry
+    # after its partial snapshot. The reader never applies that item.
     stream_resume_skips_one: bool = False
     # Broken: SUBACK once the session's shard and the first topic shard registered the
     # subscription, not every shard the filter can match (the others register later).

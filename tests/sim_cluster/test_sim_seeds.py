@@ -125,3 +125,14 @@ def test_the_voters_only_seeds_reach_every_reader_path(voters_only_results: dict
     quiet, items sent again after a loss) are reached, not assumed."""
     reached = {name for r in voters_only_results.values() for name, n in r.paths.items() if n}
     assert [p for p in READER_PATHS if p not in reached] == []
+
+
+def test_a_reader_feed_resumed_one_past_is_caught_with_shards_on_their_voters_only(
+        voters_only_results: dict[int, SeedResult]) -> None:
+    """The broken build ``stream_resume_skips_one`` (a resumed reader feed starts one past where it
+    should: testing/faults.py) is caught on the first seed of the pool above, which the unmutated
+    build runs clean."""
+    seed = CI_SEEDS_5_VOTERS_ONLY[0]
+    assert voters_only_results[seed].ok
+    r = run_seed(seed, nodes=5, switches=frozenset({"stream_resume_skips_one"}), cfg=RunConfig(learners="none"))
+    assert not r.ok and {f.kind for f in r.findings} & {"lost", "stuck", "out_of_order"}, r.findings[:5]
