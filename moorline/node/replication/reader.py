@@ -184,6 +184,14 @@ class ShardReader:
                     self.lead = 0  # no start from the node asked: the next one in turn
                 self._hinted = False
                 self._follow(now)
+        elif self._waiters and now - self._asked_at >= ADD_TIMEOUT_FACTOR * self.silence_s:
+            self._waiters = [(want, fut) for want, fut in self._waiters if not fut.done()]
+            if any(not want <= self.known for want, _ in self._waiters):
+                # Clients waited for and not held, with nothing asked of the feed that would bring
+                # them (sim --cluster seed 123): a new feed starts with every client this node has.
+                log.info("shard %d: clients waited for are not held: following anew", self.host.shard)
+                coverage.hit("reader_followed_anew")
+                self._follow(now)
         elif self._adds and now - self._asked_at >= ADD_TIMEOUT_FACTOR * self.silence_s:
             # A part asked for and never answered (lost with a leader that then lost a barrier):
             # a new feed answers every ask again.
