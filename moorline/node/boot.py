@@ -328,7 +328,7 @@ class Startup:
         limits_of_feeds = FeedLimits(cl.feed_max_items, cl.feed_max_bytes, cl.feed_resend_s, cl.feed_heartbeat_s)
         host.feeds = ReaderFeeds(host, link.send_reader, clock, limits_of_feeds, node.next_feed_id)
         host.feeds.skip_on_resend = node.faults.stream_resume_skips_one
-        if getattr(node.cfg.shard, "learners", "all") == "none":
+        if node.cfg.shard.learners == "none":
             host.reader = ShardReader(
                 host, node.member[0], link.node_ids, link.send_reader, clock, limits,
                 node.cfg.session.max_expiry_s, node.housekeeping.snapshot_installed,
