@@ -31,6 +31,7 @@ from typing import Any
 
 from moorline.broker import commands as c
 from moorline.broker.messages import StoredMessage
+from moorline.broker.queries import registrations
 from moorline.broker.session_state import Session, SubscriptionState
 from moorline.broker.share_policy import GroupPolicy
 from moorline.broker.topic_state import PublishResult
@@ -224,7 +225,7 @@ class Node:
         for host in self.hosts:
             if host.failed is not None or not host.raft.is_leader:
                 continue
-            for reg in host.state.topics.regs.values():
+            for _, reg in registrations(host.state.topics):
                 for cid in (reg.members if reg.share_group is not None else (reg.client_id,)):
                     ss = self.session_shard(cid)
                     if ss in want:

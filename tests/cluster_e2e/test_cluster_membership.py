@@ -112,6 +112,8 @@ def test_forget_restart_manual_race_and_leave(cluster_factory: ClusterFactory) -
     cluster = cluster_factory(5, CONFIG)
     # The member table: from the bootstrap record, every node announces its addresses.
     def settled() -> dict[str, Any] | None:
+        if cluster["n1"].get("/v1/cluster")["membership"] is None:
+            return None  # the metadata group has no member table yet (a loaded machine: CI)
         m = membership(cluster, "n1")
         ok = (all(x["cluster"] and x["live"] and x["state"] == "active" for x in m["members"])
               and all(s["health"] == "at target" and len(s["voters"]) == 3 for s in m["shards"]))
