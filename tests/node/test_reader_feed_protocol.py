@@ -55,14 +55,8 @@ class Net:
             msg = rf.decode_msg(data)
             if dst == READER:
                 reader.on_message(src, msg)  # type: ignore[arg-type]
-            elif type(msg) is rf.Follow:
-                leader.on_follow(src, msg)
-            elif type(msg) is rf.Add:
-                leader.on_add(src, msg)
-            elif type(msg) is rf.Remove:
-                leader.on_remove(src, msg)
-            elif type(msg) is rf.Ack:
-                leader.on_ack(src, msg)
+            else:
+                leader.on_message(src, msg)
 
 
 def _done() -> asyncio.Future[None]:

@@ -235,6 +235,22 @@ class ReaderFeeds:
             del kept[next(iter(kept))]
 
     # -- requests from readers --
+    def on_message(self, node: int, msg: Msg) -> None:
+        """A reader's request (the router's and tests' one entry point)."""
+        if type(msg) is Follow:
+            self.on_follow(node, msg)
+        elif type(msg) is Add:
+            self.on_add(node, msg)
+        elif type(msg) is Remove:
+            self.on_remove(node, msg)
+        elif type(msg) is Ack:
+            self.on_ack(node, msg)
+
+    def _feed_of(self, node: int, feed_id: int) -> Feed | None:
+        """``node``'s feed if it is the one named (a request about an ended feed finds none)."""
+        feed = self.feeds.get(node)
+        return feed if feed is not None and feed.feed_id == feed_id else None
+
     def on_follow(self, node: int, msg: Follow) -> None:
         host = self.host
         if not host.raft.is_leader or host.failed is not None:
@@ -267,8 +283,8 @@ class ReaderFeeds:
         self.pump(feed)
 
     def on_add(self, node: int, msg: Add) -> None:
-        feed = self.feeds.get(node)
-        if feed is None or feed.feed_id != msg.feed_id:
+        feed = self._feed_of(node, msg.feed_id)
+        if feed is None:
             self._not_leader(node, msg.shard, 0, msg.feed_id)
             return
         barrier = self.host.read_barrier()
@@ -286,15 +302,15 @@ class ReaderFeeds:
         barrier.add_done_callback(added)
 
     def on_remove(self, node: int, msg: Remove) -> None:
-        feed = self.feeds.get(node)
-        if feed is None or feed.feed_id != msg.feed_id:
+        feed = self._feed_of(node, msg.feed_id)
+        if feed is None:
             return
         self._queue(feed, EntryItem(feed.filter.remove_clients(self.host.state, msg.clients)))
         self.pump(feed)
 
     def on_ack(self, node: int, msg: Ack) -> None:
-        feed = self.feeds.get(node)
-        if feed is None or feed.feed_id != msg.feed_id:
+        feed = self._feed_of(node, msg.feed_id)
+        if feed is None:
             self._not_leader(node, msg.shard, 0, msg.feed_id)
             return
         now = self.clock()

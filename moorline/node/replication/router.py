@@ -80,15 +80,7 @@ class GroupRouter:
             if host.reader is not None:
                 host.reader.on_message(peer, msg)  # type: ignore[arg-type]
         elif host.feeds is not None:
-            feeds = host.feeds
-            if type(msg) is rf.Follow:
-                feeds.on_follow(peer, msg)
-            elif type(msg) is rf.Add:
-                feeds.on_add(peer, msg)
-            elif type(msg) is rf.Remove:
-                feeds.on_remove(peer, msg)
-            elif type(msg) is rf.Ack:
-                feeds.on_ack(peer, msg)
+            host.feeds.on_message(peer, msg)
         self.node.commit.kick(msg.shard)
 
     def propose(self, shard: int, cmd: c.Command, want: bool = True) -> asyncio.Future[Any] | None:
