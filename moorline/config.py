@@ -365,6 +365,7 @@ class ClusterConfig:
     # feed_silence_s follows the shard's next leader.
     feed_max_items: int = 256
     feed_max_bytes: int = 8 << 20
+    feed_max_queued_bytes: int = 64 << 20  # queued, unacknowledged: past it the feed ends (the reader starts anew)
     feed_resend_s: float = 1.0
     feed_heartbeat_s: float = 0.5
     feed_silence_s: float = 2.0
@@ -585,8 +586,9 @@ class NodeConfig:
         if not (cl.reconcile_interval_s > 0 and cl.reconcile_after_event_s >= 0 and cl.move_timeout_s > 0):
             raise ConfigError("cluster.reconcile_interval_s and cluster.move_timeout_s must be positive, "
                               "cluster.reconcile_after_event_s 0 or more")
-        if cl.feed_max_items < 1 or cl.feed_max_bytes < 1 << 16:
-            raise ConfigError("cluster.feed_max_items must be 1 or more, cluster.feed_max_bytes 65536 or more")
+        if cl.feed_max_items < 1 or cl.feed_max_bytes < 1 << 16 or cl.feed_max_queued_bytes < cl.feed_max_bytes:
+            raise ConfigError("cluster.feed_max_items must be 1 or more, cluster.feed_max_bytes 65536 or more, "
+                              "cluster.feed_max_queued_bytes at least cluster.feed_max_bytes")
         if not 0 < cl.feed_heartbeat_s < cl.feed_silence_s or not cl.feed_resend_s > 0:
             raise ConfigError("cluster.feed_resend_s must be positive, and cluster.feed_heartbeat_s positive and "
                               "below cluster.feed_silence_s")

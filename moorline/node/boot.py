@@ -325,7 +325,8 @@ class Startup:
         assert link is not None
         clock = node.clock.monotonic
         cl = node.cfg.cluster
-        limits_of_feeds = FeedLimits(cl.feed_max_items, cl.feed_max_bytes, cl.feed_resend_s, cl.feed_heartbeat_s)
+        limits_of_feeds = FeedLimits(cl.feed_max_items, cl.feed_max_bytes, cl.feed_resend_s, cl.feed_heartbeat_s,
+                                     cl.feed_max_queued_bytes)
         host.feeds = ReaderFeeds(host, link.send_reader, clock, limits_of_feeds, node.next_feed_id)
         host.feeds.skip_on_resend = node.faults.stream_resume_skips_one
         if node.cfg.shard.learners == "none":

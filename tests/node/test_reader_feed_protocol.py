@@ -15,7 +15,9 @@ from typing import Any
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+from moorline.broker import commands as c
 from moorline.broker import follower_filter as ff
+from moorline.broker.messages import StoredMessage
 from moorline.broker.shard import ShardState
 from moorline.broker.topic_state import TopicLimits
 from moorline.node.replication import reader_feed as rf
@@ -155,3 +157,39 @@ def test_the_broken_resend_is_caught() -> None:
         pass
     assert found, "the feed's broken resend went unnoticed in 300 examples"
 
+
+
+def test_a_feed_whose_reader_never_acknowledges_ends_at_its_bound() -> None:
+    """A reader that acknowledges nothing (dead, cut off) makes the leader queue items for it only up
+    to ``max_queued_bytes``: then the feed ends (the reader, if alive, follows anew)."""
+
+    async def main() -> None:
+        w = World()
+        w.state = ShardState(0, "inc0", TopicLimits(), 3600)  # room for every message (World's is tiny)
+        sent: list[tuple[int, rf.Msg]] = []
+        leader_host = SimpleNamespace(
+            shard=0, state=w.state, failed=None, installing=False, message=w.store.get, read_barrier=_done,
+            raft=SimpleNamespace(is_leader=True, lead=(LEADER, "a"),
+                                 active_conf_state=ConfState.of(voters=[(LEADER, "a")]),
+                                 log=SimpleNamespace(last_index=lambda: w.state.applied_index), progress={}),
+        )
+        feeds = rf.ReaderFeeds(leader_host, lambda node, data: sent.append((node, rf.decode_msg(data))),  # type: ignore[arg-type]
+                               lambda: 0.0, rf.FeedLimits(max_items=4, max_queued_bytes=20_000), lambda: 7)
+        feeds.on_message(READER, rf.Follow(0, ["c1"], 0))
+        await asyncio.sleep(0)  # (the read barrier's callback)
+        assert READER in feeds.feeds
+        w.apply_entry([c.Register(1000, "c1\0a", "c1", 0, "a", 1, want_retained=False)])
+        index = 0
+        for i in range(1000):
+            index += 1
+            w.state.applied_index = index
+            cmd = c.Publish(StoredMessage("a", b"x" * 100, 1, False, i.to_bytes(16, "big"), 1000), "", None, None)
+            results, fx = w.apply_entry([cmd])
+            feeds.on_applied(index, None, [cmd], results, fx)
+            if READER not in feeds.feeds:
+                break
+        assert READER not in feeds.feeds, "the feed kept queueing for a reader that acknowledges nothing"
+        assert 20 < index < 1000  # it ended at its bound (about 170 bytes an item), not at once
+        assert any(type(m) is rf.NotLeader for _, m in sent), "the reader was not told its feed ended"
+
+    asyncio.run(main())

@@ -192,6 +192,9 @@ class FeedLimits:
     max_bytes: int = 8 << 20  # and their bytes
     resend_s: float = 1.0  # no acknowledgement for this long: sent again from after the acknowledged
     idle_s: float = 1.0  # nothing to send for this long: an empty Items (the reader's sign of life)
+    # Items queued and not acknowledged (a reader that stopped acknowledging: dead, cut off): past
+    # this many bytes the feed ends; the reader, if alive, follows anew from a partial snapshot.
+    max_queued_bytes: int = 64 << 20
 
 
 @dataclass
@@ -207,6 +210,7 @@ class Feed:
     last_ack: float = 0.0
     behind: bool = False  # entries were skipped since the last item: the next tick sends the figures
     skip_next: bool = False  # Faults.stream_resume_skips_one: the first entry after the start is lost
+    queued_bytes: int = 0  # of ``items``
     last_info: float = -1e18  # when the group's configuration was last sent (GroupInfo)
 
 
@@ -319,7 +323,7 @@ class ReaderFeeds:
             feed.last_ack = now
             items = feed.items
             while items and items[0][0] <= msg.seq:
-                items.popleft()
+                feed.queued_bytes -= len(items.popleft()[1])
         elif feed.sent_to > feed.acked and now - feed.last_send >= self.limits.resend_s:
             self._resend(feed)  # the reader asks again after the same item: lost on the way
         self.pump(feed)
@@ -400,11 +404,19 @@ class ReaderFeeds:
     # -- sending --
     def _queue(self, feed: Feed, item: Item) -> None:
         feed.behind = False
-        feed.items.append((feed.next_seq, encode(item)))
+        data = encode(item)
+        feed.items.append((feed.next_seq, data))
         feed.next_seq += 1
+        feed.queued_bytes += len(data)
+        if feed.queued_bytes > self.limits.max_queued_bytes:
+            log.warning("shard %d: node %d acknowledged nothing of %d bytes queued for its feed: the feed ends",
+                        self.host.shard, feed.node, feed.queued_bytes)
+            self.end(feed.node)
 
     def pump(self, feed: Feed) -> None:
         """Sends what the feed's credit allows, from after the highest sent."""
+        if self.feeds.get(feed.node) is not feed:
+            return  # ended
         limits = self.limits
         batch: list[bytes] = []
         first = feed.sent_to + 1
@@ -429,7 +441,7 @@ class ReaderFeeds:
         if self.skip_on_resend:  # the broken build: the first unacknowledged item is never sent again
             items = feed.items
             if items and items[0][0] == feed.acked + 1 and len(items) > 1:
-                items.popleft()
+                feed.queued_bytes -= len(items.popleft()[1])
                 feed.items = deque((seq - 1, data) for seq, data in items)
                 feed.next_seq -= 1
         self.pump(feed)
