@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from cluster_harness import ClusterNode
@@ -213,3 +214,28 @@ class Collector:
         self._stop.set()
         self.thread.join(15)
         self.client.disconnect()
+
+
+def duplicates_without_dup(sub: Collector) -> list[int]:
+    """Payloads the subscriber got more than once of which no copy carried DUP=1 (MQTT allows a
+    second copy of a QoS 1 message only as a resend)."""
+    counts = Counter(int(m.payload) for m in sub.got)
+    redelivered = {int(m.payload) for m in sub.got if m.dup}
+    return sorted(q for q, k in counts.items() if k > 1 and q not in redelivered)
+
+
+def order_breaks(seqs: list[int], topics: list[str]) -> dict[str, list[tuple[int, int]]]:
+    """For each topic of a StreamPublisher (payload q went to topics[q % len(topics)]), the adjacent
+    pairs of its first deliveries, in arrival order, where a later message came first."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for i, topic in enumerate(topics):
+        first_seen: list[int] = []
+        seen: set[int] = set()
+        for q in seqs:
+            if q % len(topics) == i and q not in seen:
+                seen.add(q)
+                first_seen.append(q)
+        breaks = [(a, b) for a, b in zip(first_seen, first_seen[1:], strict=False) if a > b]
+        if breaks:
+            out[topic] = breaks
+    return out

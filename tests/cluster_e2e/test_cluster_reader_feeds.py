@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import base64
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
-from cluster_clients import Collector, StreamPublisher, connect, wait_acks
+from cluster_clients import (
+    Collector,
+    StreamPublisher,
+    connect,
+    duplicates_without_dup,
+    order_breaks,
+    wait_acks,
+)
 from cluster_harness import ClusterFactory
 
 pytestmark = [pytest.mark.cluster_e2e, pytest.mark.timeout(300)]
@@ -74,17 +80,10 @@ def test_subscriber_on_a_node_without_a_replica_survives_the_feeding_leaders_dea
     missing = sorted(acked - delivered)
     assert not missing, f"{len(missing)} acknowledged messages never reached the subscriber on {sub_node}: " \
         f"{missing[:10]}\n{cluster.describe()}"
-    dups = [q for q, k in Counter(seqs).items() if k > 1]
-    redelivered = {int(m.payload) for m in sub.got if m.dup}
-    assert set(dups) <= redelivered, f"duplicates without DUP=1: {sorted(set(dups) - redelivered)[:10]}"
-    for i, topic in enumerate(topics):
-        first_seen: list[int] = []
-        seen: set[int] = set()
-        for q in seqs:
-            if q % len(topics) == i and q not in seen:
-                seen.add(q)
-                first_seen.append(q)
-        assert first_seen == sorted(first_seen), f"order broken on {topic}"
+    unmarked = duplicates_without_dup(sub)
+    assert not unmarked, f"duplicates without DUP=1: {unmarked[:10]}"
+    broken = order_breaks(seqs, topics)
+    assert not broken, f"order broken: {({t: b[:5] for t, b in broken.items()})}"
     assert len(acked) > fault_at, f"no PUBACK after the leader's death: the publisher ended by {pub.ended_by} " \
         f"({pub.disconnect_reason})\n{cluster[pub_node].log_tail(20)}"
     assert pub.ended_by == "done", f"the publisher on {pub_node} was cut off ({pub.ended_by}, reason " \
