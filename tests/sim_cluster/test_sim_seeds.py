@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -29,12 +29,17 @@ def _run3(seed: int) -> SeedResult:
     return run_seed(seed, nodes=3)
 
 
-@pytest.fixture(scope="module")
-def three_node_results() -> Iterator[dict[int, SeedResult]]:
+def _in_workers(run: Callable[[int], SeedResult], seeds: range) -> dict[int, SeedResult]:
+    """``run`` of every seed, in a pool of worker processes (one per core, at most two)."""
     workers = max(1, min(2, os.cpu_count() or 1))
     # spawn: the test process may hold threads (a Spark gateway) a fork would copy half-alive.
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield dict(zip(CI_SEEDS_3, pool.map(_run3, CI_SEEDS_3), strict=True))
+        return dict(zip(seeds, pool.map(run, seeds), strict=True))
+
+
+@pytest.fixture(scope="module")
+def three_node_results() -> Iterator[dict[int, SeedResult]]:
+    yield _in_workers(_run3, CI_SEEDS_3)
 
 
 @pytest.mark.parametrize("seed", CI_SEEDS_3)
@@ -59,9 +64,7 @@ def _run3_plain(seed: int) -> SeedResult:
 
 @pytest.fixture(scope="module")
 def plain_results() -> Iterator[dict[int, SeedResult]]:
-    workers = max(1, min(2, os.cpu_count() or 1))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield dict(zip(CI_PLAIN_SEEDS, pool.map(_run3_plain, CI_PLAIN_SEEDS), strict=True))
+    yield _in_workers(_run3_plain, CI_PLAIN_SEEDS)
 
 
 @pytest.mark.parametrize("seed", CI_PLAIN_SEEDS)
@@ -105,9 +108,7 @@ def _run5_voters_only(seed: int) -> SeedResult:
 
 @pytest.fixture(scope="module")
 def voters_only_results() -> Iterator[dict[int, SeedResult]]:
-    workers = max(1, min(2, os.cpu_count() or 1))
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        yield dict(zip(CI_SEEDS_5_VOTERS_ONLY, pool.map(_run5_voters_only, CI_SEEDS_5_VOTERS_ONLY), strict=True))
+    yield _in_workers(_run5_voters_only, CI_SEEDS_5_VOTERS_ONLY)
 
 
 @pytest.mark.parametrize("seed", CI_SEEDS_5_VOTERS_ONLY)
