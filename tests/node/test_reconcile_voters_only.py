@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from moorline.node.replication.placement import place_shards
 from moorline.node.replication.reconcile import GroupView, NodeView, PlannedMove, PlanSettings, plan
+from tests.node.test_reconcile_zones import apply
 
 NAMES = ["n1", "n2", "n3", "n4", "n5"]
 LAGGING = 5000  # a learner's lag right after it was added (promote_lag_entries is 1000)
@@ -66,29 +67,19 @@ class World:
         return out
 
     def carry_out(self, moves: list[PlannedMove]) -> None:
+        """The moves done (``test_reconcile_zones.apply``), and which learners it added or wasted
+        (one move per group per round: each move sees its group as the round began)."""
         by = {g.shard: g for g in self.groups}
         for mv in moves:
-            g = by[mv.shard]
-            voters, learners = set(g.voters), set(g.learners)
-            readd = None
+            key = (mv.shard, mv.member)
             if mv.kind == "remove":
-                if mv.member in learners and (mv.shard, mv.member) in self.added:
-                    self.wasted.append((mv.shard, mv.member))
-                voters.discard(mv.member)
-                learners.discard(mv.member)
-                readd = mv.member if mv.origin == "rebalance" else None
+                if mv.member in by[mv.shard].learners and key in self.added:
+                    self.wasted.append(key)
             elif mv.kind == "promote":
-                learners.discard(mv.member)
-                voters.add(mv.member)
-                self.added.pop((mv.shard, mv.member), None)
+                self.added.pop(key, None)
             else:
-                learners.add(mv.member)
-                self.added[(mv.shard, mv.member)] = self.round
-            leader = g.leader if g.leader in {v[0] for v in voters} else min(voters)[0]
-            by[mv.shard] = GroupView(g.shard, tuple(sorted(voters)), tuple(sorted(learners)), g.target, leader,
-                                     rebalanced=mv.kind == "promote" and mv.origin == "rebalance", readd=readd,
-                                     meta=g.meta)
-        self.groups = [by[s] for s in sorted(by)]
+                self.added[key] = self.round
+        self.groups = apply(self.groups, moves)
 
     def converge(self, ns: list[NodeView], cfg: PlanSettings, rounds: int = 300) -> list[list[PlannedMove]]:
         history: list[list[PlannedMove]] = []

@@ -49,7 +49,8 @@ def apply(gs: list[GroupView], moves: list[PlannedMove]) -> list[GroupView]:
             learners.add(mv.member)
         leader = g.leader if g.leader in {v[0] for v in voters} else min(voters)[0]
         by[mv.shard] = GroupView(g.shard, tuple(sorted(voters)), tuple(sorted(learners)), g.target, leader,
-                                 rebalanced=mv.kind == "promote" and mv.origin == "rebalance", readd=readd)
+                                 rebalanced=mv.kind == "promote" and mv.origin == "rebalance", readd=readd,
+                                 meta=g.meta)
     return [by[s] for s in sorted(by)]
 
 
