@@ -47,10 +47,10 @@ class GroupRouter:
         host = self.node.groups[shard]
         if host.failed is not None or not self.node.serving:
             return  # not serving yet: the sender retransmits
-        if m.type in _FROM_LEADER:
+        reader = host.reader
+        if reader is not None and m.type in _FROM_LEADER:  # (shard.learners = "none" only: not per message otherwise)
             host.leader_heard_at = self.node.clock.monotonic()
-            reader = host.reader
-            if reader is not None and reader.active:
+            if reader.active:
                 reader.become_member()  # added to the group: its log replaces the feed, from nothing
         try:
             host.raft.step(m)
