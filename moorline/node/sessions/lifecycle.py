@@ -50,23 +50,24 @@ class SessionLifecycle:
             return
         for cmd, res in zip(cmds, results, strict=False):
             if type(cmd) is c.SessionOpen and res is not None and not res.refused:
-                conn = self.node.connections.get(cmd.client_id)
-                live = getattr(conn, "live", None)
-                if conn is not None and live is not None and live.epoch != res.epoch:
-                    conn.disconnect(0x8E, "session taken over on another node")
-                    # Stopped serving it: the new owner need not wait for our lease to run out.
-                    self._lease_deadline.pop((cmd.client_id, live.epoch), None)
-                    self.node.propose(host.shard, c.LeaseRelease(cmd.client_id, live.epoch, self.node.member[0]), want=False)
+                self._taken_over(host, cmd.client_id, res.epoch, newer_only=False)
 
     def session_record_set(self, host: ShardHost, client_id: str, sess: Any) -> None:
         """A shard this node reads remotely (reader.py) set a client's session record, as its leader
         applied a SessionOpen: a newer epoch than the one this node serves is a takeover elsewhere,
         handled as ``on_results`` handles the open itself on a replica."""
+        if sess is not None:
+            self._taken_over(host, client_id, sess.epoch, newer_only=True)
+
+    def _taken_over(self, host: ShardHost, client_id: str, epoch: int, newer_only: bool) -> None:
+        """The session of ``client_id`` is at ``epoch`` now: this node's connection of it, at another
+        epoch (an older one with ``newer_only``), ends (0x8E) and its lease goes."""
         conn = self.node.connections.get(client_id)
         live = getattr(conn, "live", None)
-        if conn is None or live is None or sess is None or sess.epoch <= live.epoch:
+        if conn is None or live is None or live.epoch == epoch or (newer_only and live.epoch > epoch):
             return
         conn.disconnect(0x8E, "session taken over on another node")
+        # Stopped serving it: the new owner need not wait for our lease to run out.
         self._lease_deadline.pop((client_id, live.epoch), None)
         self.node.propose(host.shard, c.LeaseRelease(client_id, live.epoch, self.node.member[0]), want=False)
 
